@@ -1,0 +1,123 @@
+"""The public functions. Both share one signature (the first eight parameters positional, as in fla;
+the rest keyword-only) and one contract, checked by `kda.contract.check_call` before any launch."""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import check_call
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu=None,
+    state_v_first: bool = False,
+    state_cache: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention, chunked (prefill, any length). Must equal `kda_reference.chunk_kda` and
+    `kda_reference.recurrent_kda`:
+
+        S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t)
+
+    Shapes: q, k `[B, T, H, K]`; v `[B, T, HV, V]`; g `[B, T, HV, K]` (a log-decay, <= 0, or the raw gate
+    input with `use_gate_in_kernel`); beta `[B, T, HV]`. Returns `(o, final_state)`, o `[B, T, HV, V]`
+    in v's dtype (written into `out` when given).
+
+    Sequences: a dense batch (N = B), or varlen with `B == 1` and `cu_seqlens` `[N+1]` on the device;
+    empty sequences are legal anywhere. `cu_seqlens_cpu` is accepted and checked, never needed: chunks are
+    mapped to sequences on the device, so no call syncs.
+
+    State (one contract at a time): none; dense `initial_state` `[N, HV, K, V]` (`[N, HV, V, K]` with
+    `state_v_first`), final state in the same layout and dtype (else in `state_dtype`, default fp32) when
+    `output_final_state`; paged `state_cache` `[slots, HV, V, K]` / `[slots, HV, K, V]` read and written in
+    place through `state_indices` (int32 `[N]`, `< 0` = padding: no read, no write, zero output rows)
+    and `has_initial_state` (bool `[N]`, required). fp32, fp16 or bf16 storage; the recurrence
+    accumulates in fp32 and only the store rounds (to nearest even).
+    """
+    call = check_call(
+        "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+        state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
+        state_dtype=state_dtype, out=out, require_has_initial_state=True,
+    )
+    from .ops.chunk import chunk_kda_fwd
+
+    return chunk_kda_fwd(call)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu=None,
+    state_v_first: bool = False,
+    state_cache: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention token by token (decode and short sequences): the same function, signature and
+    state contracts as `chunk_kda` (see there), one launch per call. Must equal
+    `kda_reference.recurrent_kda`. Differences: `has_initial_state` is optional for the paged contract
+    (default: every non-padding slot is read).
+
+    `stochastic_rounding=True` (fp16/bf16 storage only; off by default) rounds the stored state
+    stochastically instead of to nearest even, with noise drawn from `seed` and the element's position:
+    the same seed and inputs give the same bits. Pass a different seed per decode step (e.g. the step
+    number), or the same noise repeats every step.
+    """
+    call = check_call(
+        "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+        state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
+        state_dtype=state_dtype, out=out, require_has_initial_state=False,
+    )
+    if not isinstance(stochastic_rounding, bool):
+        raise TypeError(f"stochastic_rounding must be a bool, got {stochastic_rounding!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if stochastic_rounding and call.state_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError("stochastic_rounding=True needs fp16 or bf16 state storage; the state here is "
+                         f"{call.state_dtype}")
+    from .ops.fused_recurrent import fused_recurrent_kda_fwd
+
+    return fused_recurrent_kda_fwd(call, stochastic_rounding=stochastic_rounding, seed=seed)

@@ -1,0 +1,383 @@
+"""The checked front door of every `kda` kernel call.
+
+`check_call` validates and normalises the arguments of `chunk_kda` and `fused_recurrent_kda` (the contract
+is `../shared/CONTRACT.md`, summarised in README and `docs/contract.md`) and returns a `KDACall`, the one
+description the kernel launchers read. The kernels assume valid input: every check lives here and runs
+before anything is launched or written, so a failed call leaves `out` and the state pool untouched.
+
+Decisions where the contract is silent (also in `docs/contract.md`):
+
+- Inputs need stride 1 in their last dimension; token and head strides are free (a q/k/v split out of a
+  fused projection is used as it is), except that with `B > 1` the batch stride must equal `T` times the
+  token stride, so tokens of the flattened `[B*T]` axis sit at one stride. `beta` may have any strides
+  of that form. Nothing is ever copied to make an input contiguous: a layout we cannot address raises.
+- Dense and paged state planes (`[HV, K, V]` or `[HV, V, K]` per sequence or slot) must be dense; the
+  slot (or sequence) stride may be larger than the plane (a padded pool).
+- `output_final_state=True` together with `state_cache` raises: the paged contract writes the final state
+  into the pool and returns `final_state=None`, and we do not silently ignore the flag.
+- `A_log`, `dt_bias` or `lower_bound` without `use_gate_in_kernel=True` raise for the same reason.
+- `cu_seqlens_cpu` is trusted and is never needed: the kernels map chunks to sequences on the device, so
+  no call reads `cu_seqlens` back to the host. When given, it is checked against `T` and its shape
+  (host-only checks); under `KDA_DEBUG=1` it is also compared with the device copy.
+- `KDA_DEBUG=1` adds the checks that need a device-to-host read (a sync): `cu_seqlens` values, slot
+  indices in range and unique among non-padding sequences.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+def debug_enabled() -> bool:
+    """`KDA_DEBUG=1` turns on the checks that read device memory back to the host (they sync)."""
+    return os.environ.get("KDA_DEBUG", "0") not in ("", "0")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class KDACall:
+    """A validated call. Shapes: q, k `[B, T, H, K]`; v `[B, T, HV, V]`; g `[B, T, HV, K]`; beta `[B, T, HV]`.
+
+    State is described uniformly as a source pool and a destination pool of dense planes:
+    `state_mode` is "none", "dense" or "paged"; `state_in` is the pool read (the dense `initial_state`
+    or the paged `state_cache`), `state_indices` maps sequence -> slot (None: sequence n uses slot n),
+    `has_initial_state` masks the read (None: read every non-padding slot).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int
+    scale: float
+    cu_seqlens: torch.Tensor | None
+    state_mode: str
+    state_in: torch.Tensor | None
+    state_indices: torch.Tensor | None
+    has_initial_state: torch.Tensor | None
+    state_v_first: bool
+    state_dtype: torch.dtype
+    output_final_state: bool
+    out: torch.Tensor | None
+    use_qk_l2norm_in_kernel: bool
+    use_beta_sigmoid_in_kernel: bool
+    use_gate_in_kernel: bool
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    lower_bound: float | None
+
+    @property
+    def state_plane_shape(self) -> tuple[int, int, int]:
+        """Shape of one sequence's state plane in the caller's layout."""
+        return (self.HV, self.V, self.K) if self.state_v_first else (self.HV, self.K, self.V)
+
+
+def _require_tensor(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _require_float(name: str, x: torch.Tensor, allowed=None) -> None:
+    allowed = allowed or (torch.float32, torch.float16, torch.bfloat16)
+    if x.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
+
+
+def _require_shape(name: str, x: torch.Tensor, shape: tuple, what: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {what} = {list(shape)}, got {list(x.shape)}")
+
+
+def _check_token_layout(name: str, x: torch.Tensor, B: int, T: int, last_unit: bool = True) -> None:
+    """Tokens of the flattened [B*T] axis must sit at one stride; the last dim must be contiguous."""
+    if last_unit and x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride 1 in its last dimension (got strides {x.stride()}); "
+                         "kda never copies an input to make it contiguous")
+    if B > 1 and T > 1 and x.stride(0) != T * x.stride(1):
+        raise ValueError(f"{name} with B > 1 must have stride(0) == T * stride(1) so that the [B*T] token "
+                         f"axis has one stride (got strides {x.stride()})")
+
+
+def _check_plane_pool(name: str, pool: torch.Tensor, plane: tuple[int, int, int], what: str) -> None:
+    """A pool of dense planes: dims 1..3 contiguous, the slot stride at least one plane."""
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != plane:
+        raise ValueError(f"{name} must have shape {what} = [*, {', '.join(map(str, plane))}], "
+                         f"got {list(pool.shape)}")
+    hv, a, b = plane
+    if (b > 1 and pool.stride(3) != 1) or (a > 1 and pool.stride(2) != b) or (hv > 1 and pool.stride(1) != a * b):
+        raise ValueError(f"{name} must hold dense [{hv}, {a}, {b}] planes (strides [*, {a * b}, {b}, 1]), "
+                         f"got strides {list(pool.stride())}")
+    if pool.shape[0] > 1 and pool.stride(0) < hv * a * b:
+        raise ValueError(f"{name}.stride(0) must be at least one plane ({hv * a * b}), got {pool.stride(0)}")
+
+
+def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    if x.numel() == 0:
+        return (x.data_ptr(), x.data_ptr())
+    extent = sum((s - 1) * st for s, st in zip(x.shape, x.stride())) + 1
+    return (x.data_ptr(), x.data_ptr() + extent * x.element_size())
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_call(
+    fn: str,
+    q, k, v, g, beta,
+    scale,
+    initial_state,
+    output_final_state: bool,
+    *,
+    use_qk_l2norm_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    A_log,
+    dt_bias,
+    lower_bound,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    state_v_first: bool,
+    state_cache,
+    state_indices,
+    has_initial_state,
+    state_dtype,
+    out,
+    require_has_initial_state: bool,
+) -> KDACall:
+    """Validate one call of `fn` ("chunk_kda" or "fused_recurrent_kda") and return its `KDACall`."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require_tensor(name, x)
+    device = q.device
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}; all tensors must share a device")
+    if device.type == "cpu" and not interpreting():
+        raise ValueError(
+            f"kda.{fn} got CPU tensors: the Triton kernels run on CPU only in the interpreter "
+            "(set TRITON_INTERPRET=1 before importing kda; slow), or use the PyTorch oracle "
+            f"kda_reference.{'chunk_kda' if fn == 'chunk_kda' else 'recurrent_kda'}")
+    _require_float("q", q, INPUT_DTYPES)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    _require_float("g", g)
+    _require_float("beta", beta)
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [B, T, H, K], got shape {list(q.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4:
+        raise ValueError(f"v must be 4-D [B, T, HV, V], got shape {list(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    _require_shape("k", k, (B, T, H, K), "[B, T, H, K]")
+    _require_shape("v", v, (B, T, HV, V), "[B, T, HV, V]")
+    _require_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    _require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    if H < 1 or HV < 1 or HV % H != 0:
+        raise ValueError(f"the value heads HV={HV} (v.shape[2]) must be a positive multiple of the q/k heads H={H}")
+    for dim_name, d in (("K", K), ("V", V)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {dim_name}={d} is outside the supported 1..{MAX_HEAD_DIM}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _check_token_layout(name, x, B, T)
+    _check_token_layout("beta", beta, B, T, last_unit=False)
+
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite Python number or None, got {scale!r}")
+
+    # --- in-kernel pre-processing ---------------------------------------------------------------------
+    if not use_gate_in_kernel:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if x is not None:
+                raise ValueError(f"{name} is only used with use_gate_in_kernel=True; it was given without it")
+    else:
+        if A_log is not None:
+            _require_tensor("A_log", A_log)
+            _require_float("A_log", A_log)
+            if A_log.numel() != HV or A_log.device != device:
+                raise ValueError(f"A_log must hold HV={HV} values on {device}, got shape {list(A_log.shape)} "
+                                 f"on {A_log.device}")
+            if A_log.dim() != 1 or (HV > 1 and A_log.stride(0) != 1):
+                raise ValueError("A_log must be a contiguous 1-D tensor [HV]")
+        if dt_bias is not None:
+            _require_tensor("dt_bias", dt_bias)
+            _require_float("dt_bias", dt_bias)
+            if tuple(dt_bias.shape) not in ((HV * K,), (HV, K)) or dt_bias.device != device:
+                raise ValueError(f"dt_bias must be [HV*K] = [{HV * K}] or [HV, K] = [{HV}, {K}] on {device}, "
+                                 f"got {list(dt_bias.shape)} on {dt_bias.device}")
+            if not dt_bias.is_contiguous():
+                raise ValueError("dt_bias must be contiguous")
+        if lower_bound is not None:
+            if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+                raise TypeError(f"lower_bound must be a negative Python number or None, got {lower_bound!r}")
+            if not (lower_bound < 0 and math.isfinite(lower_bound)):
+                raise ValueError(f"lower_bound must be finite and < 0, got {lower_bound}")
+            lower_bound = float(lower_bound)
+
+    # --- sequences ------------------------------------------------------------------------------------
+    if cu_seqlens is not None:
+        _require_tensor("cu_seqlens", cu_seqlens)
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {list(cu_seqlens.shape)}")
+        if cu_seqlens.device != device:
+            raise ValueError(f"cu_seqlens must be on q's device {device}, got {cu_seqlens.device}")
+        if cu_seqlens.numel() > 1 and cu_seqlens.stride(0) != 1:
+            raise ValueError("cu_seqlens must be contiguous")
+        if B != 1:
+            raise ValueError(f"cu_seqlens (varlen) needs B == 1, got q of shape {list(q.shape)}")
+        N = cu_seqlens.numel() - 1
+        if cu_seqlens_cpu is not None:
+            host = _host_bounds(cu_seqlens_cpu)
+            if len(host) != N + 1:
+                raise ValueError(f"cu_seqlens_cpu has {len(host)} entries, cu_seqlens has {N + 1}")
+            _check_bounds("cu_seqlens_cpu", host, T)
+        if debug_enabled():
+            dev = cu_seqlens.tolist()
+            _check_bounds("cu_seqlens", dev, T)
+            if cu_seqlens_cpu is not None and dev != _host_bounds(cu_seqlens_cpu):
+                raise ValueError("cu_seqlens_cpu differs from cu_seqlens (KDA_DEBUG check)")
+    else:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
+        N = B
+
+    # --- state ----------------------------------------------------------------------------------------
+    if initial_state is not None and state_cache is not None:
+        raise ValueError("pass either initial_state (dense contract) or state_cache (paged contract), not both")
+    plane = (HV, V, K) if state_v_first else (HV, K, V)
+    plane_txt = "[HV, V, K]" if state_v_first else "[HV, K, V]"
+    state_in = None
+    if state_cache is not None:
+        mode = "paged"
+        _require_tensor("state_cache", state_cache)
+        _require_float("state_cache", state_cache, STATE_DTYPES)
+        if state_cache.device != device:
+            raise ValueError(f"state_cache must be on {device}, got {state_cache.device}")
+        _check_plane_pool("state_cache", state_cache, plane, "[slots, " + plane_txt[1:])
+        if output_final_state:
+            raise ValueError("output_final_state=True with state_cache: the paged contract writes the final "
+                             "state into state_cache in place and returns final_state=None")
+        if state_dtype is not None and state_dtype != state_cache.dtype:
+            raise ValueError(f"state_dtype={state_dtype} differs from state_cache.dtype={state_cache.dtype}")
+        _require_tensor("state_indices", state_indices)
+        if state_indices.dtype != torch.int32:
+            raise TypeError(f"state_indices must be int32, got {state_indices.dtype}")
+        if tuple(state_indices.shape) != (N,) or state_indices.device != device:
+            raise ValueError(f"state_indices must be [N] = [{N}] on {device}, got {list(state_indices.shape)} "
+                             f"on {state_indices.device}")
+        if N > 1 and state_indices.stride(0) != 1:
+            raise ValueError("state_indices must be contiguous")
+        if has_initial_state is None:
+            if require_has_initial_state:
+                raise ValueError(f"{fn} with state_cache needs has_initial_state (bool [N]); "
+                                 "pass torch.ones(N, dtype=torch.bool) if every slot holds a state")
+        else:
+            _require_tensor("has_initial_state", has_initial_state)
+            if has_initial_state.dtype != torch.bool:
+                raise TypeError(f"has_initial_state must be bool, got {has_initial_state.dtype}")
+            if tuple(has_initial_state.shape) != (N,) or has_initial_state.device != device:
+                raise ValueError(f"has_initial_state must be [N] = [{N}] on {device}, got "
+                                 f"{list(has_initial_state.shape)} on {has_initial_state.device}")
+            if N > 1 and has_initial_state.stride(0) != 1:
+                raise ValueError("has_initial_state must be contiguous")
+        if debug_enabled() and N > 0:
+            idx = state_indices.tolist()
+            live = [i for i in idx if i >= 0]
+            if any(i >= state_cache.shape[0] for i in live):
+                raise ValueError(f"state_indices has a slot >= slots={state_cache.shape[0]} (KDA_DEBUG check)")
+            if len(set(live)) != len(live):
+                raise ValueError("state_indices names one slot twice (KDA_DEBUG check)")
+        state_in = state_cache
+        out_dtype = state_cache.dtype
+    else:
+        for name, x in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
+            if x is not None:
+                raise ValueError(f"{name} belongs to the paged contract and needs state_cache")
+        if initial_state is not None:
+            mode = "dense"
+            _require_tensor("initial_state", initial_state)
+            _require_float("initial_state", initial_state, STATE_DTYPES)
+            if initial_state.device != device:
+                raise ValueError(f"initial_state must be on {device}, got {initial_state.device}")
+            _check_plane_pool("initial_state", initial_state, plane, "[N, " + plane_txt[1:])
+            if initial_state.shape[0] != N:
+                raise ValueError(f"initial_state must have N={N} planes, got {initial_state.shape[0]}")
+            if state_dtype is not None and state_dtype != initial_state.dtype:
+                raise ValueError(f"state_dtype={state_dtype} differs from initial_state.dtype="
+                                 f"{initial_state.dtype}; final_state keeps initial_state's dtype")
+            state_in = initial_state
+            out_dtype = initial_state.dtype
+        else:
+            mode = "none"
+            out_dtype = torch.float32 if state_dtype is None else state_dtype
+            if out_dtype not in STATE_DTYPES:
+                raise TypeError(f"state_dtype must be one of float32, float16, bfloat16, got {out_dtype}")
+
+    if out is not None:
+        _require_tensor("out", out)
+        if tuple(out.shape) != (B, T, HV, V) or out.dtype != v.dtype or out.device != device:
+            raise ValueError(f"out must be [B, T, HV, V] = {[B, T, HV, V]} of dtype {v.dtype} on {device}, "
+                             f"got {list(out.shape)} {out.dtype} on {out.device}")
+        _check_token_layout("out", out, B, T)
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            if _overlaps(out, x):
+                raise ValueError(f"out overlaps {name}; it must be a separate buffer")
+        if state_in is not None and _overlaps(out, state_in):
+            raise ValueError("out overlaps the state; it must be a separate buffer")
+
+    return KDACall(
+        q=q, k=k, v=v, g=g, beta=beta, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, scale=float(scale),
+        cu_seqlens=cu_seqlens, state_mode=mode, state_in=state_in,
+        state_indices=state_indices if mode == "paged" else None,
+        has_initial_state=has_initial_state if mode == "paged" else None,
+        state_v_first=bool(state_v_first), state_dtype=out_dtype,
+        output_final_state=bool(output_final_state), out=out,
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+    )
+
+
+def _host_bounds(cu_seqlens_cpu) -> list[int]:
+    if isinstance(cu_seqlens_cpu, torch.Tensor):
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must live on the host, got a tensor on {cu_seqlens_cpu.device}")
+        return [int(x) for x in cu_seqlens_cpu.tolist()]
+    try:
+        return [int(x) for x in cu_seqlens_cpu]
+    except TypeError:
+        raise TypeError(f"cu_seqlens_cpu must be a CPU tensor or a sequence of ints, got "
+                        f"{type(cu_seqlens_cpu).__name__}") from None
+
+
+def _check_bounds(name: str, bounds: list[int], T: int) -> None:
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"{name} must start at 0 and end at T={T}, got {bounds[0]} .. {bounds[-1]}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} must be non-decreasing")

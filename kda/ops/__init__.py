@@ -1,0 +1,1 @@
+"""Triton kernels. Each launcher takes a validated `kda.contract.KDACall`."""

@@ -1,0 +1,375 @@
+"""`chunk_kda`: the chunked (WY/UT) prefill kernels. They must equal `kda_reference.chunk_kda` (and so
+`kda_reference.recurrent_kda`).
+
+Per value head, per chunk of BT tokens with b = cumsum of the log2 decay inside the chunk (b <= 0,
+non-increasing per channel), K-first state S [K, V]:
+
+    A_kk[i, j] = beta_i * sum_c k_ic k_jc 2^(b_ic - b_jc)    j < i     (strictly lower)
+    A_qk[i, j] = scale  * sum_c q_ic k_jc 2^(b_ic - b_jc)    j <= i
+    X  = (I + A_kk)^-1                                       forward substitution, fp32
+    W  = X diag(beta) (2^b * K)        U0 = X diag(beta) V
+    U  = U0 - W S                      O  = (scale 2^b * Q) S + A_qk U
+    S <- 2^b_last * S + (2^(b_last - b) * K)^T U
+
+The cumulative log2 decay b is summed and kept in float64 (workspace `gc_ws`): kernels only ever use
+differences b_i - b_j of nearby tokens, and after a step of -1000 both terms are about -1443 where fp32
+keeps 1e-4 absolute, a 1e-4 relative error in every later decay factor. In float64 the difference is
+exact to fp32; every exponential is still taken in fp32.
+
+Two kernels:
+- `_chunk_prepare_kernel`, one program per (chunk, value head), all chunks in parallel: gate, cumsum,
+  A_kk and A_qk in 16-token sub-blocks, the inverse, W and U0 (fp32 workspaces in token space).
+  Every exponent it evaluates is <= 0: off-diagonal sub-blocks are anchored on the first row of the row
+  sub-block (both factors <= 1), diagonal sub-blocks take 2^(b_i - b_j) pairwise for i >= j. So a
+  per-token log-decay of -1000 gives exact zeros, never inf * 0.
+- `_chunk_state_kernel`, one program per (V block, sequence, value head): walks the chunks of its
+  sequence with S on chip, reads the initial state (dense, paged or none) and writes o and the final
+  state (dense or paged, in place) in the storage dtype; the recurrence accumulates in fp32.
+
+Chunks map to sequences on the device: program p of the prepare grid belongs to the sequence n with
+f(n) <= p < f(n+1), f(n) = cu_seqlens[n] // BT + n, strictly increasing even across empty sequences,
+found by binary search. f(N) = T // BT + N bounds the grid, so no host copy of the bounds is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..contract import KDACall
+from .common import (
+    dot_precision,
+    gate_params,
+    kda_gate_log2,
+    output_buffer,
+    plan_state,
+    pow2_at_least,
+    round_to,
+    seq_bounds,
+)
+
+CHUNK = 64  # BT: tokens per chunk
+SUB = 16  # BC: tokens per sub-block of the intra-chunk matrices
+
+
+@triton.jit
+def _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """Program i_p -> (sequence, first token of its chunk, sequence end). Varlen: binary search of
+    f(n) = cu_seqlens[n] // BT + n (see the module docstring); a program past its sequence's chunks
+    gets t0 >= eos and does nothing."""
+    if IS_VARLEN:
+        lo = 0
+        hi = N  # invariant: f(lo) <= i_p, answer in [lo, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            f_mid = tl.load(cu_seqlens + mid).to(tl.int64) // BT + mid
+            ok = f_mid <= i_p
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        i_n = lo
+        bos, eos = seq_bounds(cu_seqlens, i_n, T, True)
+        i_t = i_p - (bos // BT + i_n)
+    else:
+        i_n = i_p // NT
+        i_t = i_p % NT
+        bos, eos = seq_bounds(cu_seqlens, i_n, T, False)
+    t0 = bos + i_t * BT
+    return i_n, t0, eos
+
+
+@triton.jit
+def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """1 / sqrt(sum x^2 + 1e-6) per row (l2norm), or ones."""
+    if USE_L2NORM:
+        ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            m = row_mask[:, None] & (cols < K)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            ssq += tl.sum(x * x, 1)
+        return 1.0 / tl.sqrt(ssq + 1e-6)
+    else:
+        return tl.full([rows.shape[0]], 1.0, dtype=tl.float32)
+
+
+@triton.jit
+def _chunk_prepare_kernel(
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
+    gc_ws, akk_ws, aqk_ws, w_ws, u_ws,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
+    T, N, NT, scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if t0 >= eos:
+        return
+    n_rows = tl.minimum(eos - t0, BT)
+    o_t = tl.arange(0, BT)
+    row_ok = o_t < n_rows
+    rows = t0 + o_t  # flat token index, int64
+
+    q_h = q + i_h * s_qh
+    k_h = k + i_h * s_kh
+    # workspaces are [tokens, HV, D] fp32, contiguous
+    gc_h = gc_ws + i_hv * K
+    akk_h = akk_ws + i_hv * BT
+    aqk_h = aqk_ws + i_hv * BT
+
+    rk = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, USE_L2NORM)
+    b_beta = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        b_beta = tl.sigmoid(b_beta)
+    b_beta = tl.where(row_ok, b_beta, 0.0)
+
+    # 1. gate and cumulative log2 decay inside the chunk -> gc_ws
+    a = 1.0
+    if HAS_A_LOG:
+        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        m = row_ok[:, None] & col_ok[None, :]
+        if HAS_DT_BIAS:
+            bias = tl.load(dt_bias + i_hv * K + cols, mask=col_ok, other=0.0).to(tl.float32)
+        else:
+            bias = tl.zeros([BK], dtype=tl.float32)
+        g_raw = tl.load(g + rows[:, None] * s_gt + i_hv * s_gh + cols[None, :], mask=m, other=0.0)
+        g_log2 = kda_gate_log2(g_raw, a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
+        g_log2 = tl.where(m, g_log2, 0.0).to(tl.float64)
+        b_cum = tl.cumsum(g_log2, axis=0)
+        tl.store(gc_h + rows[:, None] * (HV * K) + cols[None, :], b_cum, mask=m)
+    tl.debug_barrier()
+
+    # 2. A_kk and A_qk in BC x BC sub-blocks (r: row block, s: column block, s <= r)
+    NC: tl.constexpr = BT // BC
+    o_c = tl.arange(0, BC)
+    for r in tl.static_range(NC):
+        rows_r = t0 + r * BC + o_c
+        ok_r = (r * BC + o_c) < n_rows
+        if r * BC < n_rows:
+            rq_r = _qk_inv_norm(q_h, rows_r, ok_r, s_qt, K, BK, USE_L2NORM)
+            rk_r = _qk_inv_norm(k_h, rows_r, ok_r, s_kt, K, BK, USE_L2NORM)
+            beta_r = tl.load(beta + rows_r * s_bt + i_hv * s_bh, mask=ok_r, other=0.0).to(tl.float32)
+            if USE_BETA_SIGMOID:
+                beta_r = tl.sigmoid(beta_r)
+            for s in tl.static_range(r + 1):
+                rows_s = t0 + s * BC + o_c
+                ok_s = (s * BC + o_c) < n_rows
+                rk_s = _qk_inv_norm(k_h, rows_s, ok_s, s_kt, K, BK, USE_L2NORM)
+                acc_kk = tl.zeros([BC, BC], dtype=tl.float32)
+                acc_qk = tl.zeros([BC, BC], dtype=tl.float32)
+                for k0 in range(0, K, BK):
+                    cols = k0 + tl.arange(0, BK)
+                    col_ok = cols < K
+                    m_r = ok_r[:, None] & col_ok[None, :]
+                    m_s = ok_s[:, None] & col_ok[None, :]
+                    q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+                    k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+                    k_s = tl.load(k_h + rows_s[:, None] * s_kt + cols[None, :], mask=m_s, other=0.0).to(tl.float32)
+                    q_r = q_r * rq_r[:, None]
+                    k_r = k_r * rk_r[:, None]
+                    k_s = k_s * rk_s[:, None]
+                    b_r = tl.load(gc_h + rows_r[:, None] * (HV * K) + cols[None, :], mask=m_r, other=0.0)
+                    b_s = tl.load(gc_h + rows_s[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0.0)
+                    if s < r:
+                        # anchor on the first row of block r: b_s >= anchor >= b_r, both factors <= 1
+                        anchor = tl.load(gc_h + (t0 + r * BC) * (HV * K) + cols, mask=col_ok, other=0.0)
+                        e_r = tl.exp2(tl.where(m_r, b_r - anchor[None, :], 0.0).to(tl.float32))
+                        e_s = tl.exp2(tl.where(m_s, anchor[None, :] - b_s, 0.0).to(tl.float32))
+                        ks_t = tl.trans(k_s * e_s)
+                        acc_kk += tl.dot(k_r * e_r, ks_t, input_precision=DOT_PREC)
+                        acc_qk += tl.dot(q_r * e_r, ks_t, input_precision=DOT_PREC)
+                    else:
+                        # diagonal block: 2^(b_i - b_j) for i >= j only, pairwise (no factor can overflow)
+                        diff = b_r[:, None, :] - b_s[None, :, :]
+                        lower = (o_c[:, None] >= o_c[None, :]) & ok_r[:, None] & ok_s[None, :]
+                        lower = lower[:, :, None]
+                        e = tl.exp2(tl.where(lower, diff, float("-inf")).to(tl.float32))
+                        ke = k_s[None, :, :] * e
+                        acc_kk += tl.sum(k_r[:, None, :] * ke, 2)
+                        acc_qk += tl.sum(q_r[:, None, :] * ke, 2)
+                if s == r:
+                    acc_kk = tl.where(o_c[:, None] > o_c[None, :], acc_kk, 0.0)
+                    acc_qk = tl.where(o_c[:, None] >= o_c[None, :], acc_qk, 0.0)
+                acc_kk = acc_kk * beta_r[:, None]
+                acc_qk = acc_qk * scale
+                m_rs = ok_r[:, None] & ok_s[None, :]
+                cols_s = s * BC + o_c
+                tl.store(akk_h + rows_r[:, None] * (HV * BT) + cols_s[None, :], acc_kk, mask=m_rs)
+                tl.store(aqk_h + rows_r[:, None] * (HV * BT) + cols_s[None, :], acc_qk, mask=m_rs)
+    tl.debug_barrier()
+
+    # 3. X = (I + A_kk)^-1 by forward substitution: X_i = e_i - sum_{j<i} A_kk[i, j] X_j
+    eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
+    X = eye
+    for i in range(1, n_rows):
+        a_row = tl.load(akk_h + (t0 + i) * (HV * BT) + o_t, mask=o_t < i, other=0.0)
+        x_i = tl.sum(a_row[:, None] * X, 0)
+        X = tl.where(o_t[:, None] == i, eye - x_i[None, :], X)
+
+    # 4. W = X diag(beta) (2^b * K),  U0 = X diag(beta) V
+    Xb = X * b_beta[None, :]
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = row_ok[:, None] & (cols < K)[None, :]
+        k_c = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        b_c = tl.load(gc_h + rows[:, None] * (HV * K) + cols[None, :], mask=m, other=0.0)
+        kd = tl.where(m, k_c * rk[:, None] * tl.exp2(b_c.to(tl.float32)), 0.0)
+        w = tl.dot(Xb, kd, input_precision=DOT_PREC)
+        tl.store(w_ws + rows[:, None] * (HV * K) + i_hv * K + cols[None, :], w, mask=m)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        m = row_ok[:, None] & (cols < V)[None, :]
+        v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.dot(Xb, v_c, input_precision=DOT_PREC)
+        tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :], u, mask=m)
+
+
+@triton.jit
+def _chunk_state_kernel(
+    q, k, o, cu_seqlens, gc_ws, aqk_ws, w_ws, u_ws,
+    state_src, state_dst, slot_of_seq, has_initial_state,
+    s_qt, s_qh, s_kt, s_kh, s_ot, s_oh, src_stride, dst_stride,
+    T, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_L2NORM: tl.constexpr,
+    HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    k_ok = o_k < K
+    v_ok = o_v < V
+    kv_ok = k_ok[:, None] & v_ok[None, :]
+    # offset of element (k, v) inside one value head's plane, in the caller's layout
+    if V_FIRST:
+        plane_off = i_hv * (K * V) + o_v[None, :] * K + o_k[:, None]
+    else:
+        plane_off = i_hv * (K * V) + o_k[:, None] * V + o_v[None, :]
+
+    slot = i_n.to(tl.int64)
+    if PAGED:
+        slot = tl.load(slot_of_seq + i_n).to(tl.int64)
+    o_h = o + i_hv * s_oh
+    if slot < 0:
+        # padding sequence: no read, no write of state; its output rows are zeros
+        for t0 in range(bos, eos, BT):
+            rows = t0 + tl.arange(0, BT)
+            m = (rows < eos)[:, None] & v_ok[None, :]
+            tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], tl.zeros([BT, BV], dtype=o.dtype.element_ty), mask=m)
+        return
+
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_SRC:
+        read = True
+        if HAS_INIT_FLAGS:
+            read = tl.load(has_initial_state + i_n) != 0
+        if read:
+            S = tl.load(state_src + slot * src_stride + plane_off, mask=kv_ok, other=0.0).to(tl.float32)
+
+    q_h = q + i_h * s_qh
+    k_h = k + i_h * s_kh
+    for t0 in range(bos, eos, BT):
+        o_t = tl.arange(0, BT)
+        rows = t0 + o_t
+        row_ok = rows < eos
+        m_k = row_ok[:, None] & k_ok[None, :]
+        m_v = row_ok[:, None] & v_ok[None, :]
+        last = tl.minimum(eos, t0 + BT) - 1
+
+        w = tl.load(w_ws + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_k, other=0.0)
+        u0 = tl.load(u_ws + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_v, other=0.0)
+        U = u0 - tl.dot(w, S, input_precision=DOT_PREC)
+
+        b = tl.load(gc_ws + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_k, other=0.0)
+        b_last = tl.load(gc_ws + last * (HV * K) + i_hv * K + o_k, mask=k_ok, other=0.0)
+        q_c = tl.load(q_h + rows[:, None] * s_qt + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        k_c = tl.load(k_h + rows[:, None] * s_kt + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        if USE_L2NORM:
+            q_c = q_c / tl.sqrt(tl.sum(q_c * q_c, 1) + 1e-6)[:, None]
+            k_c = k_c / tl.sqrt(tl.sum(k_c * k_c, 1) + 1e-6)[:, None]
+        qd = q_c * (scale * tl.exp2(b.to(tl.float32)))
+        kr = tl.where(m_k, k_c * tl.exp2((b_last[None, :] - b).to(tl.float32)), 0.0)
+        aqk = tl.load(aqk_ws + rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :],
+                      mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
+
+        out = tl.dot(qd, S, input_precision=DOT_PREC) + tl.dot(aqk, U, input_precision=DOT_PREC)
+        tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], round_to(out, o.dtype.element_ty), mask=m_v)
+        S = S * tl.exp2(b_last.to(tl.float32))[:, None] + tl.dot(tl.trans(kr), U, input_precision=DOT_PREC)
+
+    if HAS_DST:
+        tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
+
+
+def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the two chunk kernels for a validated call. Returns (o, final_state)."""
+    B, T, H, HV, K, V, N = call.B, call.T, call.H, call.HV, call.K, call.V, call.N
+    dev = call.q.device
+    o = output_buffer(call)
+    st = plan_state(call)
+    if N == 0:
+        return o, st.final_state
+    BT, BC = CHUNK, SUB
+    varlen = call.cu_seqlens is not None
+    total = B * T
+    NT = triton.cdiv(T, BT)
+    n_programs = (T // BT + N) if varlen else B * NT
+    cu = call.cu_seqlens if varlen else call.q  # dummy pointer when dense
+    A_log, dt_bias, lower_bound = gate_params(call)
+    prec = dot_precision()
+
+    gc_ws = torch.empty((total, HV, K), dtype=torch.float64, device=dev)
+    akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
+    aqk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
+    w_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
+    u_ws = torch.empty((total, HV, V), dtype=torch.float32, device=dev)
+
+    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+    if total > 0 and n_programs > 0:
+        BK = min(64, pow2_at_least(K))
+        BVp = min(64, pow2_at_least(V))
+        _chunk_prepare_kernel[(n_programs, HV)](
+            q, k, v, g, beta, A_log, dt_bias, cu,
+            gc_ws, akk_ws, aqk_ws, w_ws, u_ws,
+            q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+            g.stride(1), g.stride(2), beta.stride(1), beta.stride(2),
+            T, N, NT, call.scale, lower_bound,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=BVp,
+            IS_VARLEN=varlen, USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
+            HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
+            USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
+            DOT_PREC=prec, num_warps=4,
+        )
+    BKF = pow2_at_least(K)
+    BV = 32 if V > 16 else 16
+    dummy = gc_ws
+    _chunk_state_kernel[(triton.cdiv(V, BV), N, HV)](
+        q, k, o, cu, gc_ws, aqk_ws, w_ws, u_ws,
+        st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
+        st.slot_of_seq if st.slot_of_seq is not None else dummy,
+        st.has_initial_state if st.has_initial_state is not None else dummy,
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), o.stride(1), o.stride(2),
+        st.src_stride, st.dst_stride,
+        T, call.scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BKF, BV=BV,
+        IS_VARLEN=varlen, USE_L2NORM=call.use_qk_l2norm_in_kernel,
+        HAS_SRC=st.src is not None, HAS_DST=st.dst is not None, PAGED=call.state_mode == "paged",
+        HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first,
+        DOT_PREC=prec, num_warps=4,
+    )
+    return o, st.final_state

@@ -1,0 +1,124 @@
+"""Pieces shared by the chunked and the recurrent kernels: the in-kernel gate, sequence bounds, the state
+pool description, and the host-side allocation of the outputs.
+
+State is always addressed as a pool of dense planes (`KDACall` explains why): the dense contract is a pool
+whose slot `n` is sequence `n`; the paged contract is the caller's pool with `state_indices`. A kernel
+reads the plane of `slot_of_seq[n]` from `state_src` and writes it to the same slot of `state_dst`
+(the same tensor for the paged contract: in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..contract import KDACall, interpreting
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def softplus(x):
+    """softplus(x) = log(1 + exp(x)), stable: max(x, 0) + log(1 + exp(-|x|)), and x itself above 20."""
+    y = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+    return tl.where(x > 20.0, x, y)
+
+
+@triton.jit
+def kda_gate_log2(g_raw, a, dt_bias_row, lower_bound, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """The per-token log-decay in log2 units. With USE_GATE (`kda_reference.kda_gate`):
+    lower bound lb: g = lb * sigmoid(a * (x + dt_bias)); else g = -a * softplus(x + dt_bias); a = exp(A_log)."""
+    g = g_raw.to(tl.float32)
+    if USE_GATE:
+        x = g + dt_bias_row[None, :]
+        if USE_LOWER_BOUND:
+            g = lower_bound * tl.sigmoid(a * x)
+        else:
+            g = -a * softplus(x)
+    return g * 1.4426950408889634
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 `x` rounded to nearest even in `dtype`. bf16 goes through explicit bits (add half an ulp
+    plus the tie bit, clear the low half), because the interpreter's plain cast truncates; the result
+    is then exactly representable, so the hardware cast adds no second rounding."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        y = tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+        return y.to(tl.bfloat16)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    """Flat token range [bos, eos) of sequence i_n (varlen: from cu_seqlens on the device)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    return bos, eos
+
+
+@dataclass
+class StatePlan:
+    """Where a kernel reads and writes state. `src`/`dst` are pools of dense planes (or None)."""
+
+    src: torch.Tensor | None
+    dst: torch.Tensor | None
+    slot_of_seq: torch.Tensor | None  # int32 [N], None: sequence n is slot n
+    has_initial_state: torch.Tensor | None  # bool [N], None: every non-padding slot is read
+    final_state: torch.Tensor | None  # what the call returns
+
+    @property
+    def src_stride(self) -> int:
+        return self.src.stride(0) if self.src is not None else 0
+
+    @property
+    def dst_stride(self) -> int:
+        return self.dst.stride(0) if self.dst is not None else 0
+
+
+def plan_state(call: KDACall) -> StatePlan:
+    """Allocate the dense final state (if asked) and describe the source and destination pools."""
+    if call.state_mode == "paged":
+        return StatePlan(call.state_in, call.state_in, call.state_indices, call.has_initial_state, None)
+    final = None
+    if call.output_final_state:
+        final = torch.empty((call.N, *call.state_plane_shape), dtype=call.state_dtype, device=call.q.device)
+    return StatePlan(call.state_in, final, None, None, final)
+
+
+def output_buffer(call: KDACall) -> torch.Tensor:
+    """The caller's `out`, or a new `[B, T, HV, V]` tensor in v's dtype."""
+    if call.out is not None:
+        return call.out
+    return torch.empty((call.B, call.T, call.HV, call.V), dtype=call.v.dtype, device=call.v.device)
+
+
+def gate_params(call: KDACall) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Pointers for the in-kernel gate (a dummy tensor where a parameter is absent) and the lower bound."""
+    dummy = call.g
+    return (call.A_log if call.A_log is not None else dummy,
+            call.dt_bias if call.dt_bias is not None else dummy,
+            call.lower_bound if call.lower_bound is not None else 0.0)
+
+
+def dot_precision() -> str:
+    """fp32 dots: exact ("ieee") in the interpreter, "tf32" on the GPU unless KDA_DOT_PRECISION says."""
+    import os
+
+    if interpreting():
+        return "ieee"
+    return os.environ.get("KDA_DOT_PRECISION", "tf32")
+
+
+def pow2_at_least(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(x))

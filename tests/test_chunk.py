@@ -1,0 +1,187 @@
+"""`kda.chunk_kda` against the float64 oracle `kda_reference.recurrent_kda`, and its state contracts.
+
+fp32 inputs must match to 1e-5 relative L2 (the kernels keep everything in fp32, the cumulative decay in
+fp64); narrow inputs within twice the rounding floor of the exact output plus that fp32 term."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import bits, make_inputs, on_cpu, poison_pool, rel_err, rounding_floor
+
+import kda
+import kda_reference as ref
+
+FP32_TOL = 1e-5
+
+
+def _both(kwargs, q, k, v, g, beta):
+    """The kernel's answer and the float64 oracle's, for the same call."""
+    o, s = kda.chunk_kda(q, k, v, g, beta, **kwargs)
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kwargs))
+    return o, s, ro, rs
+
+
+CASES = [
+    # B, T, H, HV, K, V, gate, l2norm, beta_sigmoid
+    (1, 1, 1, 1, 16, 16, "logdecay", False, False),
+    (2, 63, 1, 2, 16, 32, "lower_bound", True, True),
+    (1, 65, 2, 2, 7, 48, "softplus", True, False),
+    (2, 130, 1, 1, 32, 5, "lower_bound", False, True),
+    (1, 70, 1, 3, 48, 16, "logdecay", True, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}HV{}K{}V{}-{}-l2{}-bs{}".format(*c))
+@pytest.mark.parametrize("state", ["none", "kfirst", "vfirst"])
+def test_fp32_matches_oracle(case, state, device):
+    B, T, H, HV, K, V, gate, l2, bs = case
+    q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, gate=gate, device=device, seed=T + K,
+                                       normalize_k=not l2, beta_logits=bs)
+    kw.update(use_qk_l2norm_in_kernel=l2, use_beta_sigmoid_in_kernel=bs, output_final_state=True)
+    if state != "none":
+        vf = state == "vfirst"
+        plane = (HV, V, K) if vf else (HV, K, V)
+        kw.update(initial_state=torch.randn(B, *plane).to(device), state_v_first=vf)
+    o, s, ro, rs = _both(kw, q, k, v, g, beta)
+    assert o.dtype == v.dtype and s.dtype == torch.float32
+    assert rel_err(o, ro) < FP32_TOL
+    assert rel_err(s, rs) < FP32_TOL
+
+
+@pytest.mark.parametrize("bounds", [[0, 64, 64, 128], [0, 0, 64], [0, 0, 0], [0, 1, 1, 1, 66, 67],
+                                    [0, 0, 5, 70, 70]])
+def test_varlen_with_empty_sequences(bounds, device):
+    T, H, HV, K, V = bounds[-1], 1, 2, 16, 16
+    N = len(bounds) - 1
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate="lower_bound", device=device, seed=N)
+    h0 = torch.randn(N, HV, K, V).to(device)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    o, s, ro, rs = _both(dict(kw, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                              cu_seqlens_cpu=torch.tensor(bounds)), q, k, v, g, beta)
+    if T:
+        assert rel_err(o, ro) < FP32_TOL
+    assert rel_err(s, rs) < FP32_TOL
+    for n in range(N):
+        if bounds[n] == bounds[n + 1]:  # an empty sequence keeps its state bit for bit
+            assert torch.equal(bits(s[n]), bits(h0[n]))
+
+
+def test_strong_decay_and_correlated_keys(device):
+    B, T, H, HV, K, V = 1, 100, 1, 1, 32, 8
+    q, k, v, g, beta, _ = make_inputs(B, T, H, HV, K, V, device=device, seed=3)
+    g = g.clone()
+    g[:, ::7, :, ::3] = -1000.0  # a raw log-decay of -1000 on a third of the channels
+    o, s, ro, rs = _both(dict(output_final_state=True), q, k, v, g, beta)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
+    # correlated keys, beta near 1, weak decay: (I + A_kk) is ill-conditioned
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(K, generator=gen)
+    k = torch.nn.functional.normalize(base + 0.01 * torch.randn(B, T, H, K, generator=gen), dim=-1).to(device)
+    g = torch.full((B, T, HV, K), -0.01, device=device)
+    beta = torch.full((B, T, HV), 0.99, device=device)
+    o, s, ro, rs = _both(dict(output_final_state=True), q, k, v, g, beta)
+    assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_paged_equals_dense_and_leaves_other_slots(v_first, storage, device):
+    bounds = [0, 20, 20, 90, 91]
+    T, H, HV, K, V = bounds[-1], 1, 2, 16, 32
+    N, slots = len(bounds) - 1, 9
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate="lower_bound", device=device, seed=7)
+    plane = (HV, V, K) if v_first else (HV, K, V)
+    pool = poison_pool(slots, plane, storage, device, pad=5)
+    assert pool.stride(0) > pool[0].numel()
+    idx = torch.tensor([6, 2, -1, 3], dtype=torch.int32, device=device)  # sequence 2 is padding
+    has = torch.tensor([True, False, True, True], device=device)  # slot 2 holds NaN and is not read
+    live = [0, 3]
+    init = torch.randn(len(live), *plane).to(storage).to(device)
+    for j, n in enumerate(live):
+        pool[idx[n]] = init[j]
+    before = pool.clone()
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    out = torch.full((1, T, HV, V), float("nan"), device=device)
+    o, s = kda.chunk_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, has_initial_state=has,
+                         cu_seqlens=cu, state_v_first=v_first, out=out, **kw)
+    assert s is None and o.data_ptr() == out.data_ptr()
+    # the same call through the dense contract, slot rows gathered by hand
+    dense_init = torch.zeros(N, *plane, dtype=storage, device=device)
+    for n in live:
+        dense_init[n] = before[idx[n]]
+    od, sd = kda.chunk_kda(q, k, v, g, beta, initial_state=dense_init, output_final_state=True,
+                           cu_seqlens=cu, state_v_first=v_first, **kw)
+    pad_rows = slice(bounds[2], bounds[3])
+    assert torch.equal(o[:, pad_rows], torch.zeros_like(o[:, pad_rows]))  # padding: zero output rows
+    real = torch.cat([torch.arange(bounds[0], bounds[2]), torch.arange(bounds[3], bounds[4])])
+    assert torch.equal(bits(o[:, real]), bits(od[:, real]))
+    for n in (0, 1, 3):
+        assert torch.equal(bits(pool[idx[n]]), bits(sd[n]))
+    touched = {int(idx[n]) for n in (0, 1, 3)}
+    for slot in range(slots):
+        if slot not in touched:
+            assert torch.equal(bits(pool[slot]), bits(before[slot]))
+    # and against the oracle (padding sequence removed)
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
+                               initial_state=dense_init.cpu().double(),
+                               output_final_state=True, cu_seqlens=cu.cpu(), state_v_first=v_first,
+                               **on_cpu(kw))
+    assert rel_err(o[:, real], ro[:, real]) < FP32_TOL
+    for n in (0, 1, 3):
+        tol = FP32_TOL if storage == torch.float32 else torch.finfo(storage).eps
+        assert rel_err(pool[idx[n]], rs[n]) < tol
+
+
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16])
+def test_narrow_state_rounds_once_on_store(storage, device):
+    B, T, H, HV, K, V = 2, 40, 1, 1, 16, 16
+    q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, gate="lower_bound", device=device, seed=11)
+    h0 = torch.randn(B, HV, K, V).to(storage).to(device)
+    o, s = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    assert s.dtype == storage
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
+                               initial_state=h0.cpu().double(), output_final_state=True, **on_cpu(kw))
+    assert rel_err(o, ro) < FP32_TOL  # the state is read once (exact upcast) and accumulated in fp32
+    # the stored state is the fp32 result rounded to nearest: within half an ulp plus the fp32 error
+    eps = torch.finfo(storage).eps
+    err = (s.double().cpu() - rs).abs()
+    assert (err <= 0.5 * eps * rs.abs() + 1e-5 * rs.abs().max()).all()
+    # a call with no initial state but state_dtype gives the same dtype
+    _, s2 = kda.chunk_kda(q, k, v, g, beta, output_final_state=True, state_dtype=storage, **kw)
+    assert s2.dtype == storage
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_inputs_within_rounding_floor(dtype, device):
+    B, T, H, HV, K, V = 1, 96, 2, 2, 32, 32
+    q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device,
+                                       seed=5)
+    kw.update(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    o, s, ro, rs = _both(dict(kw, output_final_state=True), q, k, v, g, beta)
+    floor = rounding_floor(ro, dtype)
+    assert o.dtype == dtype
+    assert rel_err(o, ro) <= 2 * floor + FP32_TOL
+    assert rel_err(s, rs) < FP32_TOL  # the fp32 state sees no rounding of its own
+
+
+def test_out_is_written_in_place_and_equals_fresh_output(device):
+    q, k, v, g, beta, kw = make_inputs(2, 33, 1, 1, 16, 16, device=device, seed=2)
+    o1, _ = kda.chunk_kda(q, k, v, g, beta, **kw)
+    out = torch.full_like(o1, float("nan"))
+    o2, _ = kda.chunk_kda(q, k, v, g, beta, out=out, **kw)
+    assert o2.data_ptr() == out.data_ptr()
+    assert torch.equal(bits(o1), bits(out))
+
+
+def test_strided_inputs_from_a_fused_projection(device):
+    """q, k, v as views into one [B, T, 3, H, D] projection: used in place, no copy."""
+    B, T, H, D = 2, 20, 2, 16
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(B, T, 3, H, D, generator=gen).to(device)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    g = (-torch.rand(B, T, H, D, generator=gen) * 0.3).to(device)
+    beta = torch.rand(B, T, H, 2, generator=gen).to(device)[..., 0]  # strided beta
+    o, s, ro, rs = _both(dict(output_final_state=True, use_qk_l2norm_in_kernel=True), q, k, v, g, beta)
+    assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
