@@ -1,0 +1,278 @@
+"""The call contract shared by `recurrent_kda` and `chunk_kda`: checks, sequences, state load and store.
+
+Nothing here is math. `run_kda` checks the arguments, splits the batch into sequences, loads each
+sequence's initial state (zeros, dense `initial_state`, or a slot of the paged `state_cache`), hands one
+(sequence, value head) at a time to a `SequenceFn` that does the math in `compute_dtype`, and stores the
+result. The two public functions differ only in the `SequenceFn` they pass.
+
+Decisions (the contract in /work/shared/CONTRACT.md is silent on these for an oracle):
+
+- ``o`` is returned in ``compute_dtype`` (float64 by default: the exact answer, not rounded to v's
+  dtype). With ``out=``, ``o`` is copied into ``out`` (rounded to ``out.dtype``) and ``out`` is returned.
+- ``final_state`` is rounded to its storage dtype once, on store (a plain ``.to(dtype)``: round to nearest
+  even), as the kernels do. Its dtype is ``initial_state.dtype`` if given, else ``state_dtype``
+  (default float32); pass ``state_dtype=torch.float64`` to keep it exact. A ``state_dtype`` that differs
+  from ``initial_state.dtype`` or ``state_cache.dtype`` is a ValueError (no silent conversion).
+- ``output_final_state=True`` with ``state_cache`` is a ValueError: the paged contract writes the final
+  state into the pool and returns ``None``; a flag it cannot honour is not ignored silently.
+- ``A_log``, ``dt_bias`` or ``lower_bound`` without ``use_gate_in_kernel``, and ``state_indices`` or
+  ``has_initial_state`` without ``state_cache``, are ValueErrors for the same reason.
+- ``has_initial_state=None`` means all true, for both functions.
+- ``state_indices`` may be int32 or int64. Because the oracle runs on the host anyway, it always checks what
+  the kernels check only under ``KDA_DEBUG=1``: ``cu_seqlens`` values, ``cu_seqlens_cpu == cu_seqlens``,
+  slot indices in range and unique.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .preprocess import prepare_inputs
+
+# (q [L, K], k [L, K], v [L, V], g [L, K], beta [L], scale, state [K, V]) -> (o [L, V], state [K, V])
+SequenceFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, Tensor], tuple[Tensor, Tensor]]
+
+
+def run_kda(
+    sequence_fn: SequenceFn,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    *,
+    use_qk_l2norm_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    lower_bound: float | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    state_v_first: bool,
+    state_cache: Tensor | None,
+    state_indices: Tensor | None,
+    has_initial_state: Tensor | None,
+    state_dtype: torch.dtype | None,
+    out: Tensor | None,
+    compute_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor | None]:
+    """Check the arguments, then run ``sequence_fn`` on every (sequence, value head); see the module doc."""
+    _check_tensors(q, k, v, g, beta)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _check_gate_options(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K)
+    sequences = _sequences(B, T, cu_seqlens, cu_seqlens_cpu)  # (batch row, start, end) per sequence
+    N = len(sequences)
+    final_dtype = _check_state(
+        N, HV, K, V, initial_state, output_final_state, state_v_first, state_cache, state_indices,
+        has_initial_state, state_dtype,
+    )
+    _check_out(out, (B, T, HV, V), q, k, v, g, beta)
+    if scale is None:
+        scale = K**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
+
+    q, k, v, g, beta = prepare_inputs(
+        q, k, v, g, beta,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        compute_dtype=compute_dtype,
+    )
+
+    def to_stored(state_kv: Tensor) -> Tensor:  # internal [K, V] -> stored layout
+        return state_kv.T if state_v_first else state_kv
+
+    def from_stored(plane: Tensor) -> Tensor:  # stored layout -> internal [K, V] in compute_dtype
+        return (plane.T if state_v_first else plane).to(compute_dtype)
+
+    zeros_kv = torch.zeros(K, V, dtype=compute_dtype, device=q.device)
+    o = torch.zeros(B, T, HV, V, dtype=compute_dtype, device=q.device)  # padding rows stay zero
+    final_state = None
+    if output_final_state:
+        shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        final_state = torch.empty(shape, dtype=final_dtype, device=q.device)
+
+    heads_per_qk_head = HV // H
+    for n, (row, start, end) in enumerate(sequences):
+        slot = None
+        if state_cache is not None:
+            slot = int(state_indices[n])
+            if slot < 0:  # padding sequence: no read, no write, output rows stay zero
+                continue
+        for j in range(HV):
+            hq = j // heads_per_qk_head  # GVA: value head j reads q/k head j // (HV // H)
+            if initial_state is not None:
+                state = from_stored(initial_state[n, j])
+            elif slot is not None and (has_initial_state is None or bool(has_initial_state[n])):
+                state = from_stored(state_cache[slot, j])
+            else:
+                state = zeros_kv
+            o_seq, state = sequence_fn(
+                q[row, start:end, hq], k[row, start:end, hq], v[row, start:end, j],
+                g[row, start:end, j], beta[row, start:end, j], float(scale), state,
+            )
+            o[row, start:end, j] = o_seq
+            if slot is not None:
+                state_cache[slot, j].copy_(to_stored(state))  # in place; copy_ rounds to the pool dtype
+            elif final_state is not None:
+                final_state[n, j] = to_stored(state)  # the single rounding to final_dtype
+
+    if out is not None:
+        out.copy_(o)
+        return out, final_state
+    return o, final_state
+
+
+def _check_tensors(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
+    for name, x, ndim, layout in (
+        ("q", q, 4, "[B, T, H, K]"), ("k", k, 4, "[B, T, H, K]"), ("v", v, 4, "[B, T, HV, V]"),
+        ("g", g, 4, "[B, T, HV, K]"), ("beta", beta, 3, "[B, T, HV]"),
+    ):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+        if x.dim() != ndim:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B={B}, T={T}, HV, V], got {tuple(v.shape)}")
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"v's head count HV={HV} must be a multiple of q's head count H={H}")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(f"g must be [B, T, HV, K] = {(B, T, HV, K)}, got {tuple(g.shape)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
+
+
+def _check_gate_options(use_gate: bool, A_log, dt_bias, lower_bound, HV: int, K: int) -> None:
+    if not use_gate:
+        for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if value is not None:
+                raise ValueError(f"{name} is only used with use_gate_in_kernel=True; it would be ignored")
+        return
+    if A_log is not None and (not isinstance(A_log, Tensor) or A_log.shape != (HV,)):
+        raise ValueError(f"A_log must be a tensor of shape [HV] = ({HV},), got {_describe(A_log)}")
+    if dt_bias is not None and (
+        not isinstance(dt_bias, Tensor) or tuple(dt_bias.shape) not in ((HV * K,), (HV, K))
+    ):
+        raise ValueError(f"dt_bias must be [HV * K] = ({HV * K},) or [HV, K] = ({HV}, {K}), "
+                         f"got {_describe(dt_bias)}")
+    if lower_bound is not None and not float(lower_bound) < 0:
+        raise ValueError(f"lower_bound must be negative (or None), got {lower_bound}")
+
+
+def _sequences(B: int, T: int, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None):
+    """[(batch row, start, end)] for each sequence: B dense rows, or the varlen spans of cu_seqlens."""
+    if cu_seqlens is None:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
+        return [(b, 0, T) for b in range(B)]
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {_describe(cu_seqlens)}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens (varlen) needs B == 1, got B={B}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be [N + 1], got shape {tuple(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()
+    if cu_seqlens_cpu is not None and (
+        not isinstance(cu_seqlens_cpu, Tensor) or cu_seqlens_cpu.tolist() != bounds
+    ):
+        raise ValueError("cu_seqlens_cpu must hold the same values as cu_seqlens")
+    if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {bounds}")
+    return [(0, start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+def _check_state(
+    N, HV, K, V, initial_state, output_final_state, state_v_first, state_cache, state_indices,
+    has_initial_state, state_dtype,
+) -> torch.dtype:
+    """Check the state arguments; return the dtype the final state is stored in."""
+    plane = (HV, V, K) if state_v_first else (HV, K, V)
+    layout = "[., HV, V, K] (state_v_first=True)" if state_v_first else "[., HV, K, V] (state_v_first=False)"
+    if state_dtype is not None and not (
+        isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point
+    ):
+        raise TypeError(f"state_dtype must be a floating torch.dtype or None, got {state_dtype!r}")
+    if initial_state is not None and state_cache is not None:
+        raise ValueError("pass either initial_state (dense state) or state_cache (paged state), not both")
+    if state_cache is None:
+        for name, value in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
+            if value is not None:
+                raise ValueError(f"{name} is only used with state_cache (paged state); it would be ignored")
+    if initial_state is not None:
+        if not isinstance(initial_state, Tensor) or not initial_state.is_floating_point():
+            raise TypeError(f"initial_state must be a floating tensor, got {_describe(initial_state)}")
+        if initial_state.shape != (N, *plane):
+            raise ValueError(
+                f"initial_state must be {layout} = {(N, *plane)}, got {tuple(initial_state.shape)}"
+            )
+        if state_dtype is not None and state_dtype != initial_state.dtype:
+            raise ValueError(
+                f"state_dtype={state_dtype} differs from initial_state.dtype={initial_state.dtype}"
+            )
+        return initial_state.dtype
+    if state_cache is None:
+        return torch.float32 if state_dtype is None else state_dtype
+
+    if not isinstance(state_cache, Tensor) or not state_cache.is_floating_point():
+        raise TypeError(f"state_cache must be a floating tensor, got {_describe(state_cache)}")
+    if state_cache.dim() != 4 or state_cache.shape[1:] != plane:
+        raise ValueError(f"state_cache must be {layout} with plane {plane}, got {tuple(state_cache.shape)}")
+    slots = state_cache.shape[0]
+    if slots > 0 and not state_cache[0].is_contiguous():
+        raise ValueError(f"each state_cache slot plane must be dense, got strides {state_cache.stride()}")
+    if state_dtype is not None and state_dtype != state_cache.dtype:
+        raise ValueError(f"state_dtype={state_dtype} differs from state_cache.dtype={state_cache.dtype}")
+    if output_final_state:
+        raise ValueError("output_final_state=True is not available with state_cache: the paged contract "
+                         "writes the final state into the pool and returns None")
+    if (not isinstance(state_indices, Tensor) or state_indices.dtype not in (torch.int32, torch.int64)
+            or state_indices.shape != (N,)):
+        raise ValueError(f"state_indices must be an int32 (or int64) tensor of shape [N] = ({N},), "
+                         f"got {_describe(state_indices)}")
+    named = [i for i in state_indices.tolist() if i >= 0]
+    if any(i >= slots for i in named) or len(set(named)) != len(named):
+        raise ValueError(f"state_indices must name distinct slots in [0, {slots}) or be < 0 (padding), "
+                         f"got {state_indices.tolist()}")
+    if has_initial_state is not None and (
+        not isinstance(has_initial_state, Tensor) or has_initial_state.dtype != torch.bool
+        or has_initial_state.shape != (N,)
+    ):
+        raise ValueError(f"has_initial_state must be a bool tensor of shape [N] = ({N},), "
+                         f"got {_describe(has_initial_state)}")
+    return state_cache.dtype
+
+
+def _check_out(out: Tensor | None, shape: tuple, *inputs: Tensor) -> None:
+    if out is None:
+        return
+    if not isinstance(out, Tensor) or not out.is_floating_point():
+        raise TypeError(f"out must be a floating tensor, got {_describe(out)}")
+    if out.shape != shape:
+        raise ValueError(f"out must be [B, T, HV, V] = {shape}, got {tuple(out.shape)}")
+    out_storage = out.untyped_storage().data_ptr()
+    if out.numel() > 0 and any(x.untyped_storage().data_ptr() == out_storage for x in inputs):
+        raise ValueError("out must not share memory with q, k, v, g or beta")
+
+
+def _describe(x) -> str:
+    if isinstance(x, Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
