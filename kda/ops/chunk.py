@@ -33,6 +33,8 @@ found by binary search. f(N) = T // BT + N bounds the grid, so no host copy of t
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -96,11 +98,11 @@ def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.conste
 @triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    gc_ws, akk_ws, aqk_ws, w_ws, u_ws,
+    gc_ws, akk_ws, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     T, N, NT, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -123,6 +125,7 @@ def _chunk_prepare_kernel(
     akk_h = akk_ws + i_hv * BT
     aqk_h = aqk_ws + i_hv * BT
 
+    rq = _qk_inv_norm(q_h, rows, row_ok, s_qt, K, BK, USE_L2NORM)
     rk = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, USE_L2NORM)
     b_beta = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(tl.float32)
     if USE_BETA_SIGMOID:
@@ -160,71 +163,106 @@ def _chunk_prepare_kernel(
             beta_r = tl.load(beta + rows_r * s_bt + i_hv * s_bh, mask=ok_r, other=0.0).to(tl.float32)
             if USE_BETA_SIGMOID:
                 beta_r = tl.sigmoid(beta_r)
-            for s in tl.static_range(r + 1):
+            # diagonal block: 2^(b_i - b_j) for i >= j only, pairwise in BKD-wide slices (no factor can
+            # overflow, and the fp64 difference keeps fp32 accuracy after any earlier decay)
+            lower = ((o_c[:, None] >= o_c[None, :]) & ok_r[:, None] & ok_r[None, :])[:, :, None]
+            acc_kk = tl.zeros([BC, BC], dtype=tl.float32)
+            acc_qk = tl.zeros([BC, BC], dtype=tl.float32)
+            for k0 in range(0, K, BKD):
+                cols = k0 + tl.arange(0, BKD)
+                m_r = ok_r[:, None] & (cols < K)[None, :]
+                q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+                k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+                b_r = tl.load(gc_h + rows_r[:, None] * (HV * K) + cols[None, :], mask=m_r, other=0.0)
+                e = tl.exp2(tl.where(lower, b_r[:, None, :] - b_r[None, :, :], float("-inf")).to(tl.float32))
+                ke = (k_r * rk_r[:, None])[None, :, :] * e
+                acc_kk += tl.sum((k_r * rk_r[:, None])[:, None, :] * ke, 2)
+                acc_qk += tl.sum((q_r * rq_r[:, None])[:, None, :] * ke, 2)
+            acc_kk = tl.where(o_c[:, None] > o_c[None, :], acc_kk, 0.0) * beta_r[:, None]
+            acc_qk = tl.where(o_c[:, None] >= o_c[None, :], acc_qk, 0.0) * scale
+            m_rr = ok_r[:, None] & ok_r[None, :]
+            blk = rows_r[:, None] * (HV * BT) + r * BC + o_c[None, :]
+            tl.store(akk_h + blk, acc_kk, mask=m_rr)
+            tl.store(aqk_h + blk, acc_qk, mask=m_rr)
+            # off-diagonal blocks: anchor on the first row of block r, b_s >= anchor >= b_r, factors <= 1
+            for s in tl.static_range(r):
                 rows_s = t0 + s * BC + o_c
-                ok_s = (s * BC + o_c) < n_rows
-                rk_s = _qk_inv_norm(k_h, rows_s, ok_s, s_kt, K, BK, USE_L2NORM)
+                rk_s = _qk_inv_norm(k_h, rows_s, rows_s < eos, s_kt, K, BK, USE_L2NORM)
                 acc_kk = tl.zeros([BC, BC], dtype=tl.float32)
                 acc_qk = tl.zeros([BC, BC], dtype=tl.float32)
                 for k0 in range(0, K, BK):
                     cols = k0 + tl.arange(0, BK)
                     col_ok = cols < K
                     m_r = ok_r[:, None] & col_ok[None, :]
-                    m_s = ok_s[:, None] & col_ok[None, :]
+                    m_s = col_ok[None, :] & (o_c >= 0)[:, None]  # block s < r is full
                     q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
                     k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
                     k_s = tl.load(k_h + rows_s[:, None] * s_kt + cols[None, :], mask=m_s, other=0.0).to(tl.float32)
-                    q_r = q_r * rq_r[:, None]
-                    k_r = k_r * rk_r[:, None]
-                    k_s = k_s * rk_s[:, None]
                     b_r = tl.load(gc_h + rows_r[:, None] * (HV * K) + cols[None, :], mask=m_r, other=0.0)
                     b_s = tl.load(gc_h + rows_s[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0.0)
-                    if s < r:
-                        # anchor on the first row of block r: b_s >= anchor >= b_r, both factors <= 1
-                        anchor = tl.load(gc_h + (t0 + r * BC) * (HV * K) + cols, mask=col_ok, other=0.0)
-                        e_r = tl.exp2(tl.where(m_r, b_r - anchor[None, :], 0.0).to(tl.float32))
-                        e_s = tl.exp2(tl.where(m_s, anchor[None, :] - b_s, 0.0).to(tl.float32))
-                        ks_t = tl.trans(k_s * e_s)
-                        acc_kk += tl.dot(k_r * e_r, ks_t, input_precision=DOT_PREC)
-                        acc_qk += tl.dot(q_r * e_r, ks_t, input_precision=DOT_PREC)
-                    else:
-                        # diagonal block: 2^(b_i - b_j) for i >= j only, pairwise (no factor can overflow)
-                        diff = b_r[:, None, :] - b_s[None, :, :]
-                        lower = (o_c[:, None] >= o_c[None, :]) & ok_r[:, None] & ok_s[None, :]
-                        lower = lower[:, :, None]
-                        e = tl.exp2(tl.where(lower, diff, float("-inf")).to(tl.float32))
-                        ke = k_s[None, :, :] * e
-                        acc_kk += tl.sum(k_r[:, None, :] * ke, 2)
-                        acc_qk += tl.sum(q_r[:, None, :] * ke, 2)
-                if s == r:
-                    acc_kk = tl.where(o_c[:, None] > o_c[None, :], acc_kk, 0.0)
-                    acc_qk = tl.where(o_c[:, None] >= o_c[None, :], acc_qk, 0.0)
-                acc_kk = acc_kk * beta_r[:, None]
-                acc_qk = acc_qk * scale
-                m_rs = ok_r[:, None] & ok_s[None, :]
-                cols_s = s * BC + o_c
-                tl.store(akk_h + rows_r[:, None] * (HV * BT) + cols_s[None, :], acc_kk, mask=m_rs)
-                tl.store(aqk_h + rows_r[:, None] * (HV * BT) + cols_s[None, :], acc_qk, mask=m_rs)
+                    anchor = tl.load(gc_h + (t0 + r * BC) * (HV * K) + cols, mask=col_ok, other=0.0)
+                    e_r = tl.exp2(tl.where(m_r, b_r - anchor[None, :], 0.0).to(tl.float32))
+                    e_s = tl.exp2(tl.where(m_s, anchor[None, :] - b_s, 0.0).to(tl.float32))
+                    ks_t = tl.trans(k_s * (e_s * rk_s[:, None]))
+                    acc_kk += tl.dot(k_r * (e_r * rk_r[:, None]), ks_t, input_precision=DOT_PREC)
+                    acc_qk += tl.dot(q_r * (e_r * rq_r[:, None]), ks_t, input_precision=DOT_PREC)
+                blk = rows_r[:, None] * (HV * BT) + s * BC + o_c[None, :]
+                tl.store(akk_h + blk, acc_kk * beta_r[:, None], mask=ok_r[:, None])
+                tl.store(aqk_h + blk, acc_qk * scale, mask=ok_r[:, None])
     tl.debug_barrier()
 
-    # 3. X = (I + A_kk)^-1 by forward substitution: X_i = e_i - sum_{j<i} A_kk[i, j] X_j
-    eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
-    X = eye
-    for i in range(1, n_rows):
-        a_row = tl.load(akk_h + (t0 + i) * (HV * BT) + o_t, mask=o_t < i, other=0.0)
-        x_i = tl.sum(a_row[:, None] * X, 0)
-        X = tl.where(o_t[:, None] == i, eye - x_i[None, :], X)
+    # 3. X = (I + A_kk)^-1, in place of A_kk. Diagonal blocks by forward substitution in registers
+    #    (X_i = e_i - sum_{j<i} L_ij X_j), then X_rs = -X_rr sum_{m=s}^{r-1} L_rm X_ms in ascending s,
+    #    which only ever reads L blocks not yet overwritten. fp32 throughout ("ieee" dots).
+    eye_c = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    for r in tl.static_range(NC):
+        if r * BC < n_rows:
+            ok_r = (r * BC + o_c) < n_rows
+            blk = (t0 + r * BC + o_c)[:, None] * (HV * BT) + r * BC + o_c[None, :]
+            L = tl.load(akk_h + blk, mask=ok_r[:, None] & ok_r[None, :] & (o_c[:, None] > o_c[None, :]), other=0.0)
+            Xd = eye_c
+            for i in tl.static_range(1, BC):
+                l_i = tl.sum(tl.where(o_c[:, None] == i, L, 0.0), 0)
+                x_i = tl.sum(l_i[:, None] * Xd, 0)
+                Xd = tl.where(o_c[:, None] == i, eye_c - x_i[None, :], Xd)
+            tl.store(akk_h + blk, Xd, mask=ok_r[:, None] & ok_r[None, :])
+    tl.debug_barrier()
+    for r in tl.static_range(1, NC):
+        if r * BC < n_rows:
+            ok_r = (r * BC + o_c) < n_rows
+            row_off = (t0 + r * BC + o_c)[:, None] * (HV * BT)
+            X_rr = tl.load(akk_h + row_off + r * BC + o_c[None, :], mask=ok_r[:, None] & ok_r[None, :], other=0.0)
+            for s in tl.static_range(r):
+                acc = tl.zeros([BC, BC], dtype=tl.float32)
+                for m in tl.static_range(s, r):
+                    L_rm = tl.load(akk_h + row_off + m * BC + o_c[None, :], mask=ok_r[:, None], other=0.0)
+                    X_ms = tl.load(akk_h + (t0 + m * BC + o_c)[:, None] * (HV * BT) + s * BC + o_c[None, :])
+                    acc += tl.dot(L_rm, X_ms, input_precision="ieee")
+                X_rs = -tl.dot(X_rr, acc, input_precision="ieee")
+                tl.store(akk_h + row_off + s * BC + o_c[None, :], X_rs, mask=ok_r[:, None])
+            tl.debug_barrier()
+    X = tl.load(akk_h + rows[:, None] * (HV * BT) + o_t[None, :],
+                mask=row_ok[:, None] & row_ok[None, :] & (o_t[:, None] >= o_t[None, :]), other=0.0)
 
-    # 4. W = X diag(beta) (2^b * K),  U0 = X diag(beta) V
+    # 4. W = X diag(beta) (2^b * K),  U0 = X diag(beta) V, and what the state walk needs per chunk:
+    #    Qd = scale 2^b * Q, Kr = 2^(b_last - b) * K, gt = 2^b_last (exponents from fp64 differences)
     Xb = X * b_beta[None, :]
+    last = t0 + n_rows - 1
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        m = row_ok[:, None] & (cols < K)[None, :]
-        k_c = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        col_ok = cols < K
+        m = row_ok[:, None] & col_ok[None, :]
+        ws_off = rows[:, None] * (HV * K) + i_hv * K + cols[None, :]
+        k_c = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        q_c = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
         b_c = tl.load(gc_h + rows[:, None] * (HV * K) + cols[None, :], mask=m, other=0.0)
-        kd = tl.where(m, k_c * rk[:, None] * tl.exp2(b_c.to(tl.float32)), 0.0)
+        b_last = tl.load(gc_h + last * (HV * K) + cols, mask=col_ok, other=0.0)
+        kd = tl.where(m, k_c * tl.exp2(b_c.to(tl.float32)), 0.0)
         w = tl.dot(Xb, kd, input_precision=DOT_PREC)
-        tl.store(w_ws + rows[:, None] * (HV * K) + i_hv * K + cols[None, :], w, mask=m)
+        tl.store(w_ws + ws_off, w, mask=m)
+        tl.store(qd_ws + ws_off, q_c * (scale * tl.exp2(b_c.to(tl.float32))), mask=m)
+        tl.store(kr_ws + ws_off, k_c * tl.exp2((b_last[None, :] - b_c).to(tl.float32)), mask=m)
+        tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         m = row_ok[:, None] & (cols < V)[None, :]
@@ -235,21 +273,25 @@ def _chunk_prepare_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    q, k, o, cu_seqlens, gc_ws, aqk_ws, w_ws, u_ws,
+    o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
-    s_qt, s_qh, s_kt, s_kh, s_ot, s_oh, src_stride, dst_stride,
-    T, scale,
+    s_ot, s_oh, src_stride, dst_stride,
+    T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_L2NORM: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
-    i_h = i_hv // (HV // H)
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    # prepare-kernel program of this sequence's first chunk (see _locate_chunk): indexes gt_ws
+    if IS_VARLEN:
+        p0 = bos // BT + i_n
+    else:
+        p0 = i_n.to(tl.int64) * NT
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -282,35 +324,26 @@ def _chunk_state_kernel(
         if read:
             S = tl.load(state_src + slot * src_stride + plane_off, mask=kv_ok, other=0.0).to(tl.float32)
 
-    q_h = q + i_h * s_qh
-    k_h = k + i_h * s_kh
     for t0 in range(bos, eos, BT):
         o_t = tl.arange(0, BT)
         rows = t0 + o_t
         row_ok = rows < eos
         m_k = row_ok[:, None] & k_ok[None, :]
         m_v = row_ok[:, None] & v_ok[None, :]
-        last = tl.minimum(eos, t0 + BT) - 1
+        ws_k = rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
 
-        w = tl.load(w_ws + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_k, other=0.0)
+        w = tl.load(w_ws + ws_k, mask=m_k, other=0.0)
         u0 = tl.load(u_ws + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_v, other=0.0)
         U = u0 - tl.dot(w, S, input_precision=DOT_PREC)
-
-        b = tl.load(gc_ws + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_k, other=0.0)
-        b_last = tl.load(gc_ws + last * (HV * K) + i_hv * K + o_k, mask=k_ok, other=0.0)
-        q_c = tl.load(q_h + rows[:, None] * s_qt + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        k_c = tl.load(k_h + rows[:, None] * s_kt + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        if USE_L2NORM:
-            q_c = q_c / tl.sqrt(tl.sum(q_c * q_c, 1) + 1e-6)[:, None]
-            k_c = k_c / tl.sqrt(tl.sum(k_c * k_c, 1) + 1e-6)[:, None]
-        qd = q_c * (scale * tl.exp2(b.to(tl.float32)))
-        kr = tl.where(m_k, k_c * tl.exp2((b_last[None, :] - b).to(tl.float32)), 0.0)
+        qd = tl.load(qd_ws + ws_k, mask=m_k, other=0.0)
+        kr = tl.load(kr_ws + ws_k, mask=m_k, other=0.0)
+        gt = tl.load(gt_ws + ((p0 + (t0 - bos) // BT) * HV + i_hv) * K + o_k, mask=k_ok, other=0.0)
         aqk = tl.load(aqk_ws + rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :],
                       mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
 
         out = tl.dot(qd, S, input_precision=DOT_PREC) + tl.dot(aqk, U, input_precision=DOT_PREC)
         tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], round_to(out, o.dtype.element_ty), mask=m_v)
-        S = S * tl.exp2(b_last.to(tl.float32))[:, None] + tl.dot(tl.trans(kr), U, input_precision=DOT_PREC)
+        S = S * gt[:, None] + tl.dot(tl.trans(kr), U, input_precision=DOT_PREC)
 
     if HAS_DST:
         tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
@@ -338,18 +371,21 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     aqk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
     w_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
     u_ws = torch.empty((total, HV, V), dtype=torch.float32, device=dev)
+    qd_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
+    kr_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
+    gt_ws = torch.empty((max(n_programs, 1), HV, K), dtype=torch.float32, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     if total > 0 and n_programs > 0:
         BK = min(64, pow2_at_least(K))
         BVp = min(64, pow2_at_least(V))
-        _chunk_prepare_kernel[(n_programs, HV)](
+        kp = _chunk_prepare_kernel[(n_programs, HV)](
             q, k, v, g, beta, A_log, dt_bias, cu,
-            gc_ws, akk_ws, aqk_ws, w_ws, u_ws,
+            gc_ws, akk_ws, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
             q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
             g.stride(1), g.stride(2), beta.stride(1), beta.stride(2),
             T, N, NT, call.scale, lower_bound,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=BVp,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BKD=16, BV=BVp,
             IS_VARLEN=varlen, USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
             HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
             USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
@@ -358,18 +394,32 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     BKF = pow2_at_least(K)
     BV = 32 if V > 16 else 16
     dummy = gc_ws
-    _chunk_state_kernel[(triton.cdiv(V, BV), N, HV)](
-        q, k, o, cu, gc_ws, aqk_ws, w_ws, u_ws,
+    ks = _chunk_state_kernel[(triton.cdiv(V, BV), N, HV)](
+        o, cu, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
         st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
         st.slot_of_seq if st.slot_of_seq is not None else dummy,
         st.has_initial_state if st.has_initial_state is not None else dummy,
-        q.stride(1), q.stride(2), k.stride(1), k.stride(2), o.stride(1), o.stride(2),
-        st.src_stride, st.dst_stride,
-        T, call.scale,
+        o.stride(1), o.stride(2), st.src_stride, st.dst_stride,
+        T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKF, BV=BV,
-        IS_VARLEN=varlen, USE_L2NORM=call.use_qk_l2norm_in_kernel,
+        IS_VARLEN=varlen,
         HAS_SRC=st.src is not None, HAS_DST=st.dst is not None, PAGED=call.state_mode == "paged",
         HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first,
-        DOT_PREC=prec, num_warps=4,
+        DOT_PREC=prec, num_warps=8, num_stages=1,
     )
+    if _PRINT_STATS and total > 0 and n_programs > 0:
+        _print_stats(kp, ks)
     return o, st.final_state
+
+
+_PRINT_STATS = os.environ.get("KDA_KERNEL_STATS", "0") == "1"
+_seen_stats = set()
+
+
+def _print_stats(*kernels):
+    for kern in kernels:
+        key = (kern.name, getattr(kern, "n_regs", None), getattr(kern, "n_spills", None))
+        if key not in _seen_stats:
+            _seen_stats.add(key)
+            print(f"[kda] {kern.name}: regs {getattr(kern, 'n_regs', '?')} spills {getattr(kern, 'n_spills', '?')} "
+                  f"shared {getattr(kern, 'metadata', None) and kern.metadata.shared}", flush=True)

@@ -1,0 +1,93 @@
+"""The front door: bad input raises ValueError/TypeError naming the argument, before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import bits, make_inputs, poison_pool
+
+import kda
+from kda import contract
+
+FNS = [kda.chunk_kda, kda.fused_recurrent_kda]
+
+
+def _call(fn, **over):
+    """A valid paged call with `over` replacing arguments; returns (fn result or exception, pool, out)."""
+    q, k, v, g, beta, _ = make_inputs(1, 6, 1, 2, 8, 8, seed=1)
+    pool = poison_pool(4, (2, 8, 8), torch.float32, "cpu")
+    out = torch.full((1, 6, 2, 8), 7.0)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, state_cache=pool,
+                state_indices=torch.tensor([1, 2], dtype=torch.int32),
+                has_initial_state=torch.tensor([False, False]),
+                cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32), state_v_first=True, out=out)
+    args.update(over)
+    cache = args.get("state_cache")
+    pool_before, out_before = bits(cache) if cache is not None else None, bits(out)
+    pos = [args.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises((ValueError, TypeError)) as info:
+        fn(*pos, **args)
+    if pool_before is not None:
+        assert torch.equal(bits(cache), pool_before), "a failed call wrote the pool"
+    assert torch.equal(bits(out), out_before), "a failed call wrote out"
+    return info
+
+
+BAD = [
+    ("initial_state", dict(initial_state=torch.zeros(2, 2, 8, 8)), "initial_state"),
+    ("state_indices dtype", dict(state_indices=torch.tensor([1, 2])), "state_indices"),
+    ("state_indices shape", dict(state_indices=torch.tensor([1], dtype=torch.int32)), "state_indices"),
+    ("has_initial_state dtype", dict(has_initial_state=torch.tensor([1, 0], dtype=torch.int32)), "has_initial_state"),
+    ("output_final_state", dict(output_final_state=True), "output_final_state"),
+    ("out dtype", dict(out=torch.zeros(1, 6, 2, 8, dtype=torch.float16)), "out"),
+    ("A_log without gate", dict(A_log=torch.zeros(2)), "A_log"),
+    ("lower_bound positive", dict(use_gate_in_kernel=True, lower_bound=1.0), "lower_bound"),
+    ("cu_seqlens dtype", dict(cu_seqlens=torch.tensor([0.0, 2.0, 6.0])), "cu_seqlens"),
+    ("cu_seqlens_cpu mismatch", dict(cu_seqlens_cpu=[0, 2, 5]), "cu_seqlens_cpu"),
+    ("state layout", dict(state_v_first=False, state_cache=torch.zeros(4, 2, 8, 4)), "state_cache"),
+    ("state_dtype mismatch", dict(state_dtype=torch.bfloat16), "state_dtype"),
+    ("scale type", dict(scale="x"), "scale"),
+    ("q dtype", dict(q=torch.zeros(1, 6, 1, 8, dtype=torch.float64)), "q"),
+    ("v shape", dict(v=torch.zeros(6, 2, 8)), "v"),
+    ("g shape", dict(g=torch.zeros(1, 6, 2, 7)), "g"),
+    ("unknown keyword", dict(use_qk_l2norm=True), "use_qk_l2norm"),
+]
+
+
+@pytest.mark.parametrize("fn", FNS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("name,over,word", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_naming_the_argument_and_writes_nothing(fn, name, over, word):
+    info = _call(fn, **over)
+    assert word in str(info.value)
+
+
+def test_chunk_needs_has_initial_state_with_a_pool():
+    info = _call(kda.chunk_kda, has_initial_state=None)
+    assert "has_initial_state" in str(info.value)
+
+
+def test_out_overlapping_an_input_is_refused():
+    q, k, v, g, beta, _ = make_inputs(1, 4, 1, 1, 8, 8, seed=2)
+    for fn in FNS:
+        with pytest.raises(ValueError, match="overlaps v"):
+            fn(q, k, v, g, beta, out=v)
+
+
+def test_cpu_tensors_without_the_interpreter_name_both_options(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, g, beta, _ = make_inputs(1, 4, 1, 1, 8, 8, seed=3)
+    if q.device.type != "cpu":
+        pytest.skip("CPU-only check")
+    with pytest.raises(ValueError) as info:
+        kda.chunk_kda(q, k, v, g, beta)
+    assert "TRITON_INTERPRET=1" in str(info.value) and "kda_reference" in str(info.value)
+
+
+def test_debug_mode_checks_slot_range_and_uniqueness(monkeypatch):
+    monkeypatch.setenv("KDA_DEBUG", "1")
+    assert contract.debug_enabled()
+    for idx, word in (([1, 9], "slot"), ([2, 2], "twice")):
+        info = _call(kda.fused_recurrent_kda, state_indices=torch.tensor(idx, dtype=torch.int32))
+        assert word in str(info.value)
+    info = _call(kda.chunk_kda, cu_seqlens=torch.tensor([0, 4, 3], dtype=torch.int32))
+    assert "cu_seqlens" in str(info.value)
