@@ -1,0 +1,595 @@
+"""Benchmark `kda` against fla 0.6.0 on the shapes of ANCHORS.md, side by side in one run.
+
+    python -m kda.bench [--shapes prefill,varlen,decode|all] [--out FILE.md] [--no-fla]
+
+Every row times a call eagerly (a plain Python call, host overhead included) and as CUDA-graph replay
+(capture after warm-up, time `graph.replay`), both with `triton.testing.do_bench` and its median.
+Inputs follow ANCHORS.md: q, k, v bf16 random, K = V = 128, raw fp32 gate with the in-kernel lower-bound
+gate (lb = -5, `A_log` and `dt_bias` given), in-kernel q/k L2 norm and beta sigmoid, fp32 initial state,
+final state returned. Nothing is timed on zeros.
+
+Rows:
+- `prefill BxT H=h`: dense `initial_state` [N, HV, K, V] + `output_final_state=True`; fla `chunk_kda`.
+- `prefill BxT H=h paged`: kda's paged contract (`state_cache` [4N, HV, V, K] fp32, random distinct
+  slots, `has_initial_state` all true, `state_v_first=True`). fla has no paged prefill: its columns time
+  what serving engines do around it (gather the slots, call with `state_v_first=True`, scatter back).
+- `varlen ...`: 12 single-token sequences then 1100, 1300 and 900 tokens, H=32, dense initial state,
+  `cu_seqlens` int64 on the device (no host copy passed to either library).
+- `decode N=n`: one token per sequence, paged pool of 4N slots in fp32 (and bf16 / fp16 at N=256),
+  `state_v_first=True`; fla `fused_recurrent_kda_fwd(initial_state=pool, inplace_final_state=True,
+  ssm_state_indices=idx)`.
+
+The HBM floor of a row is the bytes that must move (q, k, v, o in bf16, g in fp32, beta, the state read
+and written once in its dtype) over the copy bandwidth measured at the start of the run (a large
+device-to-device copy, bytes read plus bytes written); the last floor column uses ANCHORS' 4.25 TB/s.
+
+Before timing, each row runs kda and fla once on identical inputs and reports the relative L2 difference
+of the outputs and of the final states (a check that both compute the same function).
+
+A graph is captured only if one eager call after warm-up makes no host sync
+(`torch.cuda.set_sync_debug_mode("error")`); otherwise the graph cell says why. Every failure is caught
+per cell and reported under the table; the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+K_DIM = 128
+V_DIM = 128
+LOWER_BOUND = -5.0
+ANCHOR_BW = 4.25e12  # bytes/s, ANCHORS.md's measured copy bandwidth on the H200
+GROUPS = ("prefill", "varlen", "decode")
+PREFILL_SHAPES = ((1, 4096, 12), (1, 16384, 12), (1, 4096, 32), (1, 16384, 32), (1, 8192, 96),
+                  (1, 65536, 12), (4, 4096, 32))
+VARLEN_LENS = (1,) * 12 + (1100, 1300, 900)
+VARLEN_H = 32
+DECODE_H = 12
+DECODE_NS = (1, 64, 256, 1024)
+NARROW_POOL_N = 256
+NARROW_POOL_TARGET = 0.6
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+# --------------------------------------------------------------------------------------------------------
+# cases
+# --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    group: str              # prefill | varlen | decode
+    mode: str               # dense | paged | decode
+    B: int
+    T: int
+    H: int
+    seqlens: tuple[int, ...] | None = None
+    pool_dtype: str = "float32"
+
+    @property
+    def N(self) -> int:
+        return len(self.seqlens) if self.seqlens is not None else self.B
+
+
+def all_cases() -> list[Case]:
+    cases = []
+    for B, T, H in PREFILL_SHAPES:
+        label = f"prefill {B}x{T} H={H}"
+        cases.append(Case(label, "prefill", "dense", B, T, H))
+        cases.append(Case(label + " paged", "prefill", "paged", B, T, H))
+    n1 = VARLEN_LENS.count(1)
+    rest = " + ".join(str(n) for n in VARLEN_LENS if n != 1)
+    cases.append(Case(f"varlen {n1}x1 + {rest} H={VARLEN_H}", "varlen", "dense", 1, sum(VARLEN_LENS), VARLEN_H,
+                      seqlens=VARLEN_LENS))
+    for n in DECODE_NS:
+        cases.append(Case(f"decode N={n} H={DECODE_H} fp32 pool", "decode", "decode", n, 1, DECODE_H))
+    for dt in ("bfloat16", "float16"):
+        cases.append(Case(f"decode N={NARROW_POOL_N} H={DECODE_H} {DTYPE_SHORT[dt]} pool", "decode", "decode",
+                          NARROW_POOL_N, 1, DECODE_H, pool_dtype=dt))
+    return cases
+
+
+def floor_bytes(case: Case) -> int:
+    """Bytes that must move: q, k, v, o (bf16), g (fp32), beta (bf16), A_log + dt_bias (fp32), the state
+    of every sequence read once and written once in its dtype, and the slot indices (decode)."""
+    H = HV = case.H
+    ntok = case.B * case.T
+    per_tok = 2 * (H * K_DIM * 2) + 2 * (HV * V_DIM * 2) + HV * K_DIM * 4 + HV * 2
+    state = 2 * case.N * HV * K_DIM * V_DIM * DTYPES[case.pool_dtype].itemsize
+    params = HV * 4 + HV * K_DIM * 4
+    idx = case.N * 4 if case.mode in ("paged", "decode") else 0
+    return ntok * per_tok + state + params + idx
+
+
+# --------------------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------------------
+
+class HostSync(RuntimeError):
+    pass
+
+
+@dataclass
+class Timer:
+    warmup_ms: int
+    rep_ms: int
+
+    def bench(self, fn) -> float:
+        """Median of triton.testing.do_bench, in microseconds."""
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median") * 1e3
+
+    def eager(self, fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        return self.bench(fn)
+
+    def graph(self, fn) -> float:
+        # the call must not read device memory back to the host, or capture would fail (and may leave the
+        # context in a bad state): check one eager call with sync debugging first
+        fn()
+        torch.cuda.synchronize()
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        except RuntimeError as e:
+            if "synchroniz" not in str(e).lower():
+                raise
+            raise HostSync(f"not captured: the call syncs with the host ({_short(e, 160)})") from None
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        try:
+            return self.bench(graph.replay)
+        finally:
+            del graph
+            torch.cuda.synchronize()
+
+
+def measure_bandwidth(timer: Timer, gib: float) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = int(gib * (1 << 30)) // 4
+    bufs = [torch.empty(n, dtype=torch.float32, device="cuda").normal_()]
+    bufs.append(torch.empty_like(bufs[0]))
+    t_us = timer.eager(lambda: bufs[1].copy_(bufs[0]))
+    bufs.clear()
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / (t_us * 1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------
+# one row
+# --------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    case: Case
+    floor_b: int
+    kda_eager: float | str | None = None
+    kda_graph: float | str | None = None
+    fla_eager: float | str | None = None
+    fla_graph: float | str | None = None
+    o_diff: float | str | None = None
+    s_diff: float | str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    msg = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
+    msg = re.sub(r"\s+", " ", msg)
+    return msg if len(msg) <= n else msg[: n - 3] + "..."
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _tokens(B: int, T: int, H: int, HV: int, dev: str):
+    q = torch.randn(B, T, H, K_DIM, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, T, H, K_DIM, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, T, HV, V_DIM, device=dev, dtype=torch.bfloat16)
+    g = torch.randn(B, T, HV, K_DIM, device=dev, dtype=torch.float32)
+    beta = torch.randn(B, T, HV, device=dev, dtype=torch.bfloat16)
+    A_log = torch.empty(HV, device=dev, dtype=torch.float32).uniform_(1.0, 16.0).log_()
+    dt_bias = torch.randn(HV * K_DIM, device=dev, dtype=torch.float32) * 0.5
+    return q, k, v, g, beta, A_log, dt_bias
+
+
+def build(case: Case, fla, fla_extra: dict, dev: str = "cuda"):
+    """Returns (kda_call, fla_call or None, compare) for one case; compare() runs each side once on
+    identical inputs and returns (o rel diff, state rel diff)."""
+    import kda
+
+    H = HV = case.H
+    q, k, v, g, beta, A_log, dt_bias = _tokens(case.B, case.T, H, HV, dev)
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+                 A_log=A_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND)
+    cu = None
+    if case.seqlens is not None:
+        cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], dtype=torch.int64, device=dev)
+    N = case.N
+    fla_chunk, fla_decode = (fla if fla is not None else (None, None))
+
+    if case.mode == "dense":
+        h0 = torch.randn(N, HV, K_DIM, V_DIM, device=dev, dtype=torch.float32) * 0.1
+
+        def kda_call():
+            return kda.chunk_kda(q, k, v, g, beta, None, h0, True, cu_seqlens=cu, **flags)
+
+        def fla_call():
+            return fla_chunk(q, k, v, g, beta, scale=None, initial_state=h0, output_final_state=True,
+                             cu_seqlens=cu, **flags, **fla_extra)
+
+        def compare():
+            o1, s1 = kda_call()
+            o2, s2 = fla_call()
+            return _rel(o1, o2), _rel(s1, s2)
+
+        return kda_call, (fla_call if fla_chunk else None), compare
+
+    slots = 4 * N
+    pool_dtype = DTYPES[case.pool_dtype]
+    pool0 = (torch.randn(slots, HV, V_DIM, K_DIM, device=dev, dtype=torch.float32) * 0.1).to(pool_dtype)
+    idx = torch.randperm(slots, device=dev)[:N].to(torch.int32)
+    idx64 = idx.long()
+    pool_k = pool0.clone()
+    pool_f = pool0.clone()
+
+    if case.mode == "paged":
+        has_init = torch.ones(N, dtype=torch.bool, device=dev)
+
+        def kda_call():
+            return kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, state_cache=pool_k, state_indices=idx,
+                                 has_initial_state=has_init, state_v_first=True, **flags)
+
+        def fla_call():  # what an engine does around fla: gather, call, scatter
+            h0 = pool_f.index_select(0, idx64)
+            o, ht = fla_chunk(q, k, v, g, beta, scale=None, initial_state=h0, output_final_state=True,
+                              state_v_first=True, cu_seqlens=cu, **flags, **fla_extra)
+            pool_f.index_copy_(0, idx64, ht.to(pool_f.dtype))
+            return o, None
+
+    else:  # decode
+        def kda_call():
+            return kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool_k, state_indices=idx,
+                                           state_v_first=True, **flags)
+
+        def fla_call():
+            return fla_decode(q, k, v, g, beta, initial_state=pool_f, inplace_final_state=True,
+                              state_v_first=True, ssm_state_indices=idx, **flags)
+
+    def compare():
+        pool_k.copy_(pool0)
+        pool_f.copy_(pool0)
+        o1, _ = kda_call()
+        o2, _ = fla_call()
+        return _rel(o1, o2), _rel(pool_k.index_select(0, idx64), pool_f.index_select(0, idx64))
+
+    return kda_call, (fla_call if fla_chunk else None), compare
+
+
+def run_case(case: Case, timer: Timer, fla, fla_extra: dict) -> Row:
+    row = Row(case, floor_bytes(case))
+    try:
+        torch.manual_seed(zlib.crc32(case.name.encode()))
+        kda_call, fla_call, compare = build(case, fla, fla_extra)
+    except Exception as e:  # noqa: BLE001 - a failed row is reported, the run goes on
+        row.notes.append(f"inputs: {_short(e)}")
+        row.kda_eager = row.kda_graph = row.fla_eager = row.fla_graph = "err"
+        return row
+    if fla_call is None:
+        row.fla_eager = row.fla_graph = "n/a"
+        row.o_diff = row.s_diff = "-"
+    else:
+        try:
+            row.o_diff, row.s_diff = compare()
+        except Exception as e:  # noqa: BLE001
+            row.o_diff = row.s_diff = "err"
+            row.notes.append(f"kda vs fla check: {_short(e)}")
+            traceback.print_exc()
+    for who, fn in (("kda", kda_call), ("fla", fla_call)):
+        if fn is None:
+            continue
+        for how in ("eager", "graph"):
+            attr = f"{who}_{how}"
+            try:
+                setattr(row, attr, getattr(timer, how)(fn))
+            except HostSync as e:
+                setattr(row, attr, "sync")
+                row.notes.append(f"{who} graph: {e}")
+            except Exception as e:  # noqa: BLE001
+                setattr(row, attr, "err")
+                row.notes.append(f"{who} {how}: {_short(e)}")
+                traceback.print_exc()
+            try:
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a sticky CUDA error: later rows will say so too
+                row.notes.append(f"after {who} {how}: {_short(e)}")
+    return row
+
+
+# --------------------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------------------
+
+def _fmt_us(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return f"{x:.1f}" if x < 1000 else f"{x:.0f}"
+
+
+def _best(row: Row, who: str) -> tuple[float | None, str]:
+    """The graph time if there is one, else the eager time marked '(eager)'."""
+    g, e = getattr(row, f"{who}_graph"), getattr(row, f"{who}_eager")
+    if isinstance(g, float):
+        return g, ""
+    if isinstance(e, float):
+        return e, " (eager)"
+    return None, ""
+
+
+def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
+    lines = ["# kda benchmark", ""]
+    lines += [f"- {m}" for m in meta]
+    lines += ["", "| shape | kda eager us | kda graph us | fla eager us | fla graph us | kda/fla (graph) "
+              "| kda graph / floor | floor us | floor us @4.25 TB/s | kda vs fla rel diff o / state |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    notes: list[str] = []
+    for r in rows:
+        floor_us = r.floor_b / bw * 1e6
+        floor_anchor = r.floor_b / ANCHOR_BW * 1e6
+        ratio = "-"
+        if isinstance(r.kda_graph, float) and isinstance(r.fla_graph, float):
+            ratio = f"{r.kda_graph / r.fla_graph:.2f}"
+        elif isinstance(r.kda_eager, float) and isinstance(r.fla_eager, float):
+            ratio = f"{r.kda_eager / r.fla_eager:.2f} (eager)"
+        kb, kmark = _best(r, "kda")
+        over = f"{kb / floor_us:.1f}{kmark}" if kb is not None else "-"
+        diff = "-"
+        if isinstance(r.o_diff, float) and isinstance(r.s_diff, float):
+            diff = f"{r.o_diff:.1e} / {r.s_diff:.1e}"
+        elif r.o_diff is not None:
+            diff = f"{r.o_diff} / {r.s_diff}"
+        label = r.case.name
+        if r.notes:
+            refs = []
+            for n in r.notes:
+                notes.append(f"[{len(notes) + 1}] {r.case.name}: {n}")
+                refs.append(str(len(notes)))
+            label += " [" + ",".join(refs) + "]"
+        lines.append(f"| {label} | {_fmt_us(r.kda_eager)} | {_fmt_us(r.kda_graph)} | {_fmt_us(r.fla_eager)} | "
+                     f"{_fmt_us(r.fla_graph)} | {ratio} | {over} | {floor_us:.1f} | {floor_anchor:.1f} | {diff} |")
+    lines.append("")
+    lines.append("kda/fla: kda time over fla time (below 1: kda is faster), graph times where both have one. "
+                 "Floor: bytes that must move over the copy bandwidth. 'sync': the call reads device memory "
+                 "back to the host, so it was not captured in a graph. 'n/a': fla not importable or not run. "
+                 "'paged' rows: kda reads and writes a [4N, HV, V, K] fp32 pool in place; fla has no paged prefill, "
+                 "so its columns time what an engine does around it: gather the slots (index_select), fla chunk_kda "
+                 "with state_v_first=True, scatter back (index_copy_).")
+    # narrow state pools against the fp32 pool (decode N=256)
+    by_name = {r.case.name: r for r in rows}
+    base = by_name.get(f"decode N={NARROW_POOL_N} H={DECODE_H} fp32 pool")
+    if base is not None:
+        for dt in ("bf16", "fp16"):
+            r = by_name.get(f"decode N={NARROW_POOL_N} H={DECODE_H} {dt} pool")
+            if r is None:
+                continue
+            parts = []
+            for who in ("kda", "fla"):
+                a, am = _best(r, who)
+                b, bm = _best(base, who)
+                if a is not None and b is not None and am == bm:
+                    verdict = ""
+                    if who == "kda":
+                        verdict = " (meets" if a / b <= NARROW_POOL_TARGET else " (misses"
+                        verdict += f" the <= {NARROW_POOL_TARGET}x target)"
+                    parts.append(f"{who} {a / b:.2f}x{am}{verdict}")
+            if parts:
+                lines.append("")
+                lines.append(f"decode N={NARROW_POOL_N} {dt} pool time over fp32 pool time: " + "; ".join(parts))
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    if not done:
+        lines += ["", "(run in progress or interrupted: rows so far)"]
+    return "\n".join(lines) + "\n"
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head + (" (+ uncommitted changes)" if dirty else "")
+    except Exception:  # noqa: BLE001 - no git or no .git on the GPU machine
+        return os.environ.get("KDA_COMMIT", "unknown") + " (from KDA_COMMIT)"
+
+
+def _driver() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def load_fla():
+    """(chunk_kda, fused_recurrent_kda_fwd, version) or raises."""
+    from fla.ops.kda import chunk_kda as fla_chunk
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_decode
+
+    try:
+        import fla as _fla
+
+        version = getattr(_fla, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        version = "?"
+    return fla_chunk, fla_decode, version
+
+
+# --------------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------------
+
+def _groups(text: str) -> tuple[str, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("empty --shapes")
+    if "all" in parts:
+        return GROUPS
+    bad = [p for p in parts if p not in GROUPS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown shape group(s) {bad}; choose from {', '.join(GROUPS)} or all")
+    return tuple(p for p in GROUPS if p in parts)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m kda.bench",
+        description="Time kda (and fla 0.6.0 when importable) on the ANCHORS.md shapes: eager and CUDA-graph "
+                    "medians of triton.testing.do_bench, against the HBM floor. Needs a CUDA device.")
+    p.add_argument("--shapes", type=_groups, default=GROUPS, metavar="GROUPS",
+                   help="comma list of prefill, varlen, decode, or 'all' (default: all)")
+    p.add_argument("--filter", default=None, metavar="REGEX",
+                   help="only rows whose name matches this regular expression (e.g. 'H=12')")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE.md",
+                   help="also write the markdown report here (rewritten after every row)")
+    p.add_argument("--no-fla", action="store_true", help="do not import or time fla")
+    p.add_argument("--fla-safe-gate", action="store_true",
+                   help="pass safe_gate=True to fla's chunk_kda (its M=16 tensor-core path for bounded gates; "
+                        "ANCHORS.md's numbers are without it)")
+    p.add_argument("--warmup", type=int, default=25, metavar="MS", help="do_bench warm-up in ms (default 25)")
+    p.add_argument("--rep", type=int, default=100, metavar="MS", help="do_bench repetition time in ms (default 100)")
+    p.add_argument("--bw-gib", type=float, default=2.0, metavar="GIB",
+                   help="size of the tensor copied to measure bandwidth (default 2 GiB)")
+    p.add_argument("--list", action="store_true", help="list the rows and exit (no GPU needed)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cases = [c for c in all_cases() if c.group in args.shapes]
+    if args.filter:
+        rx = re.compile(args.filter)
+        cases = [c for c in cases if rx.search(c.name)]
+    if args.list:
+        for c in cases:
+            fb = floor_bytes(c)
+            print(f"{c.name}: floor {fb / 1e6:.1f} MB, {fb / ANCHOR_BW * 1e6:.1f} us @4.25 TB/s")
+        return 0
+    if not cases:
+        print("kda.bench: no rows selected", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("kda.bench needs a CUDA device (torch.cuda.is_available() is False); it times GPU kernels and "
+              "has no CPU mode. Run it on the GPU machine: see benchmarks/README.md.", file=sys.stderr)
+        return 2
+    if os.environ.get("KDA_DEBUG", "0") not in ("", "0"):
+        print("kda.bench: warning: KDA_DEBUG is set; its checks sync with the host and distort eager times "
+              "and disable graph capture", file=sys.stderr)
+    import triton
+
+    torch.set_grad_enabled(False)
+    timer = Timer(args.warmup, args.rep)
+
+    fla, fla_extra, fla_desc = None, {}, "not run (--no-fla)"
+    if not args.no_fla:
+        try:
+            fla_chunk, fla_decode, fla_version = load_fla()
+            fla = (fla_chunk, fla_decode)
+            fla_desc = f"fla {fla_version} (chunk_kda, fused_recurrent.fused_recurrent_kda_fwd)"
+            if args.fla_safe_gate:
+                fla_extra = {"safe_gate": True}
+                fla_desc += ", safe_gate=True"
+        except Exception as e:  # noqa: BLE001
+            fla_desc = f"not importable: {_short(e)}"
+    print(f"[bench] fla: {fla_desc}", file=sys.stderr, flush=True)
+
+    bw = measure_bandwidth(timer, args.bw_gib)
+    props = torch.cuda.get_device_properties(0)
+    meta = [
+        f"device: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
+        f"driver {_driver()}, CUDA {torch.version.cuda}",
+        f"torch {torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}",
+        f"fla: {fla_desc}",
+        f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"commit: {git_commit()}",
+        f"copy bandwidth measured: {bw / 1e12:.2f} TB/s (device-to-device copy of {args.bw_gib:g} GiB, "
+        "bytes read + written); 'floor us' uses it, 'floor us @4.25 TB/s' uses ANCHORS.md's",
+        f"timing: triton.testing.do_bench median (warmup {args.warmup} ms, rep {args.rep} ms); eager = plain "
+        "Python call, graph = torch.cuda.CUDAGraph replay",
+        "inputs: q, k, v, beta bf16 randn; g fp32 randn (raw gate, in-kernel lower-bound gate lb=-5 with A_log, "
+        "dt_bias); in-kernel q/k l2norm and beta sigmoid; K = V = 128; HV = H; fp32 initial state (randn x 0.1), "
+        "final state returned",
+    ]
+    print(f"[bench] copy bandwidth {bw / 1e12:.2f} TB/s", file=sys.stderr, flush=True)
+
+    rows: list[Row] = []
+
+    def write(done: bool) -> str:
+        text = render(meta, rows, bw, done)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        return text
+
+    for case in cases:
+        t0 = time.time()
+        print(f"[bench] {case.name} ...", file=sys.stderr, flush=True)
+        try:
+            row = run_case(case, timer, fla, fla_extra)
+        except Exception as e:  # noqa: BLE001 - never lose the rows already measured
+            row = Row(case, floor_bytes(case), "err", "err", "err", "err", notes=[_short(e)])
+            traceback.print_exc()
+        rows.append(row)
+        print(f"[bench] {case.name}: kda {_fmt_us(row.kda_eager)} / {_fmt_us(row.kda_graph)} us, "
+              f"fla {_fmt_us(row.fla_eager)} / {_fmt_us(row.fla_graph)} us (eager / graph), "
+              f"floor {row.floor_b / bw * 1e6:.1f} us, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        for n in row.notes:
+            print(f"[bench]   note: {n}", file=sys.stderr, flush=True)
+        write(False)
+        gc.collect()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            print(f"[bench] CUDA error after {case.name}: {_short(e)}", file=sys.stderr, flush=True)
+    text = write(True)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
