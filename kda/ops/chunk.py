@@ -364,7 +364,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     n_programs = (T // BT + N) if varlen else B * NT
     cu = call.cu_seqlens if varlen else call.q  # dummy pointer when dense
     A_log, dt_bias, lower_bound = gate_params(call)
-    prec = dot_precision()
+    prec = dot_precision(call.q.dtype)
 
     gc_ws = torch.empty((total, HV, K), dtype=torch.float64, device=dev)
     akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
@@ -377,7 +377,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     if total > 0 and n_programs > 0:
-        BK = min(64, pow2_at_least(K))
+        BK = min(32, pow2_at_least(K))
         BVp = min(64, pow2_at_least(V))
         kp = _chunk_prepare_kernel[(n_programs, HV)](
             q, k, v, g, beta, A_log, dt_bias, cu,
@@ -389,7 +389,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
             IS_VARLEN=varlen, USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
             HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
             USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
-            DOT_PREC=prec, num_warps=4,
+            DOT_PREC=prec, num_warps=8,
         )
     BKF = pow2_at_least(K)
     BV = 32 if V > 16 else 16

@@ -9,6 +9,7 @@ reads the plane of `slot_of_seq[n]` from `state_src` and writes it to the same s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -111,13 +112,18 @@ def gate_params(call: KDACall) -> tuple[torch.Tensor, torch.Tensor, float]:
             call.lower_bound if call.lower_bound is not None else 0.0)
 
 
-def dot_precision() -> str:
-    """fp32 dots: exact ("ieee") in the interpreter, "tf32" on the GPU unless KDA_DOT_PRECISION says."""
-    import os
-
+def dot_precision(input_dtype: torch.dtype) -> str:
+    """Precision of the fp32 dots. The interpreter computes exact fp32 ("ieee"). On the GPU: fp32 inputs
+    get exact fp32 dots (a caller passing fp32 asks for fp32 accuracy); bf16/fp16 inputs get tf32, whose
+    rounding (2^-11) stays below the inputs' own. `KDA_DOT_PRECISION` (ieee, tf32, tf32x3) overrides."""
     if interpreting():
         return "ieee"
-    return os.environ.get("KDA_DOT_PRECISION", "tf32")
+    if _DOT_PRECISION_OVERRIDE:
+        return _DOT_PRECISION_OVERRIDE
+    return "ieee" if input_dtype == torch.float32 else "tf32"
+
+
+_DOT_PRECISION_OVERRIDE = os.environ.get("KDA_DOT_PRECISION", "")
 
 
 def pow2_at_least(x: int, lo: int = 16) -> int:
