@@ -105,8 +105,10 @@ def _chunk_prepare_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, SKIP: tl.constexpr = 0,
 ):
+    # SKIP: development aid, bits 1/2/4/8 leave out the diagonal blocks, the off-diagonal blocks, the
+    # inverse, the W/U0/Qd/Kr stage (wrong results; used only to time the stages apart)
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -168,16 +170,17 @@ def _chunk_prepare_kernel(
             lower = ((o_c[:, None] >= o_c[None, :]) & ok_r[:, None] & ok_r[None, :])[:, :, None]
             acc_kk = tl.zeros([BC, BC], dtype=tl.float32)
             acc_qk = tl.zeros([BC, BC], dtype=tl.float32)
-            for k0 in range(0, K, BKD):
-                cols = k0 + tl.arange(0, BKD)
-                m_r = ok_r[:, None] & (cols < K)[None, :]
-                q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
-                k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
-                b_r = tl.load(gc_h + rows_r[:, None] * (HV * K) + cols[None, :], mask=m_r, other=0.0)
-                e = tl.exp2(tl.where(lower, b_r[:, None, :] - b_r[None, :, :], float("-inf")).to(tl.float32))
-                ke = (k_r * rk_r[:, None])[None, :, :] * e
-                acc_kk += tl.sum((k_r * rk_r[:, None])[:, None, :] * ke, 2)
-                acc_qk += tl.sum((q_r * rq_r[:, None])[:, None, :] * ke, 2)
+            if (SKIP & 1) == 0:
+                for k0 in range(0, K, BKD):
+                    cols = k0 + tl.arange(0, BKD)
+                    m_r = ok_r[:, None] & (cols < K)[None, :]
+                    q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+                    k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+                    b_r = tl.load(gc_h + rows_r[:, None] * (HV * K) + cols[None, :], mask=m_r, other=0.0)
+                    e = tl.exp2(tl.where(lower, b_r[:, None, :] - b_r[None, :, :], float("-inf")).to(tl.float32))
+                    ke = (k_r * rk_r[:, None])[None, :, :] * e
+                    acc_kk += tl.sum((k_r * rk_r[:, None])[:, None, :] * ke, 2)
+                    acc_qk += tl.sum((q_r * rq_r[:, None])[:, None, :] * ke, 2)
             acc_kk = tl.where(o_c[:, None] > o_c[None, :], acc_kk, 0.0) * beta_r[:, None]
             acc_qk = tl.where(o_c[:, None] >= o_c[None, :], acc_qk, 0.0) * scale
             m_rr = ok_r[:, None] & ok_r[None, :]
@@ -185,90 +188,93 @@ def _chunk_prepare_kernel(
             tl.store(akk_h + blk, acc_kk, mask=m_rr)
             tl.store(aqk_h + blk, acc_qk, mask=m_rr)
             # off-diagonal blocks: anchor on the first row of block r, b_s >= anchor >= b_r, factors <= 1
-            for s in tl.static_range(r):
-                rows_s = t0 + s * BC + o_c
-                rk_s = _qk_inv_norm(k_h, rows_s, rows_s < eos, s_kt, K, BK, USE_L2NORM)
-                acc_kk = tl.zeros([BC, BC], dtype=tl.float32)
-                acc_qk = tl.zeros([BC, BC], dtype=tl.float32)
-                for k0 in range(0, K, BK):
-                    cols = k0 + tl.arange(0, BK)
-                    col_ok = cols < K
-                    m_r = ok_r[:, None] & col_ok[None, :]
-                    m_s = col_ok[None, :] & (o_c >= 0)[:, None]  # block s < r is full
-                    q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
-                    k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
-                    k_s = tl.load(k_h + rows_s[:, None] * s_kt + cols[None, :], mask=m_s, other=0.0).to(tl.float32)
-                    b_r = tl.load(gc_h + rows_r[:, None] * (HV * K) + cols[None, :], mask=m_r, other=0.0)
-                    b_s = tl.load(gc_h + rows_s[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0.0)
-                    anchor = tl.load(gc_h + (t0 + r * BC) * (HV * K) + cols, mask=col_ok, other=0.0)
-                    e_r = tl.exp2(tl.where(m_r, b_r - anchor[None, :], 0.0).to(tl.float32))
-                    e_s = tl.exp2(tl.where(m_s, anchor[None, :] - b_s, 0.0).to(tl.float32))
-                    ks_t = tl.trans(k_s * (e_s * rk_s[:, None]))
-                    acc_kk += tl.dot(k_r * (e_r * rk_r[:, None]), ks_t, input_precision=DOT_PREC)
-                    acc_qk += tl.dot(q_r * (e_r * rq_r[:, None]), ks_t, input_precision=DOT_PREC)
-                blk = rows_r[:, None] * (HV * BT) + s * BC + o_c[None, :]
-                tl.store(akk_h + blk, acc_kk * beta_r[:, None], mask=ok_r[:, None])
-                tl.store(aqk_h + blk, acc_qk * scale, mask=ok_r[:, None])
+            if (SKIP & 2) == 0:
+                for s in tl.static_range(r):
+                    rows_s = t0 + s * BC + o_c
+                    rk_s = _qk_inv_norm(k_h, rows_s, rows_s < eos, s_kt, K, BK, USE_L2NORM)
+                    acc_kk = tl.zeros([BC, BC], dtype=tl.float32)
+                    acc_qk = tl.zeros([BC, BC], dtype=tl.float32)
+                    for k0 in range(0, K, BK):
+                        cols = k0 + tl.arange(0, BK)
+                        col_ok = cols < K
+                        m_r = ok_r[:, None] & col_ok[None, :]
+                        m_s = col_ok[None, :] & (o_c >= 0)[:, None]  # block s < r is full
+                        q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+                        k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+                        k_s = tl.load(k_h + rows_s[:, None] * s_kt + cols[None, :], mask=m_s, other=0.0).to(tl.float32)
+                        b_r = tl.load(gc_h + rows_r[:, None] * (HV * K) + cols[None, :], mask=m_r, other=0.0)
+                        b_s = tl.load(gc_h + rows_s[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0.0)
+                        anchor = tl.load(gc_h + (t0 + r * BC) * (HV * K) + cols, mask=col_ok, other=0.0)
+                        e_r = tl.exp2(tl.where(m_r, b_r - anchor[None, :], 0.0).to(tl.float32))
+                        e_s = tl.exp2(tl.where(m_s, anchor[None, :] - b_s, 0.0).to(tl.float32))
+                        ks_t = tl.trans(k_s * (e_s * rk_s[:, None]))
+                        acc_kk += tl.dot(k_r * (e_r * rk_r[:, None]), ks_t, input_precision=DOT_PREC)
+                        acc_qk += tl.dot(q_r * (e_r * rq_r[:, None]), ks_t, input_precision=DOT_PREC)
+                    blk = rows_r[:, None] * (HV * BT) + s * BC + o_c[None, :]
+                    tl.store(akk_h + blk, acc_kk * beta_r[:, None], mask=ok_r[:, None])
+                    tl.store(aqk_h + blk, acc_qk * scale, mask=ok_r[:, None])
     tl.debug_barrier()
 
     # 3. X = (I + A_kk)^-1, in place of A_kk. Diagonal blocks by forward substitution in registers
     #    (X_i = e_i - sum_{j<i} L_ij X_j), then X_rs = -X_rr sum_{m=s}^{r-1} L_rm X_ms in ascending s,
     #    which only ever reads L blocks not yet overwritten. fp32 throughout ("ieee" dots).
-    eye_c = (o_c[:, None] == o_c[None, :]).to(tl.float32)
-    for r in tl.static_range(NC):
-        if r * BC < n_rows:
-            ok_r = (r * BC + o_c) < n_rows
-            blk = (t0 + r * BC + o_c)[:, None] * (HV * BT) + r * BC + o_c[None, :]
-            L = tl.load(akk_h + blk, mask=ok_r[:, None] & ok_r[None, :] & (o_c[:, None] > o_c[None, :]), other=0.0)
-            Xd = eye_c
-            for i in tl.static_range(1, BC):
-                l_i = tl.sum(tl.where(o_c[:, None] == i, L, 0.0), 0)
-                x_i = tl.sum(l_i[:, None] * Xd, 0)
-                Xd = tl.where(o_c[:, None] == i, eye_c - x_i[None, :], Xd)
-            tl.store(akk_h + blk, Xd, mask=ok_r[:, None] & ok_r[None, :])
-    tl.debug_barrier()
-    for r in tl.static_range(1, NC):
-        if r * BC < n_rows:
-            ok_r = (r * BC + o_c) < n_rows
-            row_off = (t0 + r * BC + o_c)[:, None] * (HV * BT)
-            X_rr = tl.load(akk_h + row_off + r * BC + o_c[None, :], mask=ok_r[:, None] & ok_r[None, :], other=0.0)
-            for s in tl.static_range(r):
-                acc = tl.zeros([BC, BC], dtype=tl.float32)
-                for m in tl.static_range(s, r):
-                    L_rm = tl.load(akk_h + row_off + m * BC + o_c[None, :], mask=ok_r[:, None], other=0.0)
-                    X_ms = tl.load(akk_h + (t0 + m * BC + o_c)[:, None] * (HV * BT) + s * BC + o_c[None, :])
-                    acc += tl.dot(L_rm, X_ms, input_precision="ieee")
-                X_rs = -tl.dot(X_rr, acc, input_precision="ieee")
-                tl.store(akk_h + row_off + s * BC + o_c[None, :], X_rs, mask=ok_r[:, None])
-            tl.debug_barrier()
+    if (SKIP & 4) == 0:
+        eye_c = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+        for r in tl.static_range(NC):
+            if r * BC < n_rows:
+                ok_r = (r * BC + o_c) < n_rows
+                blk = (t0 + r * BC + o_c)[:, None] * (HV * BT) + r * BC + o_c[None, :]
+                L = tl.load(akk_h + blk, mask=ok_r[:, None] & ok_r[None, :] & (o_c[:, None] > o_c[None, :]), other=0.0)
+                Xd = eye_c
+                for i in tl.static_range(1, BC):
+                    l_i = tl.sum(tl.where(o_c[:, None] == i, L, 0.0), 0)
+                    x_i = tl.sum(l_i[:, None] * Xd, 0)
+                    Xd = tl.where(o_c[:, None] == i, eye_c - x_i[None, :], Xd)
+                tl.store(akk_h + blk, Xd, mask=ok_r[:, None] & ok_r[None, :])
+        tl.debug_barrier()
+        for r in tl.static_range(1, NC):
+            if r * BC < n_rows:
+                ok_r = (r * BC + o_c) < n_rows
+                row_off = (t0 + r * BC + o_c)[:, None] * (HV * BT)
+                X_rr = tl.load(akk_h + row_off + r * BC + o_c[None, :], mask=ok_r[:, None] & ok_r[None, :], other=0.0)
+                for s in tl.static_range(r):
+                    acc = tl.zeros([BC, BC], dtype=tl.float32)
+                    for m in tl.static_range(s, r):
+                        L_rm = tl.load(akk_h + row_off + m * BC + o_c[None, :], mask=ok_r[:, None], other=0.0)
+                        X_ms = tl.load(akk_h + (t0 + m * BC + o_c)[:, None] * (HV * BT) + s * BC + o_c[None, :])
+                        acc += tl.dot(L_rm, X_ms, input_precision="ieee")
+                    X_rs = -tl.dot(X_rr, acc, input_precision="ieee")
+                    tl.store(akk_h + row_off + s * BC + o_c[None, :], X_rs, mask=ok_r[:, None])
+                tl.debug_barrier()
     X = tl.load(akk_h + rows[:, None] * (HV * BT) + o_t[None, :],
                 mask=row_ok[:, None] & row_ok[None, :] & (o_t[:, None] >= o_t[None, :]), other=0.0)
 
     # 4. W = X diag(beta) (2^b * K),  U0 = X diag(beta) V, and what the state walk needs per chunk:
     #    Qd = scale 2^b * Q, Kr = 2^(b_last - b) * K, gt = 2^b_last (exponents from fp64 differences)
-    Xb = X * b_beta[None, :]
-    last = t0 + n_rows - 1
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        col_ok = cols < K
-        m = row_ok[:, None] & col_ok[None, :]
-        ws_off = rows[:, None] * (HV * K) + i_hv * K + cols[None, :]
-        k_c = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        q_c = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
-        b_c = tl.load(gc_h + rows[:, None] * (HV * K) + cols[None, :], mask=m, other=0.0)
-        b_last = tl.load(gc_h + last * (HV * K) + cols, mask=col_ok, other=0.0)
-        kd = tl.where(m, k_c * tl.exp2(b_c.to(tl.float32)), 0.0)
-        w = tl.dot(Xb, kd, input_precision=DOT_PREC)
-        tl.store(w_ws + ws_off, w, mask=m)
-        tl.store(qd_ws + ws_off, q_c * (scale * tl.exp2(b_c.to(tl.float32))), mask=m)
-        tl.store(kr_ws + ws_off, k_c * tl.exp2((b_last[None, :] - b_c).to(tl.float32)), mask=m)
-        tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        m = row_ok[:, None] & (cols < V)[None, :]
-        v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        u = tl.dot(Xb, v_c, input_precision=DOT_PREC)
-        tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :], u, mask=m)
+    if (SKIP & 8) == 0:
+        Xb = X * b_beta[None, :]
+        last = t0 + n_rows - 1
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            col_ok = cols < K
+            m = row_ok[:, None] & col_ok[None, :]
+            ws_off = rows[:, None] * (HV * K) + i_hv * K + cols[None, :]
+            k_c = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+            q_c = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+            b_c = tl.load(gc_h + rows[:, None] * (HV * K) + cols[None, :], mask=m, other=0.0)
+            b_last = tl.load(gc_h + last * (HV * K) + cols, mask=col_ok, other=0.0)
+            kd = tl.where(m, k_c * tl.exp2(b_c.to(tl.float32)), 0.0)
+            w = tl.dot(Xb, kd, input_precision=DOT_PREC)
+            tl.store(w_ws + ws_off, w, mask=m)
+            tl.store(qd_ws + ws_off, q_c * (scale * tl.exp2(b_c.to(tl.float32))), mask=m)
+            tl.store(kr_ws + ws_off, k_c * tl.exp2((b_last[None, :] - b_c).to(tl.float32)), mask=m)
+            tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
+        for v0 in range(0, V, BV):
+            cols = v0 + tl.arange(0, BV)
+            m = row_ok[:, None] & (cols < V)[None, :]
+            v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            u = tl.dot(Xb, v_c, input_precision=DOT_PREC)
+            tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :], u, mask=m)
 
 
 @triton.jit
@@ -389,7 +395,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
             IS_VARLEN=varlen, USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
             HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
             USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
-            DOT_PREC=prec, num_warps=8,
+            DOT_PREC=prec, SKIP=_SKIP, num_warps=_PREP_WARPS,
         )
     BKF = pow2_at_least(K)
     BV = 32 if V > 16 else 16
@@ -412,6 +418,8 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     return o, st.final_state
 
 
+_SKIP = int(os.environ.get("KDA_DEV_SKIP", "0"))
+_PREP_WARPS = int(os.environ.get("KDA_DEV_PREP_WARPS", "8"))
 _PRINT_STATS = os.environ.get("KDA_KERNEL_STATS", "0") == "1"
 _seen_stats = set()
 

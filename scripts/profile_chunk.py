@@ -1,0 +1,51 @@
+"""Per-kernel GPU time of chunk_kda (torch.profiler), and the prepare kernel's stages timed apart by
+leaving them out (kda.ops.chunk._SKIP bits). Development aid: `python scripts/profile_chunk.py`."""
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import kda
+import kda.ops.chunk as chunk_ops
+
+
+def inputs(B, T, H, K=128, V=128):
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(B, T, H, K, device=dev, dtype=dt)
+    k = torch.randn(B, T, H, K, device=dev, dtype=dt)
+    v = torch.randn(B, T, H, V, device=dev, dtype=dt)
+    g = torch.randn(B, T, H, K, device=dev)
+    beta = torch.randn(B, T, H, device=dev)
+    h0 = torch.randn(B, H, K, V, device=dev)
+    kw = dict(use_gate_in_kernel=True, A_log=torch.randn(H, device=dev), dt_bias=torch.randn(H * K, device=dev),
+              lower_bound=-5.0, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              initial_state=h0, output_final_state=True)
+    return (q, k, v, g, beta), kw
+
+
+def kernel_times(args, kw, reps=3):
+    for _ in range(2):
+        kda.chunk_kda(*args, **kw)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            kda.chunk_kda(*args, **kw)
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
+def fmt(rows):
+    return ", ".join(f"{k[:28]} {v:.0f}us" for k, v in sorted(rows.items(), key=lambda x: -x[1])[:3])
+
+
+if __name__ == "__main__":
+    for B, T, H in [(1, 4096, 12), (1, 16384, 32)]:
+        args, kw = inputs(B, T, H)
+        print(f"{B}x{T} H={H}: {fmt(kernel_times(args, kw))}", flush=True)
+    args, kw = inputs(1, 16384, 32)
+    for warps in (4, 8):
+        for skip in (0, 1, 2, 4, 8, 15):
+            chunk_ops._PREP_WARPS, chunk_ops._SKIP = warps, skip
+            t = kernel_times(args, kw, reps=2)
+            prep = sum(v for k, v in t.items() if "prepare" in k)
+            print(f"prepare 1x16384 H=32 warps={warps} skip={skip:2d}: {prep:.0f}us", flush=True)
+    chunk_ops._PREP_WARPS, chunk_ops._SKIP = 8, 0
