@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import bits, make_inputs, poison_pool
 
 import kda
@@ -14,14 +15,14 @@ FNS = [kda.chunk_kda, kda.fused_recurrent_kda]
 
 def _call(fn, **over):
     """A valid paged call with `over` replacing arguments; returns (fn result or exception, pool, out)."""
-    q, k, v, g, beta, _ = make_inputs(1, 6, 1, 2, 8, 8, seed=1)
-    pool = poison_pool(4, (2, 8, 8), torch.float32, "cpu")
-    out = torch.full((1, 6, 2, 8), 7.0)
+    q, k, v, g, beta, _ = make_inputs(1, 6, 1, 2, 8, 8, seed=1, device=DEVICE)
+    pool = poison_pool(4, (2, 8, 8), torch.float32, DEVICE)
+    out = torch.full((1, 6, 2, 8), 7.0, device=DEVICE)
     args = dict(q=q, k=k, v=v, g=g, beta=beta, state_cache=pool,
-                state_indices=torch.tensor([1, 2], dtype=torch.int32),
-                has_initial_state=torch.tensor([False, False]),
-                cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32), state_v_first=True, out=out)
-    args.update(over)
+                state_indices=torch.tensor([1, 2], dtype=torch.int32, device=DEVICE),
+                has_initial_state=torch.tensor([False, False], device=DEVICE),
+                cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE), state_v_first=True, out=out)
+    args.update({n: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for n, x in over.items()})
     cache = args.get("state_cache")
     pool_before, out_before = bits(cache) if cache is not None else None, bits(out)
     pos = [args.pop(n) for n in ("q", "k", "v", "g", "beta")]
@@ -67,7 +68,7 @@ def test_chunk_needs_has_initial_state_with_a_pool():
 
 
 def test_out_overlapping_an_input_is_refused():
-    q, k, v, g, beta, _ = make_inputs(1, 4, 1, 1, 8, 8, seed=2)
+    q, k, v, g, beta, _ = make_inputs(1, 4, 1, 1, 8, 8, seed=2, device=DEVICE)
     for fn in FNS:
         with pytest.raises(ValueError, match="overlaps v"):
             fn(q, k, v, g, beta, out=v)
