@@ -13,6 +13,10 @@ import kda
 import kda_reference as ref
 
 FP32_TOL = 1e-5
+# With bf16/fp16 inputs the GPU runs fp32 operands through tf32 dots (unit roundoff 2^-11, see
+# kda.ops.common.dot_precision); the state then carries that rounding through a few chained products.
+# The interpreter's dots are exact fp32.
+NARROW_STATE_TOL = FP32_TOL if not torch.cuda.is_available() else 4 * 2.0**-11
 
 
 def _both(kwargs, q, k, v, g, beta):
@@ -163,7 +167,7 @@ def test_narrow_inputs_within_rounding_floor(dtype, device):
     floor = rounding_floor(ro, dtype)
     assert o.dtype == dtype
     assert rel_err(o, ro) <= 2 * floor + FP32_TOL
-    assert rel_err(s, rs) < FP32_TOL  # the fp32 state sees no rounding of its own
+    assert rel_err(s, rs) < NARROW_STATE_TOL  # the fp32 state: no rounding of its own beyond the dots
 
 
 def test_out_is_written_in_place_and_equals_fresh_output(device):
