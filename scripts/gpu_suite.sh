@@ -84,7 +84,7 @@ fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 log "PYTHONPATH=$PYTHONPATH"
 if [[ -z ${KDA_COMMIT:-} ]]; then
-    KDA_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+    KDA_COMMIT=$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)
 fi
 export KDA_COMMIT
 log "KDA_COMMIT=$KDA_COMMIT"
