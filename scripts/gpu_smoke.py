@@ -1,7 +1,9 @@
-"""Quick GPU check of chunk_kda: compile, accuracy at the issue-3 shape, rough timing. Temporary."""
-import sys, time, torch, triton
-import torch.nn.functional as F
+"""Quick GPU check of chunk_kda: accuracy at the issue-3 shape against a float64 recurrence, rough timing."""
+import torch
+import triton
+
 import kda
+
 
 def oracle(q, k, v, g, beta, scale, h0):
     # vectorised float64 recurrence over heads: q,k [T,H,K] (already normalised), g [T,HV,K] log-decay
@@ -36,8 +38,8 @@ def case(T, H, dtype=torch.bfloat16, lb=-5.0):
               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     o, s = kda.chunk_kda(q, k, v, graw, beta, initial_state=h0, output_final_state=True, **kw)
     torch.cuda.synchronize()
-    qn = F.normalize(q[0].double(), dim=-1, eps=0) ; kn = k[0].double() / (k[0].double().pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
     qn = q[0].double() / (q[0].double().pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    kn = k[0].double() / (k[0].double().pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
     x = graw[0].double() + dt_bias.double().view(H, K)
     g = lb * torch.sigmoid(A_log.double().exp()[:, None] * x)
     ro, rs = oracle(qn, kn, v[0], g, torch.sigmoid(beta[0].double()), K ** -0.5, h0[0])

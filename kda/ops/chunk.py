@@ -419,7 +419,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 _SKIP = int(os.environ.get("KDA_DEV_SKIP", "0"))
-_PREP_WARPS = int(os.environ.get("KDA_DEV_PREP_WARPS", "8"))
+_PREP_WARPS = int(os.environ.get("KDA_DEV_PREP_WARPS", "4"))
 _PRINT_STATS = os.environ.get("KDA_KERNEL_STATS", "0") == "1"
 _seen_stats = set()
 
