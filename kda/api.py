@@ -118,6 +118,9 @@ def fused_recurrent_kda(
     if stochastic_rounding and call.state_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError("stochastic_rounding=True needs fp16 or bf16 state storage; the state here is "
                          f"{call.state_dtype}")
+    if stochastic_rounding and call.state_mode == "none" and not call.output_final_state:
+        raise ValueError("stochastic_rounding=True but no state is stored (no state_cache, no "
+                         "output_final_state): the flag would change nothing")
     from .ops.fused_recurrent import fused_recurrent_kda_fwd
 
     return fused_recurrent_kda_fwd(call, stochastic_rounding=stochastic_rounding, seed=seed)

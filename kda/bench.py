@@ -428,8 +428,8 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
 def git_commit() -> str:
     root = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "-q", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head + (" (+ uncommitted changes)" if dirty else "")

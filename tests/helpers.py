@@ -68,6 +68,11 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(itype).cpu()
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (NaN payloads included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
 def on_cpu(kwargs: dict) -> dict:
     """The same keyword arguments with every tensor moved to the CPU (for the oracle)."""
     return {n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in kwargs.items()}

@@ -189,3 +189,17 @@ def test_strided_inputs_from_a_fused_projection(device):
     beta = torch.rand(B, T, H, 2, generator=gen).to(device)[..., 0]  # strided beta
     o, s, ro, rs = _both(dict(output_final_state=True, use_qk_l2norm_in_kernel=True), q, k, v, g, beta)
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
+
+
+def test_single_token_batch_sliced_from_a_longer_buffer(device):
+    """B > 1, T == 1: stride(1) is free (a [B, 1, ...] slice); the token axis strides by stride(0)."""
+    gen = torch.Generator().manual_seed(12)
+    B, H, K, V = 3, 1, 16, 16
+    buf = torch.randn(B, 5, 3, H, K, generator=gen).to(device)
+    q, k, v = buf[:, 2:3, 0], buf[:, 2:3, 1], buf[:, 2:3, 2]
+    g = (-torch.rand(B, 4, H, K, generator=gen) * 0.5).to(device)[:, 1:2]
+    beta = torch.rand(B, 4, H, generator=gen).to(device)[:, 3:4]
+    h0 = torch.randn(B, H, K, V, generator=gen).to(device)
+    o, s, ro, rs = _both(dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True),
+                         q, k, v, g, beta)
+    assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL

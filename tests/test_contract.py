@@ -92,3 +92,11 @@ def test_debug_mode_checks_slot_range_and_uniqueness(monkeypatch):
         assert word in str(info.value)
     info = _call(kda.chunk_kda, cu_seqlens=torch.tensor([0, 4, 3], dtype=torch.int32))
     assert "cu_seqlens" in str(info.value)
+
+
+def test_stochastic_rounding_that_would_change_nothing_is_refused():
+    q, k, v, g, beta, _ = make_inputs(1, 3, 1, 1, 8, 8, seed=4, device=DEVICE)
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        kda.fused_recurrent_kda(q, k, v, g, beta, stochastic_rounding=True, state_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        kda.fused_recurrent_kda(q, k, v, g, beta, stochastic_rounding=True, output_final_state=True)

@@ -49,6 +49,7 @@ from .common import (
     pow2_at_least,
     round_to,
     seq_bounds,
+    token_stride,
 )
 
 CHUNK = 64  # BT: tokens per chunk
@@ -388,8 +389,8 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
         kp = _chunk_prepare_kernel[(n_programs, HV)](
             q, k, v, g, beta, A_log, dt_bias, cu,
             gc_ws, akk_ws, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
-            q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-            g.stride(1), g.stride(2), beta.stride(1), beta.stride(2),
+            token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2), token_stride(v, T), v.stride(2),
+            token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2),
             T, N, NT, call.scale, lower_bound,
             H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BKD=16, BV=BVp,
             IS_VARLEN=varlen, USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
@@ -405,7 +406,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
         st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
         st.slot_of_seq if st.slot_of_seq is not None else dummy,
         st.has_initial_state if st.has_initial_state is not None else dummy,
-        o.stride(1), o.stride(2), st.src_stride, st.dst_stride,
+        token_stride(o, T), o.stride(2), st.src_stride, st.dst_stride,
         T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKF, BV=BV,
         IS_VARLEN=varlen,

@@ -126,5 +126,11 @@ def dot_precision(input_dtype: torch.dtype) -> str:
 _DOT_PRECISION_OVERRIDE = os.environ.get("KDA_DOT_PRECISION", "")
 
 
+def token_stride(x: torch.Tensor, T: int) -> int:
+    """The one stride of the flattened [B*T] token axis: stride(1), or stride(0) when T == 1 (the
+    contract then leaves stride(1) free, e.g. a [B, 1, ...] slice of a longer buffer)."""
+    return x.stride(1) if T > 1 else x.stride(0)
+
+
 def pow2_at_least(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(x))

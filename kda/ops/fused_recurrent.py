@@ -1,0 +1,280 @@
+"""`fused_recurrent_kda`: the token-by-token kernel (decode and short sequences), one launch per call.
+It must equal `kda_reference.recurrent_kda`.
+
+Per value head, with the state S [K, V] (K-first view) and each token t of a sequence:
+
+    S   <- Diag(2^g_t) S                  g_t: the log-decay in log2 units (`kda_gate_log2`)
+    u_t  = beta_t (v_t - S^T k_t)
+    S   <- S + k_t u_t^T
+    o_t  = S^T (scale q_t)
+
+with, when asked, q, k <- x / sqrt(sum x^2 + 1e-6), beta <- sigmoid(beta) and the in-kernel gate.
+
+Tiling. Grid (cdiv(V, BV), N, HV): one program per (V block, sequence, value head). It keeps a
+[BK, BV] fp32 slice of the state on chip (BK = next_pow2(K): the whole K range, because S^T k and
+S^T q reduce over K) and walks the tokens of its sequence; q, k, g of a token are loaded once per
+program, as full K vectors. Decode (one token per sequence) is bound by the state traffic (read once,
+written once), so the program count must be large and every state access a wide contiguous one; the
+register file bounds the programs an SM holds, so a program keeps about 64 state elements per thread
+(`_launch_config`): V-first BV = 16 with one warp at K = 128 (8 KiB of fp32 state per program, 8
+programs per head and sequence), K-first BV = 64 with 4 warps. Per token the two reductions over K
+(S'^T k and S'^T q, with S' = Diag(2^g) S) are independent: o = S'^T q~ + (k . q~) u, which equals
+S^T q~ after the update. When the tile covers the plane exactly (K = BK, BV | V) the state accesses
+carry no mask.
+
+Layout. The tile is kept in the orientation of the caller's plane, so that the contiguous dimension of
+memory is the last (fastest) dimension of the tile and loads and stores vectorise:
+- K-first planes [K, V] (`state_v_first=False`): tile [BK, BV], V contiguous;
+- V-first planes [V, K] (`state_v_first=True`, the serving default): tile [BV, BK], K contiguous.
+Only the reduction axis (`K_AXIS`) and the broadcasts of the K- and V-vectors change; the math is the
+same. The state is addressed as a pool of dense planes (`kda.ops.common.StatePlan`): slot
+`slot_of_seq[n]` (paged) or `n` (dense), slot stride `src_stride`/`dst_stride` (may exceed the plane:
+a padded pool). Paged: slot < 0 is a padding sequence (no state read or write; its output rows are
+written as zeros); `has_initial_state[n]` false starts from zeros without touching the slot (which may
+hold NaN). Loads upcast to fp32; the store rounds to the storage dtype (round to nearest even), or
+stochastically on request.
+
+Stochastic rounding (`stochastic_rounding=True`, fp16/bf16 storage): the fp32 value x is rounded to one
+of its two neighbours in the storage format, the one away from zero with probability equal to the
+distance from the one toward zero in units of the storage ulp (unbiased in expectation). The random
+bits come from Philox (`tl.randint`) keyed by `seed`, with counter = slot * plane_size + the element's
+offset inside its plane (the element's position in a dense numbering of the pool), so one seed and one
+input always give the same bits.
+- bf16: take the fp32 bits, add 16 random bits below the kept mantissa, and clear the low 16 bits
+  (a carry into the exponent yields the next binade, or inf past the bf16 maximum);
+- fp16: u = |x| / ulp16(|x|) with ulp16 = 2^(max(e, -14) - 10) (e: the binade of |x|; -14 covers the
+  fp16 subnormals); keep floor(u) ulps and add one more when 23 random bits, read as a fraction in
+  [0, 1), are below u - floor(u). Every step is exact in fp32 (scaling by powers of two), so the value
+  cast to fp16 is exactly representable (past the fp16 maximum it becomes inf, like round-to-nearest).
+inf and NaN are stored as a plain cast in both cases.
+
+Bits. Round to nearest even into bf16 (state and output) is written out as integer operations
+(`common.round_to`): the GPU's cast gives the same bits, the interpreter's fp32 -> bf16 cast truncates.
+Two calls give the same bits when they compile to the same kernel variant with the same memory
+alignment: e.g. a paged pool and a dense state (paged == dense bit for bit), or an fp32 and a narrow
+pool (the SR property test). A pool whose slot stride breaks 16-byte alignment gets scalar state
+accesses, and the in-register order of the K sums (so the last fp32 bit) may differ from the aligned case.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..contract import KDACall, interpreting
+from .common import gate_params, kda_gate_log2, output_buffer, plan_state, round_to, seq_bounds, token_stride
+
+# store modes of the state (constexpr SR): plain cast (round to nearest even), stochastic bf16 / fp16
+_ROUND_NEAREST = 0
+_SR_BF16 = 1
+_SR_FP16 = 2
+
+
+@triton.jit
+def _on_k(x, V_FIRST: tl.constexpr):
+    """Broadcast a [BK] vector along the K axis of the state tile ([BV, BK] if V_FIRST, else [BK, BV])."""
+    if V_FIRST:
+        y = x[None, :]
+    else:
+        y = x[:, None]
+    return y
+
+
+@triton.jit
+def _on_v(x, V_FIRST: tl.constexpr):
+    """Broadcast a [BV] vector along the V axis of the state tile."""
+    if V_FIRST:
+        y = x[:, None]
+    else:
+        y = x[None, :]
+    return y
+
+
+@triton.jit
+def _round_state(S, counter, seed, SR: tl.constexpr):
+    """fp32 tile -> fp32 values exactly representable in the storage dtype, rounded stochastically
+    (see the module docstring). `counter` is the Philox counter of each element."""
+    bits = S.to(tl.uint32, bitcast=True)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    rnd = tl.randint(seed, counter).to(tl.uint32, bitcast=True)
+    if SR == 1:
+        # bf16: add 16 random bits below the 16 kept ones, then truncate
+        kept = (bits + (rnd & 0xFFFF)) & 0xFFFF0000
+        y = kept.to(tl.float32, bitcast=True)
+    else:
+        # fp16: ulp = 2^(max(e, -14) - 10); all scalings are by exact powers of two
+        e = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+        ulp_exp = tl.maximum(e, -14) - 10
+        ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+        inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+        units = tl.abs(S) * inv_ulp
+        whole = tl.floor(units)
+        frac = units - whole
+        r = (rnd >> 9).to(tl.float32) * 1.1920928955078125e-07  # 23 random bits as a fraction in [0, 1)
+        mag = (whole + tl.where(r < frac, 1.0, 0.0)) * ulp
+        y = tl.where((bits >> 31) != 0, -mag, mag)
+    return tl.where(finite, y, S)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _fused_recurrent_kda_kernel(
+    q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens,
+    state_src, state_dst, slot_of_seq, has_initial_state,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    src_stride, dst_stride,
+    T, scale, lower_bound, seed,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    i_h = i_hv // (HV // H)  # GVA: the q/k head of this value head
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    k_ok = o_k < K
+    v_ok = o_v < V
+    # the tile in the caller's orientation: last (contiguous) dim = K for V-first planes, V for K-first
+    if V_FIRST:
+        K_AXIS: tl.constexpr = 1
+        tile_off = o_v[:, None] * K + o_k[None, :]
+        tile_ok = v_ok[:, None] & k_ok[None, :]
+    else:
+        K_AXIS: tl.constexpr = 0
+        tile_off = o_k[:, None] * V + o_v[None, :]
+        tile_ok = k_ok[:, None] & v_ok[None, :]
+
+    slot = i_n.to(tl.int64)
+    if PAGED:
+        slot = tl.load(slot_of_seq + i_n).to(tl.int64)
+    o_h = o + i_hv * s_oh
+    if slot < 0:
+        # padding sequence: no read, no write of state; its output rows are zeros
+        for t in range(bos, eos):
+            tl.store(o_h + t * s_ot + o_v, tl.zeros([BV], dtype=o.dtype.element_ty), mask=v_ok)
+        return
+
+    S = tl.zeros_like(tile_off).to(tl.float32)
+    if HAS_SRC:
+        read = True
+        if HAS_INIT_FLAGS:
+            read = tl.load(has_initial_state + i_n) != 0
+        if read:
+            src_plane = state_src + slot * src_stride + i_hv * (K * V)
+            if FULL_TILE:
+                S = tl.load(src_plane + tile_off).to(tl.float32)
+            else:
+                S = tl.load(src_plane + tile_off, mask=tile_ok, other=0.0).to(tl.float32)
+
+    # per-head gate parameters, loaded once
+    a = 1.0
+    if HAS_A_LOG:
+        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    if HAS_DT_BIAS:
+        bias = tl.load(dt_bias + i_hv * K + o_k, mask=k_ok, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BK], dtype=tl.float32)
+
+    q_h = q + i_h * s_qh
+    k_h = k + i_h * s_kh
+    v_h = v + i_hv * s_vh
+    g_h = g + i_hv * s_gh
+    b_h = beta + i_hv * s_bh
+    for t in range(bos, eos):
+        q_t = tl.load(q_h + t * s_qt + o_k, mask=k_ok, other=0.0).to(tl.float32)
+        k_t = tl.load(k_h + t * s_kt + o_k, mask=k_ok, other=0.0).to(tl.float32)
+        g_raw = tl.load(g_h + t * s_gt + o_k, mask=k_ok, other=0.0)
+        v_t = tl.load(v_h + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
+        beta_t = tl.load(b_h + t * s_bt).to(tl.float32)
+        if USE_L2NORM:
+            q_t = q_t / tl.sqrt(tl.sum(q_t * q_t, 0) + 1e-6)
+            k_t = k_t / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
+        if USE_BETA_SIGMOID:
+            beta_t = tl.sigmoid(beta_t)
+        g_t = tl.reshape(kda_gate_log2(g_raw[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK])
+
+        # S' = Diag(2^g) S;  u = beta (v - S'^T k);  S <- S' + k u^T;  o = S^T (scale q) = S'^T q~ + (k . q~) u.
+        # The two reductions over K read the same S' and are independent (a shorter dependent chain).
+        q_t = q_t * scale
+        k_b = _on_k(k_t, V_FIRST)
+        S = S * _on_k(tl.exp2(g_t), V_FIRST)
+        kS = tl.sum(S * k_b, K_AXIS)
+        qS = tl.sum(S * _on_k(q_t, V_FIRST), K_AXIS)
+        u_t = beta_t * (v_t - kS)
+        o_t = qS + tl.sum(k_t * q_t, 0) * u_t
+        S = S + k_b * _on_v(u_t, V_FIRST)
+        tl.store(o_h + t * s_ot + o_v, round_to(o_t, o.dtype.element_ty), mask=v_ok)
+
+    if HAS_DST:
+        if SR != 0:
+            S = _round_state(S, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR)
+        dst_plane = state_dst + slot * dst_stride + i_hv * (K * V)
+        if FULL_TILE:
+            tl.store(dst_plane + tile_off, round_to(S, state_dst.dtype.element_ty))
+        else:
+            tl.store(dst_plane + tile_off, round_to(S, state_dst.dtype.element_ty), mask=tile_ok)
+
+
+def _launch_config(K: int, V: int, v_first: bool) -> tuple[int, int, int]:
+    """(BK, BV, num_warps), chosen by measurement on an H200 at K = V = 128 (paged fp32 pool, one token
+    per sequence); other K, V follow the same rule, unmeasured.
+    BK covers K. About 64 fp32 state elements per thread: the register file bounds how many programs an
+    SM keeps in flight, and with it how much state is being read at once.
+    - V-first [V, K]: BV = 16 rows of K contiguous elements, one warp at K <= 128 (2 and 4 warps were
+      1.3-1.5x slower); many small programs keep the memory busy at small batch.
+    - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (narrower tiles were slower
+      here: the K reduction then crosses warps)."""
+    BK = max(16, triton.next_power_of_2(K))
+    if v_first:
+        BV = 8 if V <= 8 else 16
+    else:
+        BV = min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V)))
+    num_warps = max(1, min(8, BK * BV // 2048))
+    return BK, BV, num_warps
+
+
+def fused_recurrent_kda_fwd(
+    call: KDACall, *, stochastic_rounding: bool = False, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the token-by-token kernel for a validated call (see the module docstring). Returns
+    (o, final_state); final_state is None for the paged contract (the pool is written in place) and
+    when no final state was asked for."""
+    T, H, HV, K, V, N = call.T, call.H, call.HV, call.K, call.V, call.N
+    # api.fused_recurrent_kda has checked that stochastic rounding comes with fp16/bf16 storage
+    sr = {torch.bfloat16: _SR_BF16, torch.float16: _SR_FP16}[call.state_dtype] if stochastic_rounding else _ROUND_NEAREST
+    o = output_buffer(call)
+    st = plan_state(call)
+    if N == 0:
+        return o, st.final_state
+    varlen = call.cu_seqlens is not None
+    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+    A_log, dt_bias, lower_bound = gate_params(call)
+    dummy = q  # pointer for absent tensors (never dereferenced: the matching constexpr flag is off)
+    BK, BV, num_warps = _launch_config(K, V, call.state_v_first)
+    _fused_recurrent_kda_kernel[(triton.cdiv(V, BV), N, HV)](
+        q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else dummy,
+        st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
+        st.slot_of_seq if st.slot_of_seq is not None else dummy,
+        st.has_initial_state if st.has_initial_state is not None else dummy,
+        token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
+        token_stride(v, T), v.stride(2), token_stride(g, T), g.stride(2),
+        token_stride(beta, T), beta.stride(2), token_stride(o, T), o.stride(2),
+        st.src_stride, st.dst_stride,
+        T, call.scale, lower_bound, seed,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        IS_VARLEN=varlen, USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
+        HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
+        USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
+        HAS_SRC=st.src is not None, HAS_DST=st.dst is not None, PAGED=call.state_mode == "paged",
+        HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first, SR=sr,
+        FULL_TILE=(K == BK and V % BV == 0),
+        num_warps=1 if interpreting() else num_warps,
+    )
+    return o, st.final_state

@@ -1,0 +1,423 @@
+"""`kda.fused_recurrent_kda` (the decode kernel) against the float64 oracle `kda_reference.recurrent_kda`.
+
+Every test states a property that can fail: errors relative to the oracle (fp32: 1e-5 relative L2; narrow
+dtypes: against a rounding floor computed here), bit-identity where two paths must agree exactly, and
+poisoned memory (NaN, 1e30) that must stay out of the result and must not be written.
+"""
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import rel_err as rel
+from helpers import same_bits
+
+import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
+import kda_reference as ref
+
+FP32_TOL = 1e-5
+
+
+def make_inputs(B, T, H, HV, K, V, *, dtype=torch.float32, gate="none", beta_sigmoid=False, seed=0):
+    """Random q, k, v [dtype], g, beta [fp32] and the gate parameters. gate: "none" (g is a log-decay),
+    "softplus" (raw g with A_log and dt_bias) or "lower_bound" (raw g, lb = -2, with A_log and dt_bias)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = rnd(B, T, H, K).to(DEVICE, dtype)
+    k = rnd(B, T, H, K).to(DEVICE, dtype)
+    v = rnd(B, T, HV, V).to(DEVICE, dtype)
+    beta = (rnd(B, T, HV) if beta_sigmoid else torch.rand(B, T, HV, generator=gen)).to(DEVICE)
+    opts = {}
+    if gate == "none":
+        g = (-0.5 * torch.rand(B, T, HV, K, generator=gen)).to(DEVICE)
+    else:
+        g = rnd(B, T, HV, K).to(DEVICE)
+        opts = dict(use_gate_in_kernel=True, A_log=(0.3 * rnd(HV)).to(DEVICE), dt_bias=(0.5 * rnd(HV * K)).to(DEVICE))
+        if gate == "lower_bound":
+            opts["lower_bound"] = -2.0
+    if beta_sigmoid:
+        opts["use_beta_sigmoid_in_kernel"] = True
+    return q, k, v, g, beta, opts
+
+
+def random_planes(n, HV, K, V, v_first, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n, HV, V, K) if v_first else (n, HV, K, V)
+    return (0.5 * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
+
+
+# --- fp32 against the oracle ---------------------------------------------------------------------------
+
+# (id, B, T, H, HV, K, V, cu_seqlens, gate, l2norm, beta_sigmoid)
+FP32_CASES = [
+    ("dense-B2T1", 2, 1, 2, 2, 16, 16, None, "none", False, False),
+    ("dense-B2T5-softplus-l2-sigmoid", 2, 5, 2, 2, 32, 16, None, "softplus", True, True),
+    ("dense-B2T5-lb-gva-K7V48", 2, 5, 1, 2, 7, 48, None, "lower_bound", True, False),
+    ("varlen-0113-gva-K48V7", 1, 3, 1, 2, 48, 7, [0, 1, 1, 3], "softplus", False, True),
+    ("varlen-002-K32V32", 1, 2, 2, 4, 32, 32, [0, 0, 2], "lower_bound", True, True),
+    ("varlen-000", 1, 0, 1, 2, 16, 16, [0, 0, 0], "none", False, False),
+]
+
+
+@pytest.mark.parametrize("state", ["none", "k_first", "v_first"])
+@pytest.mark.parametrize("case", FP32_CASES, ids=[c[0] for c in FP32_CASES])
+def test_fp32_matches_oracle(case, state):
+    _, B, T, H, HV, K, V, cu, gate, l2, sig = case
+    q, k, v, g, beta, opts = make_inputs(B, T, H, HV, K, V, gate=gate, beta_sigmoid=sig)
+    if cu is not None:
+        opts["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    N = B if cu is None else len(cu) - 1
+    init = None if state == "none" else random_planes(N, HV, K, V, state == "v_first")
+    kw = dict(initial_state=init, output_final_state=True, state_v_first=state == "v_first",
+              use_qk_l2norm_in_kernel=l2, **opts)
+    o, s = kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
+    o_ref, s_ref = ref.recurrent_kda(q, k, v, g, beta, **kw)
+    assert o.dtype == v.dtype and o.shape == (B, T, HV, V)
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape
+    assert rel(o, o_ref) <= FP32_TOL
+    assert rel(s, s_ref) <= FP32_TOL
+    if init is None and T == 0:
+        assert torch.equal(s, torch.zeros_like(s))  # empty sequences without a state end at zero
+    elif T == 0:
+        assert same_bits(s, init)  # empty sequences keep their initial state exactly
+
+
+def test_strided_inputs_t1_and_out():
+    """q, k, v, g, beta as views of fused projections (token and head strides free; T == 1 sliced out
+    of a longer buffer, so stride(0) != stride(1)); o written into a strided `out`."""
+    B, H, HV, K, V = 3, 2, 4, 16, 16  # T = 1
+    gen = torch.Generator().manual_seed(5)
+    width = 2 * H * K + HV * V + 5
+    proj = torch.randn(B, 4, width, generator=gen).to(DEVICE)[:, 1:2]  # T = 1 of 4: stride(0) = 4 * stride(1)
+    q = proj[..., : H * K].unflatten(-1, (H, K))
+    k = proj[..., H * K: 2 * H * K].unflatten(-1, (H, K))
+    v = proj[..., 2 * H * K: 2 * H * K + HV * V].unflatten(-1, (HV, V))
+    gb = torch.randn(B, 2, HV, K + 3, generator=gen).to(DEVICE)[:, :1]
+    g = -torch.nn.functional.softplus(gb[..., :K])
+    beta = gb[..., K].sigmoid()
+    out_buf = torch.full((B, 2, HV, V + 1), float("nan"), device=DEVICE)
+    out = out_buf[:, 1:, :, :V]
+    init = random_planes(B, HV, K, V, True)
+    o, s = kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                   state_v_first=True, use_qk_l2norm_in_kernel=True, out=out)
+    o_ref, s_ref = ref.recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                     state_v_first=True, use_qk_l2norm_in_kernel=True)
+    assert o is out
+    assert rel(out, o_ref) <= FP32_TOL and rel(s, s_ref) <= FP32_TOL
+    assert torch.isnan(out_buf[:, 0]).all() and torch.isnan(out_buf[..., V]).all()  # nothing else written
+
+
+def test_no_sequences():
+    q, k, v, g, beta, _ = make_inputs(1, 0, 1, 1, 16, 16)
+    cu = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    o, s = kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+    assert o.shape == (1, 0, 1, 16) and s.shape == (0, 1, 16, 16)
+
+
+# --- paged pool ----------------------------------------------------------------------------------------
+
+
+def make_pool(slots, HV, K, V, v_first, dtype, pad=16):
+    """A padded pool (stride(0) = plane + pad, a slice of a wider buffer) filled with 1e30 and NaN.
+    pad = 16 keeps every plane 16-byte aligned, like a dense state, so the kernel compiles to the same
+    vector accesses and must give the same bits; an odd pad gives scalar accesses (and may change the
+    order of the in-register sums)."""
+    plane = HV * K * V
+    wide = torch.empty(slots, plane + pad, dtype=dtype, device=DEVICE)
+    wide[0::2] = 1e30 if dtype != torch.float16 else 6e4
+    wide[1::2] = float("nan")
+    pool = wide[:, :plane].unflatten(1, (HV, V, K) if v_first else (HV, K, V))
+    assert pool.stride(0) == plane + pad
+    return wide, pool
+
+
+@pytest.mark.parametrize("v_first", [True, False])
+@pytest.mark.parametrize("flags,pad", [("given", 3), ("none", 16)])
+def test_paged_pool(v_first, flags, pad):
+    H, HV, K, V = 1, 2, 16, 32
+    cu_list = [0, 2, 3, 3, 5]  # sequence 2 is empty
+    T = cu_list[-1]
+    q, k, v, g, beta, opts = make_inputs(1, T, H, HV, K, V, gate="softplus", beta_sigmoid=True, seed=3)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
+    slots = 9
+    wide, pool = make_pool(slots, HV, K, V, v_first, torch.float32, pad=pad)
+    idx = torch.tensor([6, -1, 1, 4], dtype=torch.int32, device=DEVICE)  # permuted, sequence 1 is padding
+    read = [True, True, True, False] if flags == "given" else [True] * 4
+    for n, slot in enumerate(idx.tolist()):
+        if slot >= 0 and read[n]:
+            pool[slot] = random_planes(1, HV, K, V, v_first, seed=10 + n)[0]
+    # slot 1 (odd) holds NaN: sequence 3 reads it only if flagged; flags "given" leaves it unread
+    hist = torch.tensor(read, device=DEVICE) if flags == "given" else None
+    if flags == "none":
+        pool[4] = random_planes(1, HV, K, V, v_first, seed=20)[0]
+    wide_ref = wide.clone()
+    pool_ref = wide_ref[:, : HV * K * V].unflatten(1, pool.shape[1:])
+    before = wide.clone()
+    out = torch.full((1, T, HV, V), float("nan"), device=DEVICE)
+    kw = dict(cu_seqlens=cu, state_v_first=v_first, state_indices=idx, has_initial_state=hist,
+              use_qk_l2norm_in_kernel=True, **opts)
+    o, s = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, out=out, **kw)
+    o_ref, _ = ref.recurrent_kda(q, k, v, g, beta, state_cache=pool_ref, **kw)
+    assert s is None and o is out
+    assert torch.equal(out[0, 2:3], torch.zeros_like(out[0, 2:3]))  # padding rows are zeros
+    assert torch.isfinite(out).all()
+    assert rel(out, o_ref) <= FP32_TOL
+    used = [s for s in idx.tolist() if s >= 0]
+    for slot in used:
+        assert torch.isfinite(pool[slot]).all()
+        assert rel(pool[slot], pool_ref[slot]) <= FP32_TOL
+    untouched = [s for s in range(slots) if s not in used]
+    assert same_bits(wide[untouched], before[untouched])  # 1e30 / NaN slots bitwise unchanged
+    assert same_bits(wide[used, HV * K * V:], before[used, HV * K * V:])  # the padding between planes too
+
+
+@pytest.mark.parametrize("v_first", [True, False])
+def test_has_initial_state_false_equals_zero_start(v_first):
+    """A false flag on a NaN slot gives the bits of a run that reads a slot of zeros (the same compiled
+    kernel), and matches the no-state contract to fp32 accuracy (another compiled variant)."""
+    H, HV, K, V = 1, 1, 16, 16
+    q, k, v, g, beta, _ = make_inputs(2, 2, H, HV, K, V, seed=4)  # sequence 1 is padding
+    _, pool = make_pool(2, HV, K, V, v_first, torch.float32)  # slot 1 is NaN
+    pool[0] = 0.0
+    zero_pool = pool.clone()
+    kw = dict(state_v_first=v_first)
+
+    def flags(*xs):
+        return torch.tensor(xs, device=DEVICE)
+
+    def slots(*xs):
+        return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
+
+    o, _ = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, has_initial_state=flags(False, True),
+                                   state_indices=slots(1, -1), **kw)
+    o0, _ = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=zero_pool, has_initial_state=flags(True, True),
+                                    state_indices=slots(0, -1), **kw)
+    assert same_bits(o, o0) and same_bits(pool[1], zero_pool[0])
+    o_none, s_none = kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, **kw)
+    assert rel(o[0], o_none[0]) <= FP32_TOL and rel(pool[1], s_none[0]) <= FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v_first", [True, False])
+def test_paged_equals_dense_bitwise(v_first, dtype):
+    H, HV, K, V = 2, 2, 32, 16
+    cu_list = [0, 3, 4, 4, 6]
+    N, T = len(cu_list) - 1, cu_list[-1]
+    q, k, v, g, beta, opts = make_inputs(1, T, H, HV, K, V, gate="lower_bound", seed=6)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
+    idx = torch.tensor([3, 0, 5, 2], dtype=torch.int32, device=DEVICE)
+    _, pool = make_pool(6, HV, K, V, v_first, dtype)
+    init = random_planes(N, HV, K, V, v_first, dtype=dtype, seed=7)
+    pool[idx.long()] = init
+    kw = dict(cu_seqlens=cu, state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
+    o_d, s_d = kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True, **kw)
+    o_p, _ = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, **kw)
+    assert same_bits(o_p, o_d)
+    assert same_bits(pool[idx.long()], s_d)
+
+
+# --- narrow state storage ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("contract", ["dense", "paged", "none"])
+def test_narrow_state_rounds_once(dtype, contract):
+    """fp32 recurrence, one rounding on store: each element within one storage ulp of the exact value."""
+    H, HV, K, V = 1, 2, 16, 16
+    B, T = 2, 4
+    q, k, v, g, beta, _ = make_inputs(B, T, H, HV, K, V, seed=8)
+    init = random_planes(B, HV, K, V, True, dtype=dtype, seed=9)
+    kw = dict(state_v_first=True, use_qk_l2norm_in_kernel=True)
+    if contract == "dense":
+        o, s = kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True, **kw)
+    elif contract == "none":
+        o, s = kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, state_dtype=dtype, **kw)
+        init = torch.zeros_like(init)
+    else:
+        _, pool = make_pool(3, HV, K, V, True, dtype)
+        idx = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+        pool[idx.long()] = init
+        o, _ = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, **kw)
+        s = pool[idx.long()]
+    # exact answer: the same narrow initial values, kept in float64 throughout
+    o_ref, s_exact = ref.recurrent_kda(q, k, v, g, beta, initial_state=init.double(), output_final_state=True, **kw)
+    assert s.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    err = (s.double() - s_exact).abs()
+    bound = eps * s_exact.abs() + FP32_TOL * s_exact.pow(2).mean().sqrt()
+    assert (err <= bound).all(), (err / bound).max().item()
+    assert rel(o, o_ref) <= FP32_TOL  # the output is not affected by the storage dtype (fp32 inside)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_inputs_error_floor(dtype):
+    """bf16/fp16 q, k, v: error at most twice the oracle's own output rounded to the input dtype."""
+    B, T, H, HV, K, V = 2, 6, 1, 2, 32, 32
+    q, k, v, g, beta, opts = make_inputs(B, T, H, HV, K, V, dtype=dtype, gate="lower_bound", beta_sigmoid=True,
+                                         seed=11)
+    init = random_planes(B, HV, K, V, True, seed=12)
+    kw = dict(initial_state=init, output_final_state=True, state_v_first=True, use_qk_l2norm_in_kernel=True,
+              **opts)
+    o, s = kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
+    o_ref, s_ref = ref.recurrent_kda(q, k, v, g, beta, **kw)
+    assert o.dtype == dtype
+    floor = rel(o_ref.to(dtype), o_ref)
+    assert floor > 0
+    assert rel(o, o_ref) <= 2 * floor + FP32_TOL
+    assert rel(s, s_ref) <= FP32_TOL  # fp32 state: only fp32 arithmetic error
+
+
+# --- stochastic rounding -------------------------------------------------------------------------------
+
+
+def _sr_setup(dtype, v_first):
+    H, HV, K, V = 1, 2, 16, 32
+    cu_list = [0, 1, 3, 4]
+    T = cu_list[-1]
+    q, k, v, g, beta, opts = make_inputs(1, T, H, HV, K, V, gate="softplus", seed=13)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
+    _, pool = make_pool(5, HV, K, V, v_first, dtype)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    pool[idx.long()] = random_planes(3, HV, K, V, v_first, dtype=dtype, seed=14)
+    _, pool32 = make_pool(5, HV, K, V, v_first, torch.float32)  # an fp32 copy, same alignment
+    pool32.copy_(pool.float())
+
+    def call(p, **extra):
+        kw = dict(cu_seqlens=cu, state_cache=p, state_indices=idx, state_v_first=v_first, **opts)
+        return kda.fused_recurrent_kda(q, k, v, g, beta, **kw, **extra)
+
+    return pool, pool32, idx, call
+
+
+def _floor_ceil(x64: torch.Tensor, dtype):
+    """The largest value of `dtype` <= x and the smallest >= x, for float64 x (computed on the host)."""
+    x64 = x64.cpu()
+    r = x64.to(dtype)
+    inf = torch.full_like(r, float("inf"))
+    floor = torch.where(r.double() > x64, torch.nextafter(r, -inf), r)
+    ceil = torch.where(r.double() < x64, torch.nextafter(r, inf), r)
+    return floor.double(), ceil.double()
+
+
+def check_stochastic(sr: torch.Tensor, x: torch.Tensor, dtype) -> None:
+    """sr (stored with stochastic rounding) against x, the fp32 state of the same recurrence computed by
+    the fp32-storage kernel. On the GPU that is another compiled variant whose K sums may round in
+    another order, so x carries a slack of 1e-6 of its RMS (a few fp32 ulps); in the interpreter the two
+    agree bit for bit."""
+    x = x.double().cpu()
+    v = sr.double().cpu()
+    slack = 1e-6 * x.pow(2).mean().sqrt().item()
+    lo, _ = _floor_ceil(x - slack, dtype)
+    _, hi = _floor_ceil(x + slack, dtype)
+    assert ((v >= lo) & (v <= hi)).all()  # one of the two neighbours of x in the storage format
+    # unbiased: P(ceil) = (x - floor) / (ceil - floor) =: frac, so in each half of the frac range the share
+    # of ceilings matches the mean frac (round to nearest would give 0 and 1; truncation 0 or 1 by sign)
+    floor, ceil = _floor_ceil(x, dtype)
+    inexact = ceil > floor
+    assert inexact.sum() > 1000
+    went_up = (v == ceil)[inexact].double()
+    frac = ((x - floor) / (ceil - floor))[inexact]
+    for part in (frac < 0.5, frac >= 0.5):
+        assert abs(went_up[part].mean().item() - frac[part].mean().item()) < 0.06
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("v_first", [True, False])
+def test_stochastic_rounding(dtype, v_first):
+    pool, pool32, idx, call = _sr_setup(dtype, v_first)
+    sel = idx.long()
+    o32, _ = call(pool32)  # the fp32 value before the store: the same call on the fp32 copy of the pool
+    x = pool32[sel]
+
+    runs, outs = {}, {}
+    for name, extra in (("a", dict(stochastic_rounding=True, seed=3)), ("b", dict(stochastic_rounding=True, seed=3)),
+                        ("c", dict(stochastic_rounding=True, seed=4)), ("rne", {})):
+        p = pool.clone()
+        outs[name], _ = call(p, **extra)
+        runs[name] = p[sel]
+    for name in ("b", "c", "rne"):
+        assert same_bits(outs[name], outs["a"])  # the output never depends on how the state is rounded
+    assert rel(outs["a"], o32) <= FP32_TOL
+    assert same_bits(runs["a"], runs["b"])  # same seed: the same bits
+    assert not same_bits(runs["a"], runs["c"])  # another seed: other bits somewhere
+    # off by default: round to nearest (x.to(dtype), up to the slack of `check_stochastic`)
+    slack = 1e-6 * x.double().pow(2).mean().sqrt().item()
+    rne = runs["rne"].double().cpu()
+    xd = x.double().cpu()
+    assert ((rne >= (xd - slack).to(dtype).double()) & (rne <= (xd + slack).to(dtype).double())).all()
+    if DEVICE == "cpu":
+        assert same_bits(runs["rne"], x.to(dtype))  # the interpreter runs one code path: exact
+    check_stochastic(runs["a"], x, dtype)
+    check_stochastic(runs["c"], x, dtype)
+
+
+def test_stochastic_rounding_dense_final_state():
+    """SR also applies to a dense final state in bf16 (state_dtype), and leaves the output alone."""
+    q, k, v, g, beta, _ = make_inputs(2, 3, 1, 1, 32, 32, seed=15)
+    o32, s32 = kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    o, s = kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, state_dtype=torch.bfloat16,
+                                   stochastic_rounding=True, seed=1)
+    assert s.dtype == torch.bfloat16 and rel(o, o32) <= FP32_TOL
+    check_stochastic(s, s32, torch.bfloat16)
+
+
+# --- prefill (chunk_kda) then decode through the same slot ---------------------------------------------
+
+
+@pytest.mark.parametrize("v_first", [True, False])
+def test_prefill_then_decode(v_first, monkeypatch):
+    monkeypatch.setenv("KDA_DOT_PRECISION", "ieee")  # chunk_kda's dots in full fp32 on the GPU too (not tf32)
+    H, HV, K, V = 1, 2, 16, 16
+    prompts, steps = [5, 3], 3
+    N = len(prompts)
+    total = [p + steps for p in prompts]
+    cu_full = [0]
+    for n in total:
+        cu_full.append(cu_full[-1] + n)
+    q, k, v, g, beta, opts = make_inputs(1, cu_full[-1], H, HV, K, V, gate="lower_bound", beta_sigmoid=True,
+                                         seed=16)
+    kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
+    _, pool = make_pool(4, HV, K, V, v_first, torch.float32)
+    idx = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    pool[3] = random_planes(1, HV, K, V, v_first, seed=17)[0]  # sequence 0 continues a state; slot 0 is 1e30
+    hist = torch.tensor([True, False], device=DEVICE)
+    pool_ref = pool.clone()
+    o_ref, _ = ref.recurrent_kda(q, k, v, g, beta, cu_seqlens=torch.tensor(cu_full, device=DEVICE),
+                                 state_cache=pool_ref, state_indices=idx, has_initial_state=hist, **kw)
+
+    def tokens(x, rows):
+        return x[:, rows]
+
+    pre_rows = torch.cat([torch.arange(cu_full[n], cu_full[n] + prompts[n]) for n in range(N)]).to(DEVICE)
+    cu_pre = torch.tensor([0, prompts[0], sum(prompts)], dtype=torch.int32, device=DEVICE)
+    sub = [tokens(x, pre_rows) for x in (q, k, v, g, beta)]
+    o_pre, _ = kda.chunk_kda(*sub, cu_seqlens=cu_pre, state_cache=pool, state_indices=idx,
+                             has_initial_state=hist, **kw)
+    assert rel(o_pre, o_ref[:, pre_rows]) <= FP32_TOL, "chunk_kda prefill differs from the oracle"
+    cu_dec = torch.arange(N + 1, dtype=torch.int32, device=DEVICE)
+    for step in range(steps):
+        rows = torch.tensor([cu_full[n] + prompts[n] + step for n in range(N)], device=DEVICE)
+        o_dec, _ = kda.fused_recurrent_kda(*[tokens(x, rows) for x in (q, k, v, g, beta)], cu_seqlens=cu_dec,
+                                           state_cache=pool, state_indices=idx, **kw)
+        assert rel(o_dec, o_ref[:, rows]) <= FP32_TOL
+    assert rel(pool[idx.long()], pool_ref[idx.long()]) <= FP32_TOL
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_needs_narrow_state():
+    q, k, v, g, beta, _ = make_inputs(1, 1, 1, 1, 16, 16)
+    _, pool = make_pool(2, 1, 16, 16, True, torch.float32)
+    pool[0] = 1.0
+    before = pool.clone()
+    out = torch.full((1, 1, 1, 16), float("nan"), device=DEVICE)
+    idx = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, state_v_first=True,
+                                stochastic_rounding=True, seed=1, out=out)
+    assert same_bits(pool, before) and torch.isnan(out).all()
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, stochastic_rounding=True)
