@@ -1,0 +1,189 @@
+"""`python -m kda.accuracy`: run the studies of a preset, write the report, optionally `--check` it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+SECTIONS = ("decode", "length", "dtype_matrix", "chunked_prefill", "varlen", "paged", "adversarial")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from .config import PRESETS
+
+    p = argparse.ArgumentParser(
+        prog="python -m kda.accuracy",
+        description="KDA accuracy harness: errors of kda.chunk_kda and kda.fused_recurrent_kda against a "
+                    "float64 oracle, by input dtype, state storage dtype, length and decode steps. "
+                    "See docs/accuracy.md.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                   help="sizes: quick (CPU interpreter, < 10 min on 2 cores; default), full (one GPU, "
+                        "< ~8 min on an H200), tiny (seconds; for the tests)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu runs the Triton kernels in the interpreter (TRITON_INTERPRET=1 is set if unset)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random input (default 0)")
+    p.add_argument("--out-dir", default=None, help="default: accuracy_reports/<preset>-<device>/")
+    p.add_argument("--check", metavar="BASELINE.json", default=None,
+                   help="exit 1 when an error grows more than 2x (+5e-7) over this baseline report, or a "
+                        "check that held there fails; prints the entries that failed")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="work units run in parallel processes (default 0: every core on the CPU, up to 12 on "
+                        "a GPU); 1 runs everything in this process")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = p.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    return args
+
+
+def prepare_device(device: str) -> None:
+    """CPU: the kernels need the Triton interpreter, which must be on before the kernels are defined."""
+    if device == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            if any(m.startswith("kda.ops") for m in sys.modules):
+                raise SystemExit("--device cpu needs TRITON_INTERPRET=1 before kda's kernels are imported")
+            os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is available (use --device cpu)")
+
+
+def work_units(sections, preset) -> list[tuple[str, dict]]:
+    """The run split into independent units (section, part), the longest first: each unit is one
+    study restricted to one value of its outer loop (`prefill.pick`). Units run in parallel with
+    `--jobs`; on a GPU most of a fresh machine's time is Triton compiling kernel variants, which
+    parallel processes spread over the cores."""
+    P = preset
+    units = {
+        "decode": [dict(regime=r) for r in P.decode_regimes],
+        "dtype_matrix": [dict(gate=g, input=i) for g in P.matrix_gates for i in P.matrix_inputs],
+        "chunked_prefill": [dict(regime=r, state=s) for r in P.chunked_regimes for s in P.matrix_states],
+        "length": [dict(regime=r, input=i) for r in P.length_regimes for i in P.length_inputs],
+        "adversarial": [dict(case=c) for c in P.adversarial_cases],
+        "varlen": [dict(layout=name) for name in _layouts()],
+        "paged": [dict(state=s) for s in P.contract_states],
+    }
+    return [(section, part) for section in SECTIONS if section in sections for part in units[section]]
+
+
+def _layouts():
+    from .layouts import LAYOUTS
+
+    return list(LAYOUTS)
+
+
+def run_unit(preset_name: str, device: str, seed: int, start: float, quiet: bool, threads: int | None,
+             section: str, part: dict) -> tuple[list[dict], dict | None, float]:
+    """Run one work unit: (entries, summary or None, seconds). Top level, so a worker process can run it."""
+    import torch
+
+    from . import decode, layouts, prefill
+    from .config import PRESETS
+    from .context import Context
+
+    if threads:
+        torch.set_num_threads(threads)
+    ctx = Context(PRESETS[preset_name], device, seed, start=start, quiet=quiet)
+    t0 = time.time()
+    summary = None
+    if section == "decode":
+        entries, summary = decode.decode_growth(ctx, part)
+    else:
+        fn = dict(dtype_matrix=prefill.dtype_matrix, length=prefill.length_growth,
+                  chunked_prefill=prefill.chunked_prefill, adversarial=prefill.adversarial,
+                  varlen=layouts.varlen, paged=layouts.paged_vs_dense)[section]
+        entries = fn(ctx, part)
+    ctx.sync()
+    return entries, summary, time.time() - t0
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the chosen sections and return the report (a JSON-ready dict)."""
+    from .config import PRESETS, thresholds
+    from .context import Context
+    from .measure import environment
+    from .verdict import decode_verdicts
+
+    preset = PRESETS[args.preset]
+    ctx = Context(preset, args.device, args.seed, quiet=args.quiet)
+    units = work_units(args.sections, preset)
+    jobs = max(1, min(args.jobs or default_jobs(args.device), len(units)))
+    ctx.progress(f"preset {args.preset} on {args.device}, seed {args.seed}: {', '.join(args.sections)} "
+                 f"({len(units)} work units, {jobs} at a time)")
+    common = (args.preset, args.device, args.seed, ctx.start, args.quiet)
+    results = [None] * len(units)
+    if jobs == 1:
+        for i, unit in enumerate(units):
+            results[i] = run_unit(*common, None, *unit)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        threads = max(1, (os.cpu_count() or 1) // jobs)
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(run_unit, *common, threads, *unit) for unit in units]
+            results = [f.result() for f in futures]
+    entries, summaries, section_s = [], {}, {}
+    for (section, _part), (got, summary, seconds) in zip(units, results):
+        entries += got
+        section_s[section] = section_s.get(section, 0.0) + seconds
+        if summary is not None:
+            summaries.setdefault(section, []).append(summary)
+    if "decode" in summaries:
+        parts = summaries["decode"]
+        summaries["decode"] = dict(oracle_selfcheck_rel=max(p["oracle_selfcheck_rel"] for p in parts),
+                                   checkpoints=parts[0]["checkpoints"], sequences=sum(p["sequences"] for p in parts),
+                                   configs=parts[0]["configs"], state_dtypes=parts[0]["state_dtypes"])
+    ctx.progress(f"done: {len(entries)} entries; unit seconds per section: "
+                 + ", ".join(f"{k} {v:.0f}" for k, v in section_s.items()))
+    verdicts, per_regime = decode_verdicts(entries)
+    meta = dict(preset=preset.as_dict(), sections=list(args.sections), thresholds=thresholds(),
+                environment=environment(args.device, args.seed), elapsed_s=ctx.elapsed(), section_s=section_s,
+                jobs=jobs)
+    return dict(meta=meta, verdicts=verdicts, verdicts_per_regime=per_regime, summaries=summaries, entries=entries)
+
+
+def default_jobs(device: str) -> int:
+    """All cores on the CPU (the interpreter is single-threaded Python); on a GPU, up to 12 processes
+    (on a fresh machine they mostly compile kernel variants on the host)."""
+    cores = os.cpu_count() or 1
+    return cores if device == "cpu" else min(12, cores)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prepare_device(args.device)
+    from . import check, report
+
+    baseline = check.load(args.check) if args.check else None  # read before the run may overwrite it
+    result = report.sanitize(run(args))  # what report.json holds is what report.md shows
+    out_dir = args.out_dir or os.path.join("accuracy_reports", f"{args.preset}-{args.device}")
+    os.makedirs(out_dir, exist_ok=True)
+    report.write_json(result, os.path.join(out_dir, "report.json"))
+    if not args.no_plots:
+        report.plots(result, out_dir)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(report.markdown(result))
+    print(f"kda.accuracy: report written to {out_dir}/ (report.md, report.json"
+          f"{'' if args.no_plots else ', plots'}) in {result['meta']['elapsed_s']:.0f} s")
+    for v in result["verdicts"]:
+        print(f"  {v['state']} state: {v['text']}")
+    if baseline is None:
+        return 0
+    failures, compared = check.compare(baseline, result)
+    if failures:
+        print(f"kda.accuracy --check {args.check}: {len(failures)} failure(s) ({report.check_rule()}):")
+        for f in failures:
+            print(f"  FAIL {f}")
+        return 1
+    print(f"kda.accuracy --check {args.check}: passed ({compared} values compared; {report.check_rule()})")
+    return 0
