@@ -27,8 +27,9 @@ def _interpreter_env(session) -> dict:
 
 @nox.session
 def tests(session):
-    """The test suite (CPU: the Triton kernels run in the interpreter)."""
-    _install(session, "test")
+    """The test suite (CPU: the Triton kernels run in the interpreter). `reports` too: the harness tests
+    write the plots."""
+    _install(session, "test,reports")
     workers = os.environ.get("KDA_TEST_WORKERS", "auto")
     session.run("pytest", "-n", workers, "-q", *session.posargs, env=_interpreter_env(session))
 
