@@ -33,6 +33,8 @@ CASES = [
     (1, 65, 2, 2, 7, 48, "softplus", True, False),
     (2, 130, 1, 1, 32, 5, "lower_bound", False, True),
     (1, 70, 1, 3, 48, 16, "logdecay", True, True),
+    (1, 20, 1, 1, 256, 256, "lower_bound", True, False),  # the largest head dims of the contract
+    (1, 17, 1, 1, 1, 1, "logdecay", False, False),  # and the smallest
 ]
 
 

@@ -58,6 +58,8 @@ FP32_CASES = [
     ("varlen-0113-gva-K48V7", 1, 3, 1, 2, 48, 7, [0, 1, 1, 3], "softplus", False, True),
     ("varlen-002-K32V32", 1, 2, 2, 4, 32, 32, [0, 0, 2], "lower_bound", True, True),
     ("varlen-000", 1, 0, 1, 2, 16, 16, [0, 0, 0], "none", False, False),
+    ("dense-B1T3-K256V256", 1, 3, 1, 1, 256, 256, None, "lower_bound", True, False),
+    ("dense-B1T2-K1V1", 1, 2, 1, 1, 1, 1, None, "none", False, False),
 ]
 
 
