@@ -1,0 +1,88 @@
+"""Registers, spills and shared memory of the chunk kernels for sm_90, compiled here without a GPU.
+
+Triton compiles for a named target with no device; the PTX goes through the ptxas that Triton ships
+(`ptxas-blackwell`, CUDA 13.x: it reads the PTX version Triton 3.9 writes). Costs no device time; the GPU
+machine runs Triton 3.6, so treat the numbers as close, not equal. Development aid:
+
+    python scripts/kernel_regs.py [--warps 4] [--stages 1] [--maxnreg 168] [--skip 0,13,7] [--K 128]
+
+`--skip` takes values of the prepare kernel's SKIP bits (1 diagonal blocks, 2 off-diagonal blocks,
+4 inverse, 8 W/U0/Qd/Kr stage) to see which stage holds the registers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import kda.ops.chunk as chunk_ops  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "g": "*fp32", "beta": "*bf16",
+            "A_log": "*fp32", "dt_bias": "*fp32", "cu_seqlens": "*i32", "gc_ws": "*fp64",
+            "state_src": "*fp32", "state_dst": "*fp32", "slot_of_seq": "*i32", "has_initial_state": "*i1"}
+
+
+def compile_for_sm90(fn, consts: dict, warps: int, stages: int, maxnreg: int | None):
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {}
+    for p in params:
+        if p in consts:
+            sig[p] = "constexpr"
+        elif p in POINTERS:
+            sig[p] = POINTERS[p]
+        elif p.endswith("_ws"):
+            sig[p] = "*fp32"
+        elif p in ("scale", "lower_bound"):
+            sig[p] = "fp32"
+        else:
+            sig[p] = "i32"
+    src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+    opts = dict(num_warps=warps, num_stages=stages)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def ptxas_report(kernel) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    keep = [ln.split(":", 1)[-1].strip() for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    return " | ".join(keep) + f" | shared {kernel.metadata.shared} B"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--maxnreg", type=int, default=None)
+    ap.add_argument("--skip", default="0")
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--V", type=int, default=128)
+    a = ap.parse_args()
+    common = dict(H=12, HV=12, K=a.K, V=a.V, BT=64, IS_VARLEN=False)
+    for skip in (int(s) for s in a.skip.split(",")):
+        consts = dict(common, BC=16, BK=min(32, triton.next_power_of_2(a.K)), BKD=16,
+                      BV=min(64, triton.next_power_of_2(a.V)), USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True,
+                      USE_LOWER_BOUND=True, USE_L2NORM=True, USE_BETA_SIGMOID=True, DOT_PREC="tf32", SKIP=skip)
+        k = compile_for_sm90(chunk_ops._chunk_prepare_kernel, consts, a.warps, a.stages, a.maxnreg)
+        print(f"prepare skip={skip}: {ptxas_report(k)}", flush=True)
+    consts = dict(common, BK=max(16, triton.next_power_of_2(a.K)), BV=32, HAS_SRC=True, HAS_DST=True, PAGED=False,
+                  HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC="tf32")
+    k = compile_for_sm90(chunk_ops._chunk_state_kernel, consts, 8, 1, a.maxnreg)
+    print(f"state (8 warps, 1 stage): {ptxas_report(k)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
