@@ -70,3 +70,63 @@ def test_paged_equals_dense_bitwise_on_gpu():
     assert torch.equal(bits(pool[idx.long()]), bits(sd))
     for slot in (1, 3, 5, 6):
         assert torch.equal(bits(pool[slot]), bits(before[slot]))
+
+
+def _decode_call(N=8, H=2, K=128, V=128, seed=3):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(N, 1, H, K, device=dev, generator=gen).to(dt)
+    k = torch.randn(N, 1, H, K, device=dev, generator=gen).to(dt)
+    v = torch.randn(N, 1, H, V, device=dev, generator=gen).to(dt)
+    g = torch.randn(N, 1, H, K, device=dev, generator=gen)
+    beta = torch.randn(N, 1, H, device=dev, generator=gen)
+    pool = torch.randn(4 * N, H, V, K, device=dev, generator=gen)
+    idx = torch.randperm(4 * N, device=dev, generator=gen)[:N].to(torch.int32)
+    kw = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, state_cache=pool, state_indices=idx, state_v_first=True)
+    return (q, k, v, g, beta), kw
+
+
+def test_no_call_syncs_the_host():
+    """The hot path never reads device memory back: sync debug mode "error" raises on any sync."""
+    args, h0, kw = _inputs(200, H=2, seed=4)
+    cu = torch.tensor([0, 0, 77, 200], dtype=torch.int32, device="cuda")
+    pool = torch.randn(5, 2, 128, 128, device="cuda")
+    has = torch.tensor([True, False, True], device="cuda")
+    idx = torch.tensor([3, 1, 4], dtype=torch.int32, device="cuda")
+    dargs, dkw = _decode_call()
+    kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has, **kw)
+    kda.fused_recurrent_kda(*dargs, **dkw)  # compile first: the first launch may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has, **kw)
+        kda.fused_recurrent_kda(*dargs, **dkw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_decode_replays_in_a_cuda_graph_bitwise():
+    """A captured decode step replays to the same bits as the eager call on the same pool."""
+    args, kw = _decode_call(seed=5)
+    pool = kw["state_cache"]
+    start = pool.clone()
+    out = torch.empty(args[2].shape, dtype=args[2].dtype, device="cuda")
+    kda.fused_recurrent_kda(*args, out=out, **kw)  # warm up (compile); the pool is reset below
+    pool.copy_(start)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kda.fused_recurrent_kda(*args, out=out, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    eager_out, eager_pool = out.clone(), pool.clone()
+    pool.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kda.fused_recurrent_kda(*args, out=out, **kw)
+    pool.copy_(start)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(eager_out))
+    assert torch.equal(bits(pool), bits(eager_pool))
