@@ -65,6 +65,8 @@ def ptxas_report(kernel) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--solve-warps", type=int, default=4)
+    ap.add_argument("--inv-prec", default="ieee")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--skip", default="0")
@@ -77,7 +79,16 @@ def main() -> None:
                       BV=min(64, triton.next_power_of_2(a.V)), USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True,
                       USE_LOWER_BOUND=True, USE_L2NORM=True, USE_BETA_SIGMOID=True, DOT_PREC="tf32", SKIP=skip)
         k = compile_for_sm90(chunk_ops._chunk_prepare_kernel, consts, a.warps, a.stages, a.maxnreg)
-        print(f"prepare skip={skip}: {ptxas_report(k)}", flush=True)
+        print(f"fused prepare skip={skip} ({a.warps} warps, {a.stages} stages): {ptxas_report(k)}", flush=True)
+    flags = dict(USE_BETA_SIGMOID=True, DOT_PREC="tf32")
+    consts = dict(H=12, HV=12, K=a.K, BT=64, BC=16, BK=16, IS_VARLEN=False, USE_GATE=True, HAS_A_LOG=True,
+                  HAS_DT_BIAS=True, USE_LOWER_BOUND=True, USE_L2NORM=True, **flags)
+    k = compile_for_sm90(chunk_ops._chunk_intra_kernel, consts, a.warps, 1, a.maxnreg)
+    print(f"split intra ({a.warps} warps, 1 stage): {ptxas_report(k)}", flush=True)
+    consts = dict(HV=12, K=a.K, V=a.V, BT=64, BC=16, BK=min(32, triton.next_power_of_2(a.K)),
+                  BV=min(64, triton.next_power_of_2(a.V)), IS_VARLEN=False, INV_PREC=a.inv_prec, **flags)
+    k = compile_for_sm90(chunk_ops._chunk_solve_kernel, consts, a.solve_warps, 1, a.maxnreg)
+    print(f"split solve ({a.solve_warps} warps, 1 stage): {ptxas_report(k)}", flush=True)
     consts = dict(common, BK=max(16, triton.next_power_of_2(a.K)), BV=32, HAS_SRC=True, HAS_DST=True, PAGED=False,
                   HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC="tf32")
     k = compile_for_sm90(chunk_ops._chunk_state_kernel, consts, 8, 1, a.maxnreg)

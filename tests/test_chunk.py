@@ -205,3 +205,19 @@ def test_single_token_batch_sliced_from_a_longer_buffer(device):
     o, s, ro, rs = _both(dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True),
                          q, k, v, g, beta)
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
+
+
+@pytest.mark.parametrize("prepare", ["split", "fused"])
+def test_both_prepare_paths_agree_with_the_oracle(prepare, device, monkeypatch):
+    """The two prepare implementations (kept side by side until the GPU timing picks one) both match."""
+    import kda.ops.chunk as chunk_ops
+
+    monkeypatch.setattr(chunk_ops, "_PREPARE", prepare)
+    bounds = [0, 0, 64, 65, 150]
+    q, k, v, g, beta, kw = make_inputs(1, 150, 2, 4, 48, 40, gate="lower_bound", device=device, seed=21,
+                                       normalize_k=False, beta_logits=True)
+    kw.update(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True,
+              cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
+              initial_state=torch.randn(4, 4, 48, 40).to(device))
+    o, s, ro, rs = _both(kw, q, k, v, g, beta)
+    assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL

@@ -11,20 +11,25 @@ non-increasing per channel), K-first state S [K, V]:
     U  = U0 - W S                      O  = (scale 2^b * Q) S + A_qk U
     S <- 2^b_last * S + (2^(b_last - b) * K)^T U
 
-The cumulative log2 decay b is summed and kept in float64 (workspace `gc_ws`): kernels only ever use
-differences b_i - b_j of nearby tokens, and after a step of -1000 both terms are about -1443 where fp32
-keeps 1e-4 absolute, a 1e-4 relative error in every later decay factor. In float64 the difference is
-exact to fp32; every exponential is still taken in fp32.
+The cumulative log2 decay b is summed in float64: kernels only ever use differences b_i - b_j of nearby
+tokens, and after a step of -1000 both terms are about -1443 where fp32 keeps 1e-4 absolute, a 1e-4
+relative error in every later decay factor. In float64 the difference is exact to fp32; every
+exponential is still taken in fp32. Every exponent evaluated is <= 0: blocks below the diagonal are
+anchored on the first row of the row block (both factors <= 1), diagonal 16 x 16 blocks take
+2^(b_i - b_j) pairwise for i >= j. So a per-token log-decay of -1000 gives exact zeros, never inf * 0.
 
-Two kernels:
-- `_chunk_prepare_kernel`, one program per (chunk, value head), all chunks in parallel: gate, cumsum,
-  A_kk and A_qk in 16-token sub-blocks, the inverse, W and U0 (fp32 workspaces in token space).
-  Every exponent it evaluates is <= 0: off-diagonal sub-blocks are anchored on the first row of the row
-  sub-block (both factors <= 1), diagonal sub-blocks take 2^(b_i - b_j) pairwise for i >= j. So a
-  per-token log-decay of -1000 gives exact zeros, never inf * 0.
-- `_chunk_state_kernel`, one program per (V block, sequence, value head): walks the chunks of its
-  sequence with S on chip, reads the initial state (dense, paged or none) and writes o and the final
-  state (dense or paged, in place) in the storage dtype; the recurrence accumulates in fp32.
+The prepare stage (all chunks in parallel; fp32 workspaces in token space) exists in two versions, kept
+side by side until one GPU run times them (`_PREPARE`, env `KDA_DEV_PREPARE`; docs/perf_notes.md):
+- "split" (default): `_chunk_intra_kernel`, one program per (chunk, 16-row block, value head): gate,
+  fp64 cumsum in registers, the block's strip of A_kk and A_qk, its rows of Kd, Qd, Kr (and gt);
+  then `_chunk_solve_kernel`, one program per (chunk, value head): the inverse (diagonal blocks all at
+  once, then block rows) in place of A_kk, W and U0.
+- "fused": `_chunk_prepare_kernel`, one program per (chunk, value head) doing all of it, with the
+  cumsum in an fp64 scratch (`gc_ws`); measured on the H200 at 7.2 ms for 1x16384 H=32 (255 registers,
+  spills; fla's whole call is 1.9 ms).
+Then `_chunk_state_kernel`, one program per (V block, sequence, value head): walks the chunks of its
+sequence with S on chip, reads the initial state (dense, paged or none) and writes o and the final
+state (dense or paged, in place) in the storage dtype; the recurrence accumulates in fp32.
 
 Chunks map to sequences on the device: program p of the prepare grid belongs to the sequence n with
 f(n) <= p < f(n+1), f(n) = cu_seqlens[n] // BT + n, strictly increasing even across empty sequences,
@@ -279,6 +284,199 @@ def _chunk_prepare_kernel(
 
 
 @triton.jit
+def _chunk_intra_kernel(
+    q, k, g, beta, A_log, dt_bias, cu_seqlens,
+    akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws,
+    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
+    T, N, NT, scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Split prepare, part 1: one program per (chunk, row block r of BC rows, value head). Walks K in
+    BK-wide slices; per slice it recomputes the gate of the whole chunk and its fp64 cumsum in registers
+    (no scratch), then adds to row block r's strip of A_kk / A_qk: columns of earlier blocks through one
+    dot anchored on the first row of block r, the diagonal block pairwise. Also writes block r's rows of
+    Kd = 2^b k, Qd = scale 2^b q, Kr = 2^(b_last - b) k (l2-normalised) and, for r = 0, gt = 2^b_last."""
+    i_p = tl.program_id(0)
+    i_r = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if t0 >= eos:
+        return
+    n_rows = tl.minimum(eos - t0, BT)
+    r0 = i_r * BC
+    if r0 >= n_rows:
+        return
+    o_t = tl.arange(0, BT)
+    row_ok = o_t < n_rows
+    before = o_t < r0  # rows of the earlier blocks (all valid)
+    rows = t0 + o_t
+    o_c = tl.arange(0, BC)
+    ok_r = (r0 + o_c) < n_rows
+    rows_r = t0 + r0 + o_c
+    q_h = q + i_h * s_qh
+    k_h = k + i_h * s_kh
+    g_h = g + i_hv * s_gh
+
+    rk_all = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, USE_L2NORM)
+    rq_r = _qk_inv_norm(q_h, rows_r, ok_r, s_qt, K, BK, USE_L2NORM)
+    rk_r = _qk_inv_norm(k_h, rows_r, ok_r, s_kt, K, BK, USE_L2NORM)
+    beta_r = tl.load(beta + rows_r * s_bt + i_hv * s_bh, mask=ok_r, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        beta_r = tl.sigmoid(beta_r)
+    a = 1.0
+    if HAS_A_LOG:
+        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+
+    lower = ((o_c[:, None] >= o_c[None, :]) & ok_r[:, None] & ok_r[None, :])[:, :, None]
+    acc_off_kk = tl.zeros([BC, BT], dtype=tl.float32)
+    acc_off_qk = tl.zeros([BC, BT], dtype=tl.float32)
+    acc_dg_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    acc_dg_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    ws_r = rows_r[:, None] * (HV * K) + i_hv * K
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        if HAS_DT_BIAS:
+            bias = tl.load(dt_bias + i_hv * K + cols, mask=col_ok, other=0.0).to(tl.float32)
+        else:
+            bias = tl.zeros([BK], dtype=tl.float32)
+        m_all = row_ok[:, None] & col_ok[None, :]
+        m_r = ok_r[:, None] & col_ok[None, :]
+        # the cumulative log2 decay of every row of the chunk, and of block r, in fp64
+        g_all = kda_gate_log2(tl.load(g_h + rows[:, None] * s_gt + cols[None, :], mask=m_all, other=0.0),
+                              a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
+        g_all = tl.where(m_all, g_all, 0.0).to(tl.float64)
+        b_all = tl.cumsum(g_all, axis=0)
+        b_last = tl.sum(g_all, 0)
+        prefix = tl.sum(tl.where(before[:, None], g_all, 0.0), 0)
+        g_r = kda_gate_log2(tl.load(g_h + rows_r[:, None] * s_gt + cols[None, :], mask=m_r, other=0.0),
+                            a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
+        g_r = tl.where(m_r, g_r, 0.0).to(tl.float64)
+        b_r = prefix[None, :] + tl.cumsum(g_r, axis=0)
+        anchor = prefix + tl.sum(tl.where(o_c[:, None] == 0, g_r, 0.0), 0)
+        q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+        k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+        # earlier blocks: 2^(b_i - b_j) = 2^(b_i - anchor) 2^(anchor - b_j), both factors <= 1
+        m_before = before[:, None] & col_ok[None, :]
+        k_all = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m_before, other=0.0).to(tl.float32)
+        ke_all = k_all * tl.exp2(tl.where(m_before, anchor[None, :] - b_all, 0.0).to(tl.float32))
+        e_r = tl.exp2(tl.where(m_r, b_r - anchor[None, :], 0.0).to(tl.float32))
+        ke_t = tl.trans(ke_all)
+        acc_off_kk += tl.dot(k_r * e_r, ke_t, input_precision=DOT_PREC)
+        acc_off_qk += tl.dot(q_r * e_r, ke_t, input_precision=DOT_PREC)
+        # the diagonal block: 2^(b_i - b_j) for i >= j, pairwise
+        e = tl.exp2(tl.where(lower, b_r[:, None, :] - b_r[None, :, :], float("-inf")).to(tl.float32))
+        ke = k_r[None, :, :] * e
+        acc_dg_kk += tl.sum(k_r[:, None, :] * ke, 2)
+        acc_dg_qk += tl.sum(q_r[:, None, :] * ke, 2)
+        # what the solve and the state walk read for block r's rows
+        d_r = tl.exp2(b_r.to(tl.float32))
+        kn_r = k_r * rk_r[:, None]
+        tl.store(kd_ws + ws_r + cols[None, :], kn_r * d_r, mask=m_r)
+        tl.store(qd_ws + ws_r + cols[None, :], q_r * (rq_r * scale)[:, None] * d_r, mask=m_r)
+        tl.store(kr_ws + ws_r + cols[None, :], kn_r * tl.exp2((b_last[None, :] - b_r).to(tl.float32)), mask=m_r)
+        if i_r == 0:
+            tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
+
+    a_off = rows_r[:, None] * (HV * BT) + i_hv * BT
+    kk = acc_off_kk * (rk_r * beta_r)[:, None] * rk_all[None, :]
+    qk = acc_off_qk * (rq_r * scale)[:, None] * rk_all[None, :]
+    m_off = ok_r[:, None] & before[None, :]
+    tl.store(akk_ws + a_off + o_t[None, :], kk, mask=m_off)
+    tl.store(aqk_ws + a_off + o_t[None, :], qk, mask=m_off)
+    kk = tl.where(o_c[:, None] > o_c[None, :], acc_dg_kk, 0.0) * (rk_r * beta_r)[:, None] * rk_r[None, :]
+    qk = tl.where(o_c[:, None] >= o_c[None, :], acc_dg_qk, 0.0) * (rq_r * scale)[:, None] * rk_r[None, :]
+    m_dg = ok_r[:, None] & ok_r[None, :]
+    tl.store(akk_ws + a_off + r0 + o_c[None, :], kk, mask=m_dg)
+    tl.store(aqk_ws + a_off + r0 + o_c[None, :], qk, mask=m_dg)
+
+
+@triton.jit
+def _chunk_solve_kernel(
+    v, beta, cu_seqlens, akk_ws, kd_ws, w_ws, u_ws,
+    s_vt, s_vh, s_bt, s_bh,
+    T, N, NT,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr = "ieee",
+):
+    """Split prepare, part 2: one program per (chunk, value head). X = (I + A_kk)^-1, written over A_kk:
+    the NC diagonal BC x BC blocks by forward substitution, all blocks at once in an [NC, BC, BC] tile
+    (X_i = e_i - sum_{j<i} L_ij X_j), then block row by block row X[r, :r] = -X_rr (L[r, :r] X[:r, :r])
+    (block forward substitution; the rows above r are final by then). fp32 throughout ("ieee" dots).
+    Then W = X diag(beta) Kd, U0 = X diag(beta) V."""
+    i_p = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_n, t0, eos = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if t0 >= eos:
+        return
+    n_rows = tl.minimum(eos - t0, BT)
+    o_t = tl.arange(0, BT)
+    row_ok = o_t < n_rows
+    rows = t0 + o_t
+    a_h = akk_ws + i_hv * BT
+    b_beta = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        b_beta = tl.sigmoid(b_beta)
+    b_beta = tl.where(row_ok, b_beta, 0.0)
+
+    NC: tl.constexpr = BT // BC
+    o_b = tl.arange(0, NC)[:, None, None]
+    o_i = tl.arange(0, BC)[None, :, None]
+    o_j = tl.arange(0, BC)[None, None, :]
+    addr3 = (t0 + o_b * BC + o_i) * (HV * BT) + o_b * BC + o_j
+    ok3 = ((o_b * BC + o_i) < n_rows) & ((o_b * BC + o_j) < n_rows)
+    L3 = tl.load(a_h + addr3, mask=ok3 & (o_j < o_i), other=0.0)
+    eye3 = tl.where(o_i == o_j, 1.0, 0.0) + tl.zeros([NC, BC, BC], dtype=tl.float32)
+    X3 = eye3
+    for i in tl.static_range(1, BC):
+        l_i = tl.sum(tl.where(o_i == i, L3, 0.0), 1)  # [NC, BC]: row i of every block
+        x_i = tl.sum(l_i[:, :, None] * X3, 1)
+        X3 = tl.where(o_i == i, eye3 - x_i[:, None, :], X3)
+    tl.debug_barrier()  # every thread has read its part of A_kk before the diagonal blocks are overwritten
+    tl.store(a_h + addr3, X3, mask=ok3)
+    tl.debug_barrier()
+    # block rows r = 1..: X[r, :r] = -X_rr (L[r, :r] X[:r, :r]); rows above r are final, in place of A_kk
+    o_c = tl.arange(0, BC)
+    for r in tl.static_range(1, NC):
+        if r * BC < n_rows:
+            ok_r = (r * BC + o_c) < n_rows
+            row_off = (t0 + r * BC + o_c)[:, None] * (HV * BT)
+            left = o_t[None, :] < r * BC
+            L_r = tl.load(a_h + row_off + o_t[None, :], mask=ok_r[:, None] & left, other=0.0)
+            X_up = tl.load(a_h + rows[:, None] * (HV * BT) + o_t[None, :],
+                           mask=(o_t[:, None] < r * BC) & (o_t[None, :] <= o_t[:, None]), other=0.0)
+            X_rr = tl.load(a_h + row_off + r * BC + o_c[None, :],
+                           mask=ok_r[:, None] & (o_c[None, :] <= o_c[:, None]), other=0.0)
+            X_r = -tl.dot(X_rr, tl.dot(L_r, X_up, input_precision=INV_PREC), input_precision=INV_PREC)
+            tl.debug_barrier()  # L_r read by every thread before it is overwritten
+            tl.store(a_h + row_off + o_t[None, :], X_r, mask=ok_r[:, None] & left)
+            tl.debug_barrier()
+    X = tl.load(a_h + rows[:, None] * (HV * BT) + o_t[None, :],
+                mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
+
+    Xb = X * b_beta[None, :]
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = row_ok[:, None] & (cols < K)[None, :]
+        off = rows[:, None] * (HV * K) + i_hv * K + cols[None, :]
+        kd = tl.load(kd_ws + off, mask=m, other=0.0)
+        tl.store(w_ws + off, tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        m = row_ok[:, None] & (cols < V)[None, :]
+        v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :],
+                 tl.dot(Xb, v_c, input_precision=DOT_PREC), mask=m)
+
+
+@triton.jit
 def _chunk_state_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
@@ -357,7 +555,7 @@ def _chunk_state_kernel(
 
 
 def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the two chunk kernels for a validated call. Returns (o, final_state)."""
+    """Launch the chunk kernels for a validated call. Returns (o, final_state)."""
     B, T, H, HV, K, V, N = call.B, call.T, call.H, call.HV, call.K, call.V, call.N
     dev = call.q.device
     o = output_buffer(call)
@@ -383,7 +581,29 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     gt_ws = torch.empty((max(n_programs, 1), HV, K), dtype=torch.float32, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    if total > 0 and n_programs > 0:
+    if total > 0 and n_programs > 0 and _PREPARE == "split":
+        BVp = min(64, pow2_at_least(V))
+        flags = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
+        kd_ws = w_ws.new_empty(w_ws.shape)
+        kp = _chunk_intra_kernel[(n_programs, BT // BC, HV)](
+            q, k, g, beta, A_log, dt_bias, cu,
+            akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws,
+            token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
+            token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2),
+            T, N, NT, call.scale, lower_bound,
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=16,
+            USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
+            HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
+            USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **flags,
+        )
+        _chunk_solve_kernel[(n_programs, HV)](
+            v, beta, cu, akk_ws, kd_ws, w_ws, u_ws,
+            token_stride(v, T), v.stride(2), token_stride(beta, T), beta.stride(2),
+            T, N, NT,
+            HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(32, pow2_at_least(K)), BV=BVp,
+            num_warps=4, num_stages=1, **flags,
+        )
+    elif total > 0 and n_programs > 0:
         BK = min(32, pow2_at_least(K))
         BVp = min(64, pow2_at_least(V))
         kp = _chunk_prepare_kernel[(n_programs, HV)](
@@ -419,6 +639,9 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     return o, st.final_state
 
 
+# Development switches, to time alternatives side by side on the GPU (scripts/profile_chunk.py):
+# KDA_DEV_PREPARE=fused|split picks the prepare kernel(s); KDA_DEV_SKIP leaves stages of the fused one out.
+_PREPARE = os.environ.get("KDA_DEV_PREPARE", "split")
 _SKIP = int(os.environ.get("KDA_DEV_SKIP", "0"))
 _PREP_WARPS = int(os.environ.get("KDA_DEV_PREP_WARPS", "4"))
 _PRINT_STATS = os.environ.get("KDA_KERNEL_STATS", "0") == "1"
