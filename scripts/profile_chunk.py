@@ -1,5 +1,6 @@
-"""Per-kernel GPU time of chunk_kda (torch.profiler), and the prepare kernel's stages timed apart by
-leaving them out (kda.ops.chunk._SKIP bits). Development aid: `python scripts/profile_chunk.py`."""
+"""Per-kernel GPU time of chunk_kda (torch.profiler) with each prepare implementation (split, fused),
+and the fused prepare kernel's stages timed apart by leaving them out (kda.ops.chunk._SKIP bits).
+Development aid: `python scripts/profile_chunk.py`."""
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -34,18 +35,21 @@ def kernel_times(args, kw, reps=3):
 
 
 def fmt(rows):
-    return ", ".join(f"{k[:28]} {v:.0f}us" for k, v in sorted(rows.items(), key=lambda x: -x[1])[:3])
+    return ", ".join(f"{k[:28]} {v:.0f}us" for k, v in sorted(rows.items(), key=lambda x: -x[1])[:4])
 
 
 if __name__ == "__main__":
-    for B, T, H in [(1, 4096, 12), (1, 16384, 32)]:
+    # the two prepare implementations side by side (kda.ops.chunk._PREPARE), then the fused one's stages
+    for B, T, H in [(1, 4096, 12), (1, 16384, 12), (1, 16384, 32), (1, 8192, 96)]:
         args, kw = inputs(B, T, H)
-        print(f"{B}x{T} H={H}: {fmt(kernel_times(args, kw))}", flush=True)
+        for prepare in ("split", "fused"):
+            chunk_ops._PREPARE = prepare
+            print(f"{B}x{T} H={H} {prepare:5s}: {fmt(kernel_times(args, kw))}", flush=True)
+    chunk_ops._PREPARE = "fused"
     args, kw = inputs(1, 16384, 32)
-    for warps in (4, 8):
-        for skip in (0, 1, 2, 4, 8, 15):
-            chunk_ops._PREP_WARPS, chunk_ops._SKIP = warps, skip
-            t = kernel_times(args, kw, reps=2)
-            prep = sum(v for k, v in t.items() if "prepare" in k)
-            print(f"prepare 1x16384 H=32 warps={warps} skip={skip:2d}: {prep:.0f}us", flush=True)
-    chunk_ops._PREP_WARPS, chunk_ops._SKIP = 8, 0
+    for skip in (0, 1, 2, 4, 8, 15):
+        chunk_ops._SKIP = skip
+        t = kernel_times(args, kw, reps=2)
+        prep = sum(v for k, v in t.items() if "prepare" in k)
+        print(f"fused prepare 1x16384 H=32 skip={skip:2d}: {prep:.0f}us", flush=True)
+    chunk_ops._PREPARE, chunk_ops._SKIP = "split", 0
