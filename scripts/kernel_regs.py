@@ -32,7 +32,10 @@ POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "g": "*fp32"
             "state_src": "*fp32", "state_dst": "*fp32", "slot_of_seq": "*i32", "has_initial_state": "*i1"}
 
 
-def compile_for_sm90(fn, consts: dict, warps: int, stages: int, maxnreg: int | None):
+HALF_WORKSPACES = ("w_ws", "qd_ws", "kr_ws", "kd_ws")
+
+
+def compile_for_sm90(fn, consts: dict, warps: int, stages: int, maxnreg: int | None, ws: str = "fp32"):
     params = list(inspect.signature(fn.fn).parameters)
     sig = {}
     for p in params:
@@ -41,7 +44,7 @@ def compile_for_sm90(fn, consts: dict, warps: int, stages: int, maxnreg: int | N
         elif p in POINTERS:
             sig[p] = POINTERS[p]
         elif p.endswith("_ws"):
-            sig[p] = "*fp32"
+            sig[p] = "*fp16" if (ws == "fp16" and p in HALF_WORKSPACES) else "*fp32"
         elif p in ("scale", "lower_bound"):
             sig[p] = "fp32"
         else:
@@ -67,6 +70,9 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--solve-warps", type=int, default=4)
     ap.add_argument("--inv-prec", default="ieee")
+    ap.add_argument("--ws", default="fp16", help="dtype of the Kd/Qd/Kr/W workspaces (fp16 with 16-bit inputs)")
+    ap.add_argument("--state-stages", type=int, default=1)
+    ap.add_argument("--state-warps", type=int, default=8)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--skip", default="0")
@@ -83,16 +89,16 @@ def main() -> None:
     flags = dict(USE_BETA_SIGMOID=True, DOT_PREC="tf32")
     consts = dict(H=12, HV=12, K=a.K, BT=64, BC=16, BK=16, IS_VARLEN=False, USE_GATE=True, HAS_A_LOG=True,
                   HAS_DT_BIAS=True, USE_LOWER_BOUND=True, USE_L2NORM=True, **flags)
-    k = compile_for_sm90(chunk_ops._chunk_intra_kernel, consts, a.warps, 1, a.maxnreg)
+    k = compile_for_sm90(chunk_ops._chunk_intra_kernel, consts, a.warps, 1, a.maxnreg, a.ws)
     print(f"split intra ({a.warps} warps, 1 stage): {ptxas_report(k)}", flush=True)
     consts = dict(HV=12, K=a.K, V=a.V, BT=64, BC=16, BK=min(32, triton.next_power_of_2(a.K)),
                   BV=min(64, triton.next_power_of_2(a.V)), IS_VARLEN=False, INV_PREC=a.inv_prec, **flags)
-    k = compile_for_sm90(chunk_ops._chunk_solve_kernel, consts, a.solve_warps, 1, a.maxnreg)
+    k = compile_for_sm90(chunk_ops._chunk_solve_kernel, consts, a.solve_warps, 1, a.maxnreg, a.ws)
     print(f"split solve ({a.solve_warps} warps, 1 stage): {ptxas_report(k)}", flush=True)
     consts = dict(common, BK=max(16, triton.next_power_of_2(a.K)), BV=32, HAS_SRC=True, HAS_DST=True, PAGED=False,
                   HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC="tf32")
-    k = compile_for_sm90(chunk_ops._chunk_state_kernel, consts, 8, 1, a.maxnreg)
-    print(f"state (8 warps, 1 stage): {ptxas_report(k)}", flush=True)
+    k = compile_for_sm90(chunk_ops._chunk_state_kernel, consts, a.state_warps, a.state_stages, a.maxnreg, a.ws)
+    print(f"state ({a.state_warps} warps, {a.state_stages} stages, {a.ws} workspaces): {ptxas_report(k)}", flush=True)
 
 
 if __name__ == "__main__":

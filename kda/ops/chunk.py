@@ -466,7 +466,7 @@ def _chunk_solve_kernel(
         cols = k0 + tl.arange(0, BK)
         m = row_ok[:, None] & (cols < K)[None, :]
         off = rows[:, None] * (HV * K) + i_hv * K + cols[None, :]
-        kd = tl.load(kd_ws + off, mask=m, other=0.0)
+        kd = tl.load(kd_ws + off, mask=m, other=0.0).to(tl.float32)
         tl.store(w_ws + off, tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
@@ -537,11 +537,11 @@ def _chunk_state_kernel(
         m_v = row_ok[:, None] & v_ok[None, :]
         ws_k = rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
 
-        w = tl.load(w_ws + ws_k, mask=m_k, other=0.0)
+        w = tl.load(w_ws + ws_k, mask=m_k, other=0.0).to(tl.float32)
         u0 = tl.load(u_ws + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_v, other=0.0)
         U = u0 - tl.dot(w, S, input_precision=DOT_PREC)
-        qd = tl.load(qd_ws + ws_k, mask=m_k, other=0.0)
-        kr = tl.load(kr_ws + ws_k, mask=m_k, other=0.0)
+        qd = tl.load(qd_ws + ws_k, mask=m_k, other=0.0).to(tl.float32)
+        kr = tl.load(kr_ws + ws_k, mask=m_k, other=0.0).to(tl.float32)
         gt = tl.load(gt_ws + ((p0 + (t0 - bos) // BT) * HV + i_hv) * K + o_k, mask=k_ok, other=0.0)
         aqk = tl.load(aqk_ws + rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :],
                       mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
@@ -552,6 +552,24 @@ def _chunk_state_kernel(
 
     if HAS_DST:
         tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
+
+
+def workspace_dtype(call: KDACall) -> torch.dtype:
+    """Storage of the K-wide workspaces Kd, Qd, Kr and W, the bulk of what the state walk reads per chunk.
+    fp16 when the inputs are 16-bit and q, k are l2-normalised in the kernel: then |Qd| <= scale and
+    |Kd|, |Kr| <= 1, W = (I + A_kk)^-1 diag(beta) Kd stays within fp16's range, and fp16's 11-bit
+    significand is what the tf32 dots that consume these values keep anyway. Otherwise fp32 (raw q, k
+    have no bound, and fp32 inputs ask for fp32 accuracy)."""
+    if call.q.dtype != torch.float32 and call.use_qk_l2norm_in_kernel:
+        return torch.float16
+    return torch.float32
+
+
+def _state_stages(ws_dtype: torch.dtype) -> int:
+    """Pipeline depth of the state walk: prefetching the next chunk's Qd, Kr, W, A_qk, U0 needs a second
+    set of shared-memory buffers. sm_90 (scripts/kernel_regs.py, K = V = 128): fp16 workspaces take
+    80 KB at 2 stages (40 KB at 1); fp32 ones 256 KB at 2, over the 227 KB limit. Not yet timed."""
+    return 2 if ws_dtype == torch.float16 else 1
 
 
 def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -570,14 +588,15 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     cu = call.cu_seqlens if varlen else call.q  # dummy pointer when dense
     A_log, dt_bias, lower_bound = gate_params(call)
     prec = dot_precision(call.q.dtype)
+    ws_dtype = workspace_dtype(call)
 
     gc_ws = torch.empty((total, HV, K), dtype=torch.float64, device=dev)
     akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
     aqk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
-    w_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
+    w_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     u_ws = torch.empty((total, HV, V), dtype=torch.float32, device=dev)
-    qd_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
-    kr_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
+    qd_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
+    kr_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     gt_ws = torch.empty((max(n_programs, 1), HV, K), dtype=torch.float32, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
@@ -632,7 +651,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
         IS_VARLEN=varlen,
         HAS_SRC=st.src is not None, HAS_DST=st.dst is not None, PAGED=call.state_mode == "paged",
         HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first,
-        DOT_PREC=prec, num_warps=8, num_stages=1,
+        DOT_PREC=prec, num_warps=8, num_stages=_state_stages(ws_dtype),
     )
     if _PRINT_STATS and total > 0 and n_programs > 0:
         _print_stats(kp, ks)
