@@ -25,11 +25,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kda.ops.chunk as chunk_ops  # noqa: E402
+import kda.ops.chunk_state as walk_ops  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
 POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "g": "*fp32", "beta": "*bf16",
             "A_log": "*fp32", "dt_bias": "*fp32", "cu_seqlens": "*i32", "gc_ws": "*fp64",
-            "state_src": "*fp32", "state_dst": "*fp32", "slot_of_seq": "*i32", "has_initial_state": "*i1"}
+            "state_src": "*fp32", "state_dst": "*fp32", "slot_of_seq": "*i32", "has_initial_state": "*i1",
+            "a_seg": "*fp32", "b_seg": "*fp32", "h_seg": "*fp32"}
 
 
 HALF_WORKSPACES = ("w_ws", "qd_ws", "kr_ws", "kd_ws")
@@ -95,10 +97,19 @@ def main() -> None:
                   BV=min(64, triton.next_power_of_2(a.V)), IS_VARLEN=False, INV_PREC=a.inv_prec, **flags)
     k = compile_for_sm90(chunk_ops._chunk_solve_kernel, consts, a.solve_warps, 1, a.maxnreg, a.ws)
     print(f"split solve ({a.solve_warps} warps, 1 stage): {ptxas_report(k)}", flush=True)
-    consts = dict(common, BK=max(16, triton.next_power_of_2(a.K)), BV=32, HAS_SRC=True, HAS_DST=True, PAGED=False,
-                  HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC="tf32")
-    k = compile_for_sm90(chunk_ops._chunk_state_kernel, consts, a.state_warps, a.state_stages, a.maxnreg, a.ws)
+    BKF = max(16, triton.next_power_of_2(a.K))
+    state_flags = dict(HAS_SRC=True, HAS_DST=True, PAGED=True, HAS_INIT_FLAGS=True, V_FIRST=True)
+    consts = dict(HV=12, K=a.K, V=a.V, BT=64, BK=BKF, BV=32, IS_VARLEN=False, DOT_PREC="tf32", **state_flags)
+    k = compile_for_sm90(walk_ops._chunk_state_kernel, consts, a.state_warps, a.state_stages, a.maxnreg, a.ws)
     print(f"state ({a.state_warps} warps, {a.state_stages} stages, {a.ws} workspaces): {ptxas_report(k)}", flush=True)
+    seg = dict(HV=12, K=a.K, V=a.V, BT=64, G=16, BK=BKF, BV=32, IS_VARLEN=True, DOT_PREC="tf32")
+    for name, fn, extra, stages in (
+        ("segment summary", walk_ops._segment_summary_kernel, {}, a.state_stages),
+        ("segment scan", walk_ops._segment_scan_kernel, state_flags, 1),
+        ("segment output", walk_ops._segment_output_kernel, dict(PAGED=True), a.state_stages),
+    ):
+        k = compile_for_sm90(fn, dict(seg, **extra), a.state_warps, stages, a.maxnreg, a.ws)
+        print(f"{name} ({a.state_warps} warps, {stages} stages): {ptxas_report(k)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Per-kernel GPU time of chunk_kda (torch.profiler) with each prepare implementation (split, fused),
-and the fused prepare kernel's stages timed apart by leaving them out (kda.ops.chunk._SKIP bits).
+the state walk plain and segmented, and the fused prepare kernel's stages timed apart by leaving them
+out (kda.ops.chunk._SKIP bits).
 Development aid: `python scripts/profile_chunk.py`."""
 
 import torch
@@ -7,6 +8,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import kda
 import kda.ops.chunk as chunk_ops
+import kda.ops.chunk_state as walk_ops
 
 
 def inputs(B, T, H, K=128, V=128):
@@ -45,6 +47,12 @@ if __name__ == "__main__":
         for prepare in ("split", "fused"):
             chunk_ops._PREPARE = prepare
             print(f"{B}x{T} H={H} {prepare:5s}: {fmt(kernel_times(args, kw))}", flush=True)
+    for B, T, H in [(1, 16384, 12), (1, 65536, 12)]:
+        args, kw = inputs(B, T, H)
+        for mode in ("never", "always"):
+            walk_ops.SEGMENT_MODE = mode
+            print(f"{B}x{T} H={H} segments {mode:6s}: {fmt(kernel_times(args, kw))}", flush=True)
+    walk_ops.SEGMENT_MODE = "auto"
     chunk_ops._PREPARE = "fused"
     args, kw = inputs(1, 16384, 32)
     for skip in (0, 1, 2, 4, 8, 15):

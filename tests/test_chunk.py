@@ -221,3 +221,44 @@ def test_both_prepare_paths_agree_with_the_oracle(prepare, device, monkeypatch):
               initial_state=torch.randn(4, 4, 48, 40).to(device))
     o, s, ro, rs = _both(kw, q, k, v, g, beta)
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
+
+
+@pytest.mark.parametrize("layout", ["dense", "varlen-paged"])
+def test_segmented_walk_equals_the_plain_one(layout, device, monkeypatch):
+    """The segmented state walk (affine segment summaries, a scan, then the outputs) against the oracle
+    and against the plain walk, with 2-chunk segments so that every sequence has several."""
+    import kda.ops.chunk_state as walk
+
+    monkeypatch.setattr(walk, "SEGMENT_CHUNKS", 2)
+    H, HV, K, V = 1, 2, 24, 40
+    if layout == "dense":
+        B, T = 2, 300
+        q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, gate="lower_bound", device=device, seed=31)
+        kw.update(initial_state=torch.randn(B, HV, V, K).to(device), state_v_first=True, output_final_state=True)
+    else:
+        bounds = [0, 0, 130, 131, 131, 400, 530]
+        T = bounds[-1]
+        q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate="softplus", device=device, seed=32)
+        pool = poison_pool(9, (HV, K, V), torch.float32, device, pad=3)
+        idx = torch.tensor([2, 5, -1, 0, 7, 4], dtype=torch.int32, device=device)
+        for slot in idx.tolist():
+            if slot >= 0:
+                pool[slot] = torch.randn(HV, K, V).to(device)
+        has = torch.tensor([True, True, True, False, True, True], device=device)
+        kw.update(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device), state_cache=pool,
+                  state_indices=idx, has_initial_state=has)
+    runs = {}
+    for mode in ("never", "always"):
+        monkeypatch.setattr(walk, "SEGMENT_MODE", mode)
+        kw_run = dict(kw)
+        if "state_cache" in kw:
+            kw_run["state_cache"] = kw["state_cache"].clone()
+        o, s = kda.chunk_kda(q, k, v, g, beta, **kw_run)
+        runs[mode] = (o, s if s is not None else kw_run["state_cache"])
+    (o1, s1), (o2, s2) = runs["never"], runs["always"]
+    assert rel_err(o2, o1) < FP32_TOL and rel_err(torch.nan_to_num(s2), torch.nan_to_num(s1)) < FP32_TOL
+    assert torch.equal(torch.isnan(s1), torch.isnan(s2))  # the same slots untouched (NaN-poisoned ones)
+    if layout == "dense":
+        ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
+                                   **on_cpu(dict(kw, initial_state=kw["initial_state"].double())))
+        assert rel_err(o2, ro) < FP32_TOL and rel_err(s2, rs) < FP32_TOL

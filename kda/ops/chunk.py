@@ -27,13 +27,13 @@ side by side until one GPU run times them (`_PREPARE`, env `KDA_DEV_PREPARE`; do
 - "fused": `_chunk_prepare_kernel`, one program per (chunk, value head) doing all of it, with the
   cumsum in an fp64 scratch (`gc_ws`); measured on the H200 at 7.2 ms for 1x16384 H=32 (255 registers,
   spills; fla's whole call is 1.9 ms).
-Then `_chunk_state_kernel`, one program per (V block, sequence, value head): walks the chunks of its
-sequence with S on chip, reads the initial state (dense, paged or none) and writes o and the final
-state (dense or paged, in place) in the storage dtype; the recurrence accumulates in fp32.
+Then the state walk (`kda.ops.chunk_state`): the sequential part, plain (one program per V block,
+sequence and value head) or, for few long sequences, segmented (affine segment summaries, a scan, the
+outputs); it reads the initial state (dense, paged or none) and writes o and the final state (dense or
+paged, in place) in the storage dtype; the recurrence accumulates in fp32.
 
-Chunks map to sequences on the device: program p of the prepare grid belongs to the sequence n with
-f(n) <= p < f(n+1), f(n) = cu_seqlens[n] // BT + n, strictly increasing even across empty sequences,
-found by binary search. f(N) = T // BT + N bounds the grid, so no host copy of the bounds is needed.
+Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds is
+needed.
 """
 
 from __future__ import annotations
@@ -45,45 +45,20 @@ import triton
 import triton.language as tl
 
 from ..contract import KDACall
+from .chunk_state import state_walk
 from .common import (
     dot_precision,
     gate_params,
     kda_gate_log2,
+    locate_block,
     output_buffer,
     plan_state,
     pow2_at_least,
-    round_to,
-    seq_bounds,
     token_stride,
 )
 
 CHUNK = 64  # BT: tokens per chunk
 SUB = 16  # BC: tokens per sub-block of the intra-chunk matrices
-
-
-@triton.jit
-def _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
-    """Program i_p -> (sequence, first token of its chunk, sequence end). Varlen: binary search of
-    f(n) = cu_seqlens[n] // BT + n (see the module docstring); a program past its sequence's chunks
-    gets t0 >= eos and does nothing."""
-    if IS_VARLEN:
-        lo = 0
-        hi = N  # invariant: f(lo) <= i_p, answer in [lo, hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            f_mid = tl.load(cu_seqlens + mid).to(tl.int64) // BT + mid
-            ok = f_mid <= i_p
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
-        i_n = lo
-        bos, eos = seq_bounds(cu_seqlens, i_n, T, True)
-        i_t = i_p - (bos // BT + i_n)
-    else:
-        i_n = i_p // NT
-        i_t = i_p % NT
-        bos, eos = seq_bounds(cu_seqlens, i_n, T, False)
-    t0 = bos + i_t * BT
-    return i_n, t0, eos
 
 
 @triton.jit
@@ -118,7 +93,7 @@ def _chunk_prepare_kernel(
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n, t0, eos = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    i_n, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
     if t0 >= eos:
         return
     n_rows = tl.minimum(eos - t0, BT)
@@ -304,7 +279,7 @@ def _chunk_intra_kernel(
     i_r = tl.program_id(1)
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n, t0, eos = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    i_n, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
     if t0 >= eos:
         return
     n_rows = tl.minimum(eos - t0, BT)
@@ -413,7 +388,7 @@ def _chunk_solve_kernel(
     Then W = X diag(beta) Kd, U0 = X diag(beta) V."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
-    i_n, t0, eos = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    i_n, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
     if t0 >= eos:
         return
     n_rows = tl.minimum(eos - t0, BT)
@@ -476,84 +451,6 @@ def _chunk_solve_kernel(
                  tl.dot(Xb, v_c, input_precision=DOT_PREC), mask=m)
 
 
-@triton.jit
-def _chunk_state_kernel(
-    o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
-    state_src, state_dst, slot_of_seq, has_initial_state,
-    s_ot, s_oh, src_stride, dst_stride,
-    T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    i_v = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_hv = tl.program_id(2)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    # prepare-kernel program of this sequence's first chunk (see _locate_chunk): indexes gt_ws
-    if IS_VARLEN:
-        p0 = bos // BT + i_n
-    else:
-        p0 = i_n.to(tl.int64) * NT
-
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    k_ok = o_k < K
-    v_ok = o_v < V
-    kv_ok = k_ok[:, None] & v_ok[None, :]
-    # offset of element (k, v) inside one value head's plane, in the caller's layout
-    if V_FIRST:
-        plane_off = i_hv * (K * V) + o_v[None, :] * K + o_k[:, None]
-    else:
-        plane_off = i_hv * (K * V) + o_k[:, None] * V + o_v[None, :]
-
-    slot = i_n.to(tl.int64)
-    if PAGED:
-        slot = tl.load(slot_of_seq + i_n).to(tl.int64)
-    o_h = o + i_hv * s_oh
-    if slot < 0:
-        # padding sequence: no read, no write of state; its output rows are zeros
-        for t0 in range(bos, eos, BT):
-            rows = t0 + tl.arange(0, BT)
-            m = (rows < eos)[:, None] & v_ok[None, :]
-            tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], tl.zeros([BT, BV], dtype=o.dtype.element_ty), mask=m)
-        return
-
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_SRC:
-        read = True
-        if HAS_INIT_FLAGS:
-            read = tl.load(has_initial_state + i_n) != 0
-        if read:
-            S = tl.load(state_src + slot * src_stride + plane_off, mask=kv_ok, other=0.0).to(tl.float32)
-
-    for t0 in range(bos, eos, BT):
-        o_t = tl.arange(0, BT)
-        rows = t0 + o_t
-        row_ok = rows < eos
-        m_k = row_ok[:, None] & k_ok[None, :]
-        m_v = row_ok[:, None] & v_ok[None, :]
-        ws_k = rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-
-        w = tl.load(w_ws + ws_k, mask=m_k, other=0.0).to(tl.float32)
-        u0 = tl.load(u_ws + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_v, other=0.0)
-        U = u0 - tl.dot(w, S, input_precision=DOT_PREC)
-        qd = tl.load(qd_ws + ws_k, mask=m_k, other=0.0).to(tl.float32)
-        kr = tl.load(kr_ws + ws_k, mask=m_k, other=0.0).to(tl.float32)
-        gt = tl.load(gt_ws + ((p0 + (t0 - bos) // BT) * HV + i_hv) * K + o_k, mask=k_ok, other=0.0)
-        aqk = tl.load(aqk_ws + rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :],
-                      mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
-
-        out = tl.dot(qd, S, input_precision=DOT_PREC) + tl.dot(aqk, U, input_precision=DOT_PREC)
-        tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], round_to(out, o.dtype.element_ty), mask=m_v)
-        S = S * gt[:, None] + tl.dot(tl.trans(kr), U, input_precision=DOT_PREC)
-
-    if HAS_DST:
-        tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
-
-
 def workspace_dtype(call: KDACall) -> torch.dtype:
     """Storage of the K-wide workspaces Kd, Qd, Kr and W, the bulk of what the state walk reads per chunk.
     fp16 when the inputs are 16-bit and q, k are l2-normalised in the kernel: then |Qd| <= scale and
@@ -604,7 +501,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
         BVp = min(64, pow2_at_least(V))
         flags = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
         kd_ws = w_ws.new_empty(w_ws.shape)
-        kp = _chunk_intra_kernel[(n_programs, BT // BC, HV)](
+        _chunk_intra_kernel[(n_programs, BT // BC, HV)](
             q, k, g, beta, A_log, dt_bias, cu,
             akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws,
             token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
@@ -625,7 +522,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     elif total > 0 and n_programs > 0:
         BK = min(32, pow2_at_least(K))
         BVp = min(64, pow2_at_least(V))
-        kp = _chunk_prepare_kernel[(n_programs, HV)](
+        _chunk_prepare_kernel[(n_programs, HV)](
             q, k, v, g, beta, A_log, dt_bias, cu,
             gc_ws, akk_ws, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
             token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2), token_stride(v, T), v.stride(2),
@@ -637,24 +534,8 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
             USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
             DOT_PREC=prec, SKIP=_SKIP, num_warps=_PREP_WARPS,
         )
-    BKF = pow2_at_least(K)
-    BV = 32 if V > 16 else 16
-    dummy = gc_ws
-    ks = _chunk_state_kernel[(triton.cdiv(V, BV), N, HV)](
-        o, cu, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
-        st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
-        st.slot_of_seq if st.slot_of_seq is not None else dummy,
-        st.has_initial_state if st.has_initial_state is not None else dummy,
-        token_stride(o, T), o.stride(2), st.src_stride, st.dst_stride,
-        T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BKF, BV=BV,
-        IS_VARLEN=varlen,
-        HAS_SRC=st.src is not None, HAS_DST=st.dst is not None, PAGED=call.state_mode == "paged",
-        HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first,
-        DOT_PREC=prec, num_warps=8, num_stages=_state_stages(ws_dtype),
-    )
-    if _PRINT_STATS and total > 0 and n_programs > 0:
-        _print_stats(kp, ks)
+    ws = dict(aqk=aqk_ws, w=w_ws, u=u_ws, qd=qd_ws, kr=kr_ws, gt=gt_ws)
+    state_walk(call, st, o, ws, BT, NT, prec, _state_stages(ws_dtype))
     return o, st.final_state
 
 
@@ -663,14 +544,3 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
 _PREPARE = os.environ.get("KDA_DEV_PREPARE", "split")
 _SKIP = int(os.environ.get("KDA_DEV_SKIP", "0"))
 _PREP_WARPS = int(os.environ.get("KDA_DEV_PREP_WARPS", "4"))
-_PRINT_STATS = os.environ.get("KDA_KERNEL_STATS", "0") == "1"
-_seen_stats = set()
-
-
-def _print_stats(*kernels):
-    for kern in kernels:
-        key = (kern.name, getattr(kern, "n_regs", None), getattr(kern, "n_spills", None))
-        if key not in _seen_stats:
-            _seen_stats.add(key)
-            print(f"[kda] {kern.name}: regs {getattr(kern, 'n_regs', '?')} spills {getattr(kern, 'n_spills', '?')} "
-                  f"shared {getattr(kern, 'metadata', None) and kern.metadata.shared}", flush=True)

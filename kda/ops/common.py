@@ -68,6 +68,34 @@ def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
     return bos, eos
 
 
+@triton.jit
+def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """Program i_p of a grid over blocks of BT tokens (chunks, or segments of chunks) -> (sequence, first
+    token of its block, sequence end). Dense: NT blocks per sequence. Varlen: program p belongs to the
+    sequence n with f(n) <= p < f(n+1), f(n) = cu_seqlens[n] // BT + n, strictly increasing even across
+    empty sequences, found by binary search; f(N) = T // BT + N bounds the grid, so no host copy of the
+    bounds is needed. A program past its sequence's blocks gets t0 >= eos and does nothing."""
+    if IS_VARLEN:
+        lo = 0
+        hi = N  # invariant: f(lo) <= i_p, answer in [lo, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            f_mid = tl.load(cu_seqlens + mid).to(tl.int64) // BT + mid
+            ok = f_mid <= i_p
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        i_n = lo
+        bos, eos = seq_bounds(cu_seqlens, i_n, T, True)
+        i_t = i_p - (bos // BT + i_n)
+    else:
+        i_n = i_p // NT
+        i_t = i_p % NT
+        bos, eos = seq_bounds(cu_seqlens, i_n, T, False)
+    t0 = bos + i_t * BT
+    return i_n, t0, eos
+
+
+
 @dataclass
 class StatePlan:
     """Where a kernel reads and writes state. `src`/`dst` are pools of dense planes (or None)."""
