@@ -89,11 +89,23 @@ def _plane_offsets(i_hv, o_k, o_v, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl
 
 
 @triton.jit
-def _initial_state(state_src, slot_of_seq, has_initial_state, src_stride, i_n, plane_off, kv_ok,
-                   BK: tl.constexpr, BV: tl.constexpr, HAS_SRC: tl.constexpr, PAGED: tl.constexpr,
-                   HAS_INIT_FLAGS: tl.constexpr):
-    """(slot, S): the sequence's slot (< 0: padding) and its initial state tile in fp32 (zeros when there
-    is no source, the flag is false, or the sequence is padding: then the slot is never read)."""
+def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, T,
+                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, HAS_SRC: tl.constexpr, PAGED: tl.constexpr,
+                   HAS_INIT_FLAGS: tl.constexpr, V_FIRST: tl.constexpr):
+    """For a program over (V block, sequence, value head): the sequence's token range, the tile's K and V
+    indices and their masks, the plane offsets, the slot (< 0: padding) and the initial state tile in
+    fp32 (zeros when there is no source, the flag is false, or the sequence is padding: then the slot is
+    never read)."""
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    k_ok = o_k < K
+    v_ok = o_v < V
+    plane_off = _plane_offsets(i_hv, o_k, o_v, K, V, V_FIRST)
     slot = i_n.to(tl.int64)
     if PAGED:
         slot = tl.load(slot_of_seq + i_n).to(tl.int64)
@@ -103,8 +115,9 @@ def _initial_state(state_src, slot_of_seq, has_initial_state, src_stride, i_n, p
         if HAS_INIT_FLAGS:
             read = read & (tl.load(has_initial_state + i_n) != 0)
         if read:
-            S = tl.load(state_src + slot * src_stride + plane_off, mask=kv_ok, other=0.0).to(tl.float32)
-    return slot, S
+            S = tl.load(state_src + slot * src_stride + plane_off, mask=k_ok[:, None] & v_ok[None, :],
+                        other=0.0).to(tl.float32)
+    return bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S
 
 
 @triton.jit
@@ -129,19 +142,13 @@ def _chunk_state_kernel(
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence."""
-    i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    k_ok = o_k < K
-    v_ok = o_v < V
+    bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S = _sequence_tile(
+        cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, T, HV, K, V, BK, BV,
+        IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
     kv_ok = k_ok[:, None] & v_ok[None, :]
-    plane_off = _plane_offsets(i_hv, o_k, o_v, K, V, V_FIRST)
     o_h = o + i_hv * s_oh
-    slot, S = _initial_state(state_src, slot_of_seq, has_initial_state, src_stride, i_n, plane_off, kv_ok,
-                             BK, BV, HAS_SRC, PAGED, HAS_INIT_FLAGS)
     if slot < 0:  # padding sequence: no state read or write, zero output rows
         _zero_rows(o_h, s_ot, bos, eos, o_v, v_ok, BT, BV)
     else:
@@ -204,18 +211,12 @@ def _segment_scan_kernel(
 ):
     """One program per (V block, sequence, value head): h_0 = the initial state, h_{s+1} = A_s h_s + b_s
     over the sequence's segments, each h_s stored for the output pass; the last one is the final state."""
-    i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    k_ok = o_k < K
-    v_ok = o_v < V
+    bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S = _sequence_tile(
+        cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, T, HV, K, V, BK, BV,
+        IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
     kv_ok = k_ok[:, None] & v_ok[None, :]
-    plane_off = _plane_offsets(i_hv, o_k, o_v, K, V, V_FIRST)
-    slot, S = _initial_state(state_src, slot_of_seq, has_initial_state, src_stride, i_n, plane_off, kv_ok,
-                             BK, BV, HAS_SRC, PAGED, HAS_INIT_FLAGS)
     if slot >= 0:
         if IS_VARLEN:
             q0 = bos // (BT * G) + i_n
