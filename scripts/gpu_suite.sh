@@ -112,7 +112,7 @@ record setup 0 $((SECONDS - START)) suite.txt
 
 # ------------------------------------------------------------------------------------------------------------
 step_pytest() {
-    local t=$1 args=(-q -x -p no:cacheprovider -p no:benchmark)
+    local t=$1 args=(-q -rfE -p no:cacheprovider -p no:benchmark)  # no -x: one device call should see every failure
     python3 -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 900)
     python3 -c "import xdist" 2>/dev/null && args+=(-n 4)
     # shellcheck disable=SC2206
