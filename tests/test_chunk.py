@@ -262,3 +262,16 @@ def test_segmented_walk_equals_the_plain_one(layout, device, monkeypatch):
         ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
                                    **on_cpu(dict(kw, initial_state=kw["initial_state"].double())))
         assert rel_err(o2, ro) < FP32_TOL and rel_err(s2, rs) < FP32_TOL
+
+
+@pytest.mark.parametrize("fn", [kda.chunk_kda, kda.fused_recurrent_kda], ids=["chunk", "recurrent"])
+def test_gate_parameter_forms(fn, device):
+    """dt_bias as [HV, K] equals [HV * K]; A_log and dt_bias left out mean exp(A_log) = 1 and no bias."""
+    q, k, v, g, beta, kw = make_inputs(1, 40, 1, 2, 16, 16, gate="lower_bound", device=device, seed=41)
+    o_flat, _ = fn(q, k, v, g, beta, **kw)
+    o_2d, _ = fn(q, k, v, g, beta, **dict(kw, dt_bias=kw["dt_bias"].view(2, 16)))
+    assert torch.equal(bits(o_flat), bits(o_2d))
+    for gate_kw in (dict(use_gate_in_kernel=True), dict(use_gate_in_kernel=True, lower_bound=-3.0)):
+        o, _ = fn(q, k, v, g, beta, **gate_kw)
+        ro, _ = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **gate_kw)
+        assert rel_err(o, ro) < FP32_TOL
