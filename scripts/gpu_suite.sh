@@ -5,11 +5,11 @@
 #
 # Environment:
 #   OUT                  folder for the files that come back (default ./gpu_out)
-#   KDA_SUITE_STEPS      comma list of steps: pytest,sanitizer,bench,accuracy (default: all; setup always runs)
+#   KDA_SUITE_STEPS      comma list of steps: pytest,sanitizer,profile,bench,accuracy (default: all; setup always runs)
 #   KDA_SKIP_ACCURACY=1  skip the accuracy step
 #   KDA_SUITE_BUDGET_S   wall-clock budget of the whole script in seconds (default 570: the device tool stops a
 #                        command at 600 s); a step gets at most what is left, a step with < 20 s left is skipped
-#   KDA_TIMEOUT_PYTEST, KDA_TIMEOUT_SANITIZER, KDA_TIMEOUT_BENCH, KDA_TIMEOUT_ACCURACY
+#   KDA_TIMEOUT_PYTEST, KDA_TIMEOUT_SANITIZER, KDA_TIMEOUT_PROFILE, KDA_TIMEOUT_BENCH, KDA_TIMEOUT_ACCURACY
 #                        per-step caps in seconds (defaults 300, 150, 400, 400; the budget still applies)
 #   KDA_PYTEST_ARGS      pytest targets and filters instead of "tests" (e.g. "tests/test_chunk.py -k empty")
 #   KDA_BENCH_ARGS       extra kda.bench arguments (default "--shapes all")
@@ -31,7 +31,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 BUDGET=${KDA_SUITE_BUDGET_S:-570}
-STEPS=${KDA_SUITE_STEPS:-pytest,sanitizer,bench,accuracy}
+STEPS=${KDA_SUITE_STEPS:-pytest,sanitizer,profile,bench,accuracy}
 SUITE_LOG=$OUT/suite.txt
 : >"$SUITE_LOG"
 
@@ -205,6 +205,13 @@ step_accuracy() {
     return "$rc"
 }
 
+step_profile() {
+    local t=$1
+    echo "python3 scripts/profile_chunk.py  (timeout ${t}s)" | tee "$OUT/profile.txt"
+    timeout -k 15 "$t" python3 scripts/profile_chunk.py 2>&1 | grep -v -i warn | tee -a "$OUT/profile.txt"
+    return "${PIPESTATUS[0]}"
+}
+
 # name, cap, function, output description
 run_step() {
     local name=$1 cap=$2 fn=$3 what=$4 t rc
@@ -231,6 +238,7 @@ run_step pytest "${KDA_TIMEOUT_PYTEST:-300}" step_pytest pytest.txt
 cap "$OUT/pytest.txt"
 run_step sanitizer "${KDA_TIMEOUT_SANITIZER:-150}" step_sanitizer sanitizer.txt
 cap "$OUT/sanitizer.txt"
+run_step profile "${KDA_TIMEOUT_PROFILE:-240}" step_profile profile.txt
 run_step bench "${KDA_TIMEOUT_BENCH:-400}" step_bench "bench.md, bench.log"
 cap "$OUT/bench.log"
 if [[ ${KDA_SKIP_ACCURACY:-0} == 1 ]]; then
