@@ -156,3 +156,15 @@ def test_vectorised_recurrence_equals_the_oracle():
     inp = regime_inputs(REGIMES["weak"], 3, 12, 1, 2, 8, 8, generator(0, "test"))
     state = torch.randn(3, 2, 8, 8, dtype=torch.float64, generator=generator(1, "test"))
     assert selfcheck(Inputs(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.opts), state, 1, 8**-0.5, 12) < 1e-13
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the committed quick report is the CPU (interpreter) one")
+def test_the_committed_quick_report_holds_on_this_tree(tmp_path, capsys):
+    """The README's first command regenerates accuracy_reports/quick-cpu/; on this tree its numbers stay
+    within --check's documented factor of the committed ones, so the committed report describes main."""
+    from pathlib import Path
+
+    committed = Path(__file__).resolve().parent.parent / "accuracy_reports" / "quick-cpu" / "report.json"
+    rc = main(["--preset", "quick", "--device", "cpu", "--out-dir", str(tmp_path), "--quiet", "--no-plots",
+               "--check", str(committed)])
+    assert rc == 0, capsys.readouterr().out[-3000:]
