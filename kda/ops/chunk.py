@@ -487,7 +487,6 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     prec = dot_precision(call.q.dtype)
     ws_dtype = workspace_dtype(call)
 
-    gc_ws = torch.empty((total, HV, K), dtype=torch.float64, device=dev)
     akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
     aqk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
     w_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
@@ -497,7 +496,9 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     gt_ws = torch.empty((max(n_programs, 1), HV, K), dtype=torch.float32, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    if total > 0 and n_programs > 0 and _PREPARE == "split":
+    if total == 0:
+        pass  # only empty sequences: the state walk copies their states
+    elif _PREPARE == "split":
         BVp = min(64, pow2_at_least(V))
         flags = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
         kd_ws = w_ws.new_empty(w_ws.shape)
@@ -519,7 +520,8 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
             HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(32, pow2_at_least(K)), BV=BVp,
             num_warps=4, num_stages=1, **flags,
         )
-    elif total > 0 and n_programs > 0:
+    else:
+        gc_ws = torch.empty((total, HV, K), dtype=torch.float64, device=dev)  # the fused kernel's scratch
         BK = min(32, pow2_at_least(K))
         BVp = min(64, pow2_at_least(V))
         _chunk_prepare_kernel[(n_programs, HV)](
