@@ -93,7 +93,7 @@ def _chunk_prepare_kernel(
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
     if t0 >= eos:
         return
     n_rows = tl.minimum(eos - t0, BT)
@@ -279,7 +279,7 @@ def _chunk_intra_kernel(
     i_r = tl.program_id(1)
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
     if t0 >= eos:
         return
     n_rows = tl.minimum(eos - t0, BT)
@@ -388,7 +388,7 @@ def _chunk_solve_kernel(
     Then W = X diag(beta) Kd, U0 = X diag(beta) V."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
-    i_n, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
     if t0 >= eos:
         return
     n_rows = tl.minimum(eos - t0, BT)

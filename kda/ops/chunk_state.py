@@ -172,10 +172,9 @@ def _segment_summary_kernel(
     i_c = tl.program_id(0)
     i_s = tl.program_id(1)
     i_hv = tl.program_id(2)
-    i_n, s0, eos = locate_block(i_s, cu_seqlens, N, T, NSEG, IS_VARLEN, BT * G)
+    i_n, bos, s0, eos = locate_block(i_s, cu_seqlens, N, T, NSEG, IS_VARLEN, BT * G)
     if s0 >= eos:
         return
-    bos, _ = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     s_end = tl.minimum(s0 + BT * G, eos)
     p_first = _first_chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
     o_k = tl.arange(0, BK)
@@ -248,10 +247,9 @@ def _segment_output_kernel(
     i_v = tl.program_id(0)
     i_s = tl.program_id(1)
     i_hv = tl.program_id(2)
-    i_n, s0, eos = locate_block(i_s, cu_seqlens, N, T, NSEG, IS_VARLEN, BT * G)
+    i_n, bos, s0, eos = locate_block(i_s, cu_seqlens, N, T, NSEG, IS_VARLEN, BT * G)
     if s0 >= eos:
         return
-    bos, _ = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     s_end = tl.minimum(s0 + BT * G, eos)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)

@@ -70,8 +70,8 @@ def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
-    """Program i_p of a grid over blocks of BT tokens (chunks, or segments of chunks) -> (sequence, first
-    token of its block, sequence end). Dense: NT blocks per sequence. Varlen: program p belongs to the
+    """Program i_p of a grid over blocks of BT tokens (chunks, or segments of chunks) -> (sequence,
+    sequence start, first token of its block, sequence end). Dense: NT blocks per sequence. Varlen: program p belongs to the
     sequence n with f(n) <= p < f(n+1), f(n) = cu_seqlens[n] // BT + n, strictly increasing even across
     empty sequences, found by binary search; f(N) = T // BT + N bounds the grid, so no host copy of the
     bounds is needed. A program past its sequence's blocks gets t0 >= eos and does nothing."""
@@ -92,8 +92,7 @@ def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.cons
         i_t = i_p % NT
         bos, eos = seq_bounds(cu_seqlens, i_n, T, False)
     t0 = bos + i_t * BT
-    return i_n, t0, eos
-
+    return i_n, bos, t0, eos
 
 
 @dataclass
