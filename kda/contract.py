@@ -132,6 +132,17 @@ def _check_plane_pool(name: str, pool: torch.Tensor, plane: tuple[int, int, int]
         raise ValueError(f"{name}.stride(0) must be at least one plane ({hv * a * b}), got {pool.stride(0)}")
 
 
+def _check_per_sequence(name: str, x, dtype: torch.dtype, N: int, device: torch.device) -> None:
+    """A contiguous [N] tensor of `dtype` on the call's device (state_indices, has_initial_state)."""
+    _require_tensor(name, x)
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must be {str(dtype).replace('torch.', '')}, got {x.dtype}")
+    if tuple(x.shape) != (N,) or x.device != device:
+        raise ValueError(f"{name} must be [N] = [{N}] on {device}, got {list(x.shape)} on {x.device}")
+    if N > 1 and x.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
 def _byte_span(x: torch.Tensor) -> tuple[int, int]:
     if x.numel() == 0:
         return (x.data_ptr(), x.data_ptr())
@@ -285,27 +296,13 @@ def check_call(
                              "state into state_cache in place and returns final_state=None")
         if state_dtype is not None and state_dtype != state_cache.dtype:
             raise ValueError(f"state_dtype={state_dtype} differs from state_cache.dtype={state_cache.dtype}")
-        _require_tensor("state_indices", state_indices)
-        if state_indices.dtype != torch.int32:
-            raise TypeError(f"state_indices must be int32, got {state_indices.dtype}")
-        if tuple(state_indices.shape) != (N,) or state_indices.device != device:
-            raise ValueError(f"state_indices must be [N] = [{N}] on {device}, got {list(state_indices.shape)} "
-                             f"on {state_indices.device}")
-        if N > 1 and state_indices.stride(0) != 1:
-            raise ValueError("state_indices must be contiguous")
+        _check_per_sequence("state_indices", state_indices, torch.int32, N, device)
         if has_initial_state is None:
             if require_has_initial_state:
                 raise ValueError(f"{fn} with state_cache needs has_initial_state (bool [N]); "
                                  "pass torch.ones(N, dtype=torch.bool) if every slot holds a state")
         else:
-            _require_tensor("has_initial_state", has_initial_state)
-            if has_initial_state.dtype != torch.bool:
-                raise TypeError(f"has_initial_state must be bool, got {has_initial_state.dtype}")
-            if tuple(has_initial_state.shape) != (N,) or has_initial_state.device != device:
-                raise ValueError(f"has_initial_state must be [N] = [{N}] on {device}, got "
-                                 f"{list(has_initial_state.shape)} on {has_initial_state.device}")
-            if N > 1 and has_initial_state.stride(0) != 1:
-                raise ValueError("has_initial_state must be contiguous")
+            _check_per_sequence("has_initial_state", has_initial_state, torch.bool, N, device)
         if debug_enabled() and N > 0:
             idx = state_indices.tolist()
             live = [i for i in idx if i >= 0]
