@@ -132,6 +132,20 @@ def _check_plane_pool(name: str, pool: torch.Tensor, plane: tuple[int, int, int]
         raise ValueError(f"{name}.stride(0) must be at least one plane ({hv * a * b}), got {pool.stride(0)}")
 
 
+def _check_state_pool(name: str, pool, plane: tuple[int, int, int], what: str, device: torch.device,
+                      state_dtype) -> None:
+    """A state pool (initial_state or state_cache): fp32/fp16/bf16 dense planes on the call's device, whose
+    dtype is the storage dtype (a different `state_dtype` would be silently ignored, so it raises)."""
+    _require_tensor(name, pool)
+    _require_float(name, pool, STATE_DTYPES)
+    if pool.device != device:
+        raise ValueError(f"{name} must be on {device}, got {pool.device}")
+    _check_plane_pool(name, pool, plane, what)
+    if state_dtype is not None and state_dtype != pool.dtype:
+        raise ValueError(f"state_dtype={state_dtype} differs from {name}.dtype={pool.dtype}; the final state "
+                         f"keeps {name}'s dtype")
+
+
 def _check_per_sequence(name: str, x, dtype: torch.dtype, N: int, device: torch.device) -> None:
     """A contiguous [N] tensor of `dtype` on the call's device (state_indices, has_initial_state)."""
     _require_tensor(name, x)
@@ -286,16 +300,10 @@ def check_call(
     state_in = None
     if state_cache is not None:
         mode = "paged"
-        _require_tensor("state_cache", state_cache)
-        _require_float("state_cache", state_cache, STATE_DTYPES)
-        if state_cache.device != device:
-            raise ValueError(f"state_cache must be on {device}, got {state_cache.device}")
-        _check_plane_pool("state_cache", state_cache, plane, "[slots, " + plane_txt[1:])
+        _check_state_pool("state_cache", state_cache, plane, "[slots, " + plane_txt[1:], device, state_dtype)
         if output_final_state:
             raise ValueError("output_final_state=True with state_cache: the paged contract writes the final "
                              "state into state_cache in place and returns final_state=None")
-        if state_dtype is not None and state_dtype != state_cache.dtype:
-            raise ValueError(f"state_dtype={state_dtype} differs from state_cache.dtype={state_cache.dtype}")
         _check_per_sequence("state_indices", state_indices, torch.int32, N, device)
         if has_initial_state is None:
             if require_has_initial_state:
@@ -318,16 +326,9 @@ def check_call(
                 raise ValueError(f"{name} belongs to the paged contract and needs state_cache")
         if initial_state is not None:
             mode = "dense"
-            _require_tensor("initial_state", initial_state)
-            _require_float("initial_state", initial_state, STATE_DTYPES)
-            if initial_state.device != device:
-                raise ValueError(f"initial_state must be on {device}, got {initial_state.device}")
-            _check_plane_pool("initial_state", initial_state, plane, "[N, " + plane_txt[1:])
+            _check_state_pool("initial_state", initial_state, plane, "[N, " + plane_txt[1:], device, state_dtype)
             if initial_state.shape[0] != N:
                 raise ValueError(f"initial_state must have N={N} planes, got {initial_state.shape[0]}")
-            if state_dtype is not None and state_dtype != initial_state.dtype:
-                raise ValueError(f"state_dtype={state_dtype} differs from initial_state.dtype="
-                                 f"{initial_state.dtype}; final_state keeps initial_state's dtype")
             state_in = initial_state
             out_dtype = initial_state.dtype
         else:
