@@ -1,4 +1,5 @@
-"""Quick GPU check of chunk_kda: accuracy at the issue-3 shape against a float64 recurrence, rough timing."""
+"""Quick GPU check of chunk_kda: accuracy at the issue-3 shape against a float64 recurrence, and the eager
+time of that call. Kernel times: scripts/profile_chunk.py; beside fla: python -m kda.bench."""
 
 import torch
 import triton
@@ -63,34 +64,7 @@ def case(T, H, dtype=torch.bfloat16, lb=-5.0):
     print(f"   eager median {ms * 1000:.0f} us", flush=True)
 
 
-def timing(B, T, H):
-    K = V = 128
-    dev = "cuda"
-    dtype = torch.bfloat16
-    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
-    k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
-    v = torch.randn(B, T, H, V, device=dev, dtype=dtype)
-    graw = torch.randn(B, T, H, K, device=dev)
-    beta = torch.randn(B, T, H, device=dev)
-    h0 = torch.randn(B, H, K, V, device=dev)
-    kw = dict(
-        use_gate_in_kernel=True,
-        A_log=torch.randn(H, device=dev),
-        dt_bias=torch.randn(H * K, device=dev),
-        lower_bound=-5.0,
-        use_qk_l2norm_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-    )
-    f = lambda: kda.chunk_kda(q, k, v, graw, beta, initial_state=h0, output_final_state=True, **kw)
-    f()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(f, return_mode="median")
-    print(f"timing {B}x{T} H={H}: {ms * 1000:.0f} us", flush=True)
-
-
 if __name__ == "__main__":
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     case(1024, 4)
     case(16384, 4)
-    for B, T, H in [(1, 4096, 12), (1, 16384, 12), (1, 16384, 32), (1, 8192, 96)]:
-        timing(B, T, H)
