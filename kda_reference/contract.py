@@ -95,7 +95,9 @@ def run_kda(
         return state_kv.T if state_v_first else state_kv
 
     def from_stored(plane: Tensor) -> Tensor:  # stored layout -> internal [K, V] in compute_dtype
-        return (plane.T if state_v_first else plane).to(compute_dtype)
+        # Contiguous whatever the stored layout: the recurrence's matmuls then run on the same strides (so the
+        # same BLAS kernel and summation order, on GPU too) for a paged, a dense and a zero initial state.
+        return (plane.T if state_v_first else plane).to(compute_dtype).contiguous()
 
     zeros_kv = torch.zeros(K, V, dtype=compute_dtype, device=q.device)
     o = torch.zeros(B, T, HV, V, dtype=compute_dtype, device=q.device)  # padding rows stay zero

