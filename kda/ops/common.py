@@ -42,12 +42,17 @@ def kda_gate_log2(g_raw, a, dt_bias_row, lower_bound, USE_GATE: tl.constexpr, US
     return g * 1.4426950408889634
 
 
+# The interpreter's fp32 -> bf16 cast truncates; a GPU's cast (cvt.rn.bf16.f32) rounds to nearest even.
+_BF16_CAST_TRUNCATES = tl.constexpr(interpreting())
+
+
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
-    """fp32 `x` rounded to nearest even in `dtype`. bf16 goes through explicit bits (add half an ulp
-    plus the tie bit, clear the low half), because the interpreter's plain cast truncates; the result
-    is then exactly representable, so the hardware cast adds no second rounding."""
-    if dtype == tl.bfloat16:
+    """fp32 `x` rounded to nearest even in `dtype`. Under the interpreter bf16 goes through explicit bits
+    (add half an ulp plus the tie bit, clear the low half; NaN kept), because its plain cast truncates;
+    the result is then exactly representable, so the cast adds no second rounding. On a GPU the plain
+    cast already rounds to nearest even (the decode kernel's bf16 pool spent ALU on the bit path)."""
+    if dtype == tl.bfloat16 and _BF16_CAST_TRUNCATES:
         b = x.to(tl.int32, bitcast=True)
         r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
         y = tl.where(x != x, x, r.to(tl.float32, bitcast=True))

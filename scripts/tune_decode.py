@@ -1,0 +1,61 @@
+"""Sweep the decode kernel's tile (BV, num_warps) on the GPU: the issue-4 shapes, graph replay.
+
+    python scripts/tune_decode.py [--rep MS]
+
+Times `kda.fused_recurrent_kda` through `kda.bench`'s own cases and timer, with
+`kda.ops.fused_recurrent._launch_config` replaced by each candidate, and prints time / floor per shape.
+The winner goes into `_launch_config` by hand (with the numbers in its docstring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rep", type=int, default=100)
+    args = p.parse_args()
+
+    import triton
+
+    from kda import bench
+    from kda.ops import fused_recurrent as fr
+
+    timer = bench.Timer(warmup_ms=25, rep_ms=args.rep)
+    bw = bench.measure_bandwidth(timer, 2.0)
+    cases = {c.name: c for c in bench.all_cases() if c.group == "decode"}
+    wanted = [n for n in cases if "N=1 " not in n]
+    original = fr._launch_config
+    # (BV, num_warps) for the V-first [V, K] plane at K = 128
+    candidates = [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; cells: graph us (x floor)")
+    print("| BV, warps | " + " | ".join(wanted) + " |")
+    print("|---" * (len(wanted) + 1) + "|")
+    for BV, warps in candidates:
+        cells = []
+        for name in wanted:
+            case = cases[name]
+
+            def cfg(K, V, v_first, state_bytes=4, BV=BV, warps=warps):
+                return max(16, triton.next_power_of_2(K)), BV, warps
+
+            fr._launch_config = cfg
+            try:
+                kda_call, _fla, _cmp = bench.build(case, None, {})
+                t = timer.graph(kda_call)
+                cells.append(f"{t:.1f} ({t / (bench.floor_bytes(case) / bw * 1e6):.2f})")
+            except Exception as e:  # a tile that does not compile or fit: say so, go on
+                cells.append(f"error {type(e).__name__}")
+            finally:
+                fr._launch_config = original
+            torch.cuda.synchronize()
+        print(f"| {BV}, {warps} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
