@@ -426,6 +426,9 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
 
 
 def git_commit() -> str:
+    """KDA_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git), else git's HEAD."""
+    if os.environ.get("KDA_COMMIT"):
+        return os.environ["KDA_COMMIT"] + " (from KDA_COMMIT)"
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "-q", "HEAD"],

@@ -15,7 +15,9 @@
 #   KDA_BENCH_ARGS       extra kda.bench arguments (default "--shapes all")
 #   KDA_ACCURACY_ARGS    kda.accuracy arguments (default "--preset full --device cuda")
 #   KDA_SANITIZER_TOOLS  compute-sanitizer tools, space separated (default "memcheck")
-#   KDA_COMMIT           commit to print in the benchmark header when .git did not travel
+#   KDA_COMMIT           commit to print in the benchmark and accuracy headers: pass it from the machine the
+#                        tree came from (KDA_COMMIT=<sha> bash scripts/gpu_suite.sh); the GPU machine's copy of
+#                        the tree may carry a stale .git (its ignored files are kept between calls)
 #
 # Files under $OUT (the device tool brings back at most 8 files, 16 MiB each, 2 folders deep):
 #   suite.txt  setup log and the summary      pytest.txt     the test run

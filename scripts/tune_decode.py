@@ -1,6 +1,6 @@
 """Sweep the decode kernel's tile (BV, num_warps) on the GPU: the issue-4 shapes, graph replay.
 
-    python scripts/tune_decode.py [--rep MS]
+    python scripts/tune_decode.py [--rep MS] [--configs 8:1,16:1] [--filter 'bf16|fp16']
 
 Times `kda.fused_recurrent_kda` through `kda.bench`'s own cases and timer, with
 `kda.ops.fused_recurrent._launch_config` replaced by each candidate, and prints time / floor per shape.
@@ -10,6 +10,7 @@ The winner goes into `_launch_config` by hand (with the numbers in its docstring
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import torch
@@ -18,6 +19,8 @@ import torch
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--configs", default="8:1,16:1,16:2,32:1,32:2,32:4,64:2,64:4", help="BV:warps,...")
+    p.add_argument("--filter", default="", help="regex on the decode case names")
     args = p.parse_args()
 
     import triton
@@ -28,10 +31,10 @@ def main() -> int:
     timer = bench.Timer(warmup_ms=25, rep_ms=args.rep)
     bw = bench.measure_bandwidth(timer, 2.0)
     cases = {c.name: c for c in bench.all_cases() if c.group == "decode"}
-    wanted = [n for n in cases if "N=1 " not in n]
+    wanted = [n for n in cases if "N=1 " not in n and re.search(args.filter, n)]
     original = fr._launch_config
     # (BV, num_warps) for the V-first [V, K] plane at K = 128
-    candidates = [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)]
+    candidates = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; cells: graph us (x floor)")
     print("| BV, warps | " + " | ".join(wanted) + " |")
     print("|---" * (len(wanted) + 1) + "|")

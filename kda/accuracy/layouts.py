@@ -56,14 +56,14 @@ def varlen(ctx: Context, part: dict | None = None) -> list[dict]:
                 for n, (a, b) in enumerate(zip(cu_cpu.tolist(), cu_cpu.tolist()[1:])):
                     m_s, i_s = errors(s[n], s_ref[n], DTYPES[st_name], "state")
                     seq_state.append(m_s["state_rel"])
-                    bounded &= within_bound(m_s, i_s, "state")
+                    bounded &= within_bound(m_s, i_s, "state", inp.v.dtype)
                     if a == b:
                         seq_out.append(0.0)  # no rows
                         empty_bits &= same_bits(s[n], h[n])
                         continue
                     m_o, i_o = errors(o[:, a:b], o_ref[:, a:b], inp.v.dtype, "out")
                     seq_out.append(m_o["out_rel"])
-                    bounded &= within_bound(m_o, i_o, "out")
+                    bounded &= within_bound(m_o, i_o, "out", inp.v.dtype)
                 metrics = dict(seq_out_rel=seq_out, seq_state_rel=seq_state)
                 info = dict(lengths=lengths, max_seq_out_rel=max(seq_out), max_seq_state_rel=max(seq_state),
                             out_floor=rel_l2(o_ref.to(inp.v.dtype), o_ref) if T else 0.0,

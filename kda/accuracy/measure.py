@@ -99,11 +99,14 @@ def environment(device: str, seed: int) -> dict:
         device_name = torch.cuda.get_device_name()
     else:
         device_name = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores), Triton interpreter"
-    status = _git("status", "--porcelain")
+    # KDA_COMMIT when set: the GPU machine's copy of the tree may carry a stale .git (scripts/gpu_suite.sh)
+    commit, status = os.environ.get("KDA_COMMIT"), None
+    if not commit:
+        commit, status = _git("rev-parse", "HEAD"), _git("status", "--porcelain")
     return dict(
         device=device, device_name=device_name, torch=torch.__version__, triton=triton.__version__,
         numpy=numpy.__version__, scipy=scipy.__version__, python=platform.python_version(),
-        platform=platform.platform(), git_commit=_git("rev-parse", "HEAD"),
+        platform=platform.platform(), git_commit=commit,
         git_dirty=None if status is None else bool(status),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"), seed=seed,
         triton_interpret=os.environ.get("TRITON_INTERPRET", ""),

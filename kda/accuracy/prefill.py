@@ -9,6 +9,7 @@ from .config import (
     DTYPES,
     KERNEL_FLOOR_FACTOR,
     KERNEL_FP32_TERM,
+    KERNEL_NARROW_TERM,
     REGIMES,
 )
 from .context import Context, entry
@@ -25,9 +26,17 @@ def pick(values, part: dict | None, key: str) -> list:
     return [v for v in values if part is None or key not in part or part[key] == v]
 
 
-def within_bound(metrics: dict, info: dict, prefix: str) -> bool:
-    """The kernel sanity bound: error <= KERNEL_FLOOR_FACTOR x floor + KERNEL_FP32_TERM."""
-    return metrics[f"{prefix}_rel"] <= KERNEL_FLOOR_FACTOR * info[f"{prefix}_floor"] + KERNEL_FP32_TERM
+def kernel_bound(floor: float, input_dtype: torch.dtype) -> float:
+    """The kernel sanity bound on a relative error (config.py explains the two forms)."""
+    if input_dtype == torch.float32:
+        return KERNEL_FLOOR_FACTOR * floor + KERNEL_FP32_TERM
+    return max(KERNEL_FLOOR_FACTOR * floor, floor + KERNEL_NARROW_TERM)
+
+
+def within_bound(metrics: dict, info: dict, prefix: str, input_dtype: torch.dtype) -> bool:
+    """Whether the `prefix` ("out" or "state") error of a call with `input_dtype` inputs is within
+    `kernel_bound`."""
+    return metrics[f"{prefix}_rel"] <= kernel_bound(info[f"{prefix}_floor"], input_dtype)
 
 
 def _measure(o, s, o_ref, s_ref, out_dtype, state_dtype) -> tuple[dict, dict, dict]:
@@ -36,8 +45,8 @@ def _measure(o, s, o_ref, s_ref, out_dtype, state_dtype) -> tuple[dict, dict, di
     metrics, info = {**m_o, **m_s}, {**i_o, **i_s}
     for p in ("out", "state"):
         info[f"{p}_over_floor"] = metrics[f"{p}_rel"] / info[f"{p}_floor"] if info[f"{p}_floor"] else None
-    checks = dict(finite=all_finite(o, s), out_within_bound=within_bound(metrics, info, "out"),
-                  state_within_bound=within_bound(metrics, info, "state"))
+    checks = dict(finite=all_finite(o, s), out_within_bound=within_bound(metrics, info, "out", out_dtype),
+                  state_within_bound=within_bound(metrics, info, "state", out_dtype))
     return metrics, info, checks
 
 

@@ -13,12 +13,17 @@ from .config import (
     GROWING_EXPONENT,
     KERNEL_FLOOR_FACTOR,
     KERNEL_FP32_TERM,
+    KERNEL_NARROW_TERM,
     OUTPUT_FLOOR_FACTOR,
     OUTPUT_WINDOW,
     REGIMES,
 )
 from .inputs import ADVERSARIAL_DOC
 from .verdict import _fmt_fit, failed_checks
+
+BOUND_TEXT = (f"error <= {KERNEL_FLOOR_FACTOR:g} x floor + {KERNEL_FP32_TERM:g} with fp32 inputs, "
+              f"<= max({KERNEL_FLOOR_FACTOR:g} x floor, floor + {KERNEL_NARROW_TERM:.3g}) with fp16/bf16 inputs "
+              f"(11-bit intermediates), for output and state")
 
 
 def sanitize(x):
@@ -196,8 +201,8 @@ def _matrix_md(report: dict) -> list[str]:
     L += [f"One call per kernel from a random initial state (V-first planes, stored in the storage dtype), "
           f"B = {p['B']}, T = {p['T']}, K = V = {p['K']}, H = {p['H']}, HV = {p['HV']}; q, k l2-normalised and beta "
           f"sigmoid in the kernel; g and beta fp32. Output floor: the exact output rounded to the input dtype; "
-          f"state floor: the exact final state rounded to the storage dtype. `bound`: error <= "
-          f"{KERNEL_FLOOR_FACTOR:g} x floor + {KERNEL_FP32_TERM:g} for both (the kernel tests' criterion).", ""]
+          f"state floor: the exact final state rounded to the storage dtype. `bound`: "
+          f"{BOUND_TEXT} (the kernel tests' criterion).", ""]
     rows = [[x["params"]["kernel"], x["params"]["gate"], x["params"]["input"], x["params"]["state"],
              e(x["metrics"]["out_rel"]), e(x["info"]["out_max_abs"]), e(x["info"]["out_floor"]),
              e(x["metrics"]["state_rel"]), e(x["info"]["state_max_abs"]), e(x["info"]["state_floor"]),
@@ -239,8 +244,7 @@ def _varlen_md(report: dict) -> list[str]:
     L = ["## Varlen layouts with empty sequences", ""]
     L += ["bf16 inputs, `cu_seqlens` (and its host copy), a random dense initial state per sequence in the storage "
           "dtype. Per-sequence errors (max over the sequences), the empty sequences' final state compared bit for "
-          f"bit with their initial state, and every sequence within the kernel bound ({KERNEL_FLOOR_FACTOR:g} x "
-          f"floor + {KERNEL_FP32_TERM:g}).", ""]
+          f"bit with their initial state, and every sequence within the kernel bound ({BOUND_TEXT}).", ""]
     rows = [[x["params"]["layout"], str(x["params"]["lengths"]), x["params"]["kernel"], x["params"]["state"],
              e(x["info"]["max_seq_out_rel"]), e(x["info"]["max_seq_state_rel"]),
              e(x["checks"]["empty_keep_state_bits"]), e(x["checks"]["within_bound"]), e(x["checks"]["finite"])]
@@ -275,8 +279,7 @@ def _adversarial_md(report: dict) -> list[str]:
         return []
     L = ["## Adversarial inputs", ""]
     L += [f"- `{c}`: {ADVERSARIAL_DOC[c]}" for c in dict.fromkeys(x["params"]["case"] for x in ents)] + [""]
-    L += [f"No initial state, T = {ents[0]['params']['T']}. `bound`: {KERNEL_FLOOR_FACTOR:g} x floor + "
-          f"{KERNEL_FP32_TERM:g} for output and state.", ""]
+    L += [f"No initial state, T = {ents[0]['params']['T']}. `bound`: {BOUND_TEXT}.", ""]
     rows = [[x["params"]["case"], x["params"]["kernel"], x["params"]["input"], x["params"]["state"],
              e(x["metrics"]["out_rel"]), r(x["info"]["out_over_floor"]), e(x["metrics"]["state_rel"]),
              r(x["info"]["state_over_floor"]), e(x["checks"]["finite"]),

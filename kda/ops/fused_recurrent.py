@@ -17,7 +17,7 @@ program, as full K vectors. Decode (one token per sequence) is bound by the stat
 written once), so the program count must be large and every state access a wide contiguous one; the
 register file bounds the programs an SM holds, so a program keeps about 64 state elements per thread
 (`_launch_config`): V-first BV = 16 with one warp at K = 128 (8 KiB of fp32 state per program, 8
-programs per head and sequence), K-first BV = 64 with 4 warps. Per token the two reductions over K
+programs per head and sequence), BV = 8 for a 2-byte pool, K-first BV = 64 with 4 warps. Per token the two reductions over K
 (S'^T k and S'^T q, with S' = Diag(2^g) S) are independent: o = S'^T q~ + (k . q~) u, which equals
 S^T q~ after the update. When the tile covers the plane exactly (K = BK, BV | V) the state accesses
 carry no mask.
@@ -231,14 +231,14 @@ def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4) -> tuple
       1.3-1.5x slower); many small programs keep the memory busy at small batch.
     - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (narrower tiles were slower
       here: the K reduction then crosses warps).
-    - A 2-byte pool (V-first): BV doubles, and with it the warps (still 64 elements per thread), so a
-      program moves as many bytes as an fp32 one: with BV = 16 a bf16 pool ran at 1.5-1.64x its floor
-      against 1.12-1.14x for fp32, as if bytes in flight per program set the pace. Not yet measured."""
+    - A 2-byte pool (V-first): BV = 8, one warp (32 elements per thread). scripts/tune_decode.py,
+      2026-11-29, bf16 pool at N = 256 (time / floor): BV 8 1 warp 66.4 us (1.38), 16/1 75.4 (1.56),
+      32/1 67.9 (1.41), 32/2 84.0 (1.74), 64/4 70.1 (1.46); fp32 N = 256: 8/1 109.6, 16/1 108.5.
+      Doubling the tile for 2-byte pools (to move as many bytes per program as fp32) was the slowest
+      choice: smaller programs, more of them in flight, win."""
     BK = max(16, triton.next_power_of_2(K))
     if v_first:
-        BV = 8 if V <= 8 else 16
-        if state_bytes == 2 and V > 16:
-            BV = 32
+        BV = 8 if (V <= 8 or state_bytes == 2) else 16
     else:
         BV = min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V)))
     num_warps = max(1, min(8, BK * BV // 2048))
