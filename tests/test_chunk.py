@@ -95,6 +95,36 @@ def test_strong_decay_and_correlated_keys(device):
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, -5.2])
+@pytest.mark.parametrize("keys", ["random", "correlated"])
+def test_bounded_gate_anchored_diagonal(lower_bound, keys, device, monkeypatch):
+    """The lower-bound gate saturated at lb (a 16-row block spans 15 lb log2(e) log2 units: 108 at -5,
+    inside the anchored path's 2^112; 112.5 at -5.2, past it, so that call keeps the pairwise diagonal),
+    with random or correlated keys and beta near 1: both paths within 1e-5 of the oracle, and equal to
+    each other to rounding."""
+    from types import SimpleNamespace
+
+    import kda.ops.chunk as chunk_ops
+
+    B, T, H, HV, K, V = 1, 90, 1, 1, 32, 8
+    q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, gate="lower_bound", device=device, seed=9)
+    kw.update(lower_bound=lower_bound, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    g = g + 12.0  # sigmoid(a (x + dt_bias)) ~ 1: every token decays by about lb
+    if keys == "correlated":
+        gen = torch.Generator().manual_seed(10)
+        base = torch.randn(K, generator=gen)
+        k = (base + 0.01 * torch.randn(B, T, H, K, generator=gen)).to(device)
+        beta = torch.full((B, T, HV), 0.99, device=device)
+    flags = SimpleNamespace(use_gate_in_kernel=True, lower_bound=lower_bound, use_qk_l2norm_in_kernel=True)
+    assert chunk_ops.bounded_gate(flags) == (lower_bound == -5.0)
+    o, s, ro, rs = _both(kw, q, k, v, g, beta)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
+    monkeypatch.setattr(chunk_ops, "bounded_gate", lambda call: False)  # the pairwise diagonal
+    o2, s2 = kda.chunk_kda(q, k, v, g, beta, **kw)
+    assert rel_err(o2, o) < FP32_TOL and rel_err(s2, s) < FP32_TOL
+
+
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
 def test_paged_equals_dense_and_leaves_other_slots(v_first, storage, device):
