@@ -4,10 +4,7 @@ Triton compiles for a named target with no device; the PTX goes through the ptxa
 (`ptxas-blackwell`, CUDA 13.x: it reads the PTX version Triton 3.9 writes). Costs no device time; the GPU
 machine runs Triton 3.6, so treat the numbers as close, not equal. Development aid:
 
-    python scripts/kernel_regs.py [--warps 4] [--stages 1] [--maxnreg 168] [--skip 0,13,7] [--K 128]
-
-`--skip` takes values of the prepare kernel's SKIP bits (1 diagonal blocks, 2 off-diagonal blocks,
-4 inverse, 8 W/U0/Qd/Kr stage) to see which stage holds the registers.
+    python scripts/kernel_regs.py [--warps 4] [--maxnreg 168] [--K 128] [--state-stages 2]
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import kda.ops.chunk_state as walk_ops  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
 POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "g": "*fp32", "beta": "*bf16",
-            "A_log": "*fp32", "dt_bias": "*fp32", "cu_seqlens": "*i32", "gc_ws": "*fp64",
+            "A_log": "*fp32", "dt_bias": "*fp32", "cu_seqlens": "*i32",
             "state_src": "*fp32", "state_dst": "*fp32", "slot_of_seq": "*i32", "has_initial_state": "*i1",
             "a_seg": "*fp32", "b_seg": "*fp32", "h_seg": "*fp32"}
 
@@ -75,19 +72,10 @@ def main() -> None:
     ap.add_argument("--ws", default="fp16", help="dtype of the Kd/Qd/Kr/W workspaces (fp16 with 16-bit inputs)")
     ap.add_argument("--state-stages", type=int, default=1)
     ap.add_argument("--state-warps", type=int, default=8)
-    ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=None)
-    ap.add_argument("--skip", default="0")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=128)
     a = ap.parse_args()
-    common = dict(H=12, HV=12, K=a.K, V=a.V, BT=64, IS_VARLEN=False)
-    for skip in (int(s) for s in a.skip.split(",")):
-        consts = dict(common, BC=16, BK=min(32, triton.next_power_of_2(a.K)), BKD=16,
-                      BV=min(64, triton.next_power_of_2(a.V)), USE_GATE=True, HAS_A_LOG=True, HAS_DT_BIAS=True,
-                      USE_LOWER_BOUND=True, USE_L2NORM=True, USE_BETA_SIGMOID=True, DOT_PREC="tf32", SKIP=skip)
-        k = compile_for_sm90(chunk_ops._chunk_prepare_kernel, consts, a.warps, a.stages, a.maxnreg)
-        print(f"fused prepare skip={skip} ({a.warps} warps, {a.stages} stages): {ptxas_report(k)}", flush=True)
     flags = dict(USE_BETA_SIGMOID=True, DOT_PREC="tf32")
     consts = dict(H=12, HV=12, K=a.K, BT=64, BC=16, BK=16, IS_VARLEN=False, USE_GATE=True, HAS_A_LOG=True,
                   HAS_DT_BIAS=True, USE_LOWER_BOUND=True, USE_L2NORM=True, **flags)

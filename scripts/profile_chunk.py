@@ -1,7 +1,6 @@
-"""Per-kernel GPU time of chunk_kda (torch.profiler) with each prepare implementation (split, fused),
-the state walk plain and segmented, and the fused prepare kernel's stages timed apart by leaving them
-out (kda.ops.chunk._SKIP bits).
-Development aid: `python scripts/profile_chunk.py`."""
+"""Per-kernel GPU time of chunk_kda (torch.profiler): the intra kernel with the anchored diagonal of a
+bounded gate and with the pairwise one (kda.ops.chunk.bounded_gate forced off), and the state walk plain
+and segmented. Development aid: `python scripts/profile_chunk.py`."""
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -41,23 +40,16 @@ def fmt(rows):
 
 
 if __name__ == "__main__":
-    # the two prepare implementations side by side (kda.ops.chunk._PREPARE), then the fused one's stages
+    bounded = chunk_ops.bounded_gate
     for B, T, H in [(1, 4096, 12), (1, 16384, 12), (1, 16384, 32), (1, 8192, 96)]:
         args, kw = inputs(B, T, H)
-        for prepare in ("split", "fused"):
-            chunk_ops._PREPARE = prepare
-            print(f"{B}x{T} H={H} {prepare:5s}: {fmt(kernel_times(args, kw))}", flush=True)
+        for name, pick in (("bounded", bounded), ("pairwise", lambda call: False)):
+            chunk_ops.bounded_gate = pick
+            print(f"{B}x{T} H={H} {name:8s}: {fmt(kernel_times(args, kw))}", flush=True)
+    chunk_ops.bounded_gate = bounded
     for B, T, H in [(1, 16384, 12), (1, 65536, 12)]:
         args, kw = inputs(B, T, H)
         for mode in ("never", "always"):
             walk_ops.SEGMENT_MODE = mode
             print(f"{B}x{T} H={H} segments {mode:6s}: {fmt(kernel_times(args, kw))}", flush=True)
     walk_ops.SEGMENT_MODE = "auto"
-    chunk_ops._PREPARE = "fused"
-    args, kw = inputs(1, 16384, 32)
-    for skip in (0, 1, 2, 4, 8, 15):
-        chunk_ops._SKIP = skip
-        t = kernel_times(args, kw, reps=2)
-        prep = sum(v for k, v in t.items() if "prepare" in k)
-        print(f"fused prepare 1x16384 H=32 skip={skip:2d}: {prep:.0f}us", flush=True)
-    chunk_ops._PREPARE, chunk_ops._SKIP = "split", 0

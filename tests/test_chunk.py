@@ -244,12 +244,8 @@ def test_single_token_batch_sliced_from_a_longer_buffer(device):
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
 
 
-@pytest.mark.parametrize("prepare", ["split", "fused"])
-def test_both_prepare_paths_agree_with_the_oracle(prepare, device, monkeypatch):
-    """The two prepare implementations (kept side by side until the GPU timing picks one) both match."""
-    import kda.ops.chunk as chunk_ops
-
-    monkeypatch.setattr(chunk_ops, "_PREPARE", prepare)
+def test_prepare_with_varlen_gva_and_odd_sizes(device):
+    """Empty and one-token sequences, GVA (HV = 2H), K and V not powers of two, raw beta and k."""
     bounds = [0, 0, 64, 65, 150]
     q, k, v, g, beta, kw = make_inputs(1, 150, 2, 4, 48, 40, gate="lower_bound", device=device, seed=21,
                                        normalize_k=False, beta_logits=True)

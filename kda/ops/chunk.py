@@ -18,15 +18,13 @@ exponential is still taken in fp32. Every exponent evaluated is <= 0: blocks bel
 anchored on the first row of the row block (both factors <= 1), diagonal 16 x 16 blocks take
 2^(b_i - b_j) pairwise for i >= j. So a per-token log-decay of -1000 gives exact zeros, never inf * 0.
 
-The prepare stage (all chunks in parallel; fp32 workspaces in token space) exists in two versions, kept
-side by side until one GPU run times them (`_PREPARE`, env `KDA_DEV_PREPARE`; docs/perf_notes.md):
-- "split" (default): `_chunk_intra_kernel`, one program per (chunk, 16-row block, value head): gate,
-  fp64 cumsum in registers, the block's strip of A_kk and A_qk, its rows of Kd, Qd, Kr (and gt);
-  then `_chunk_solve_kernel`, one program per (chunk, value head): the inverse (diagonal blocks all at
-  once, then block rows) in place of A_kk, W and U0.
-- "fused": `_chunk_prepare_kernel`, one program per (chunk, value head) doing all of it, with the
-  cumsum in an fp64 scratch (`gc_ws`); measured on the H200 at 7.2 ms for 1x16384 H=32 (255 registers,
-  spills; fla's whole call is 1.9 ms).
+The prepare stage (all chunks in parallel; workspaces in token space): `_chunk_intra_kernel`, one program
+per (chunk, 16-row block, value head): gate, fp64 cumsum in registers, the block's strip of A_kk and
+A_qk, its rows of Kd, Qd, Kr (and gt); then `_chunk_solve_kernel`, one program per (chunk, value head):
+the inverse (diagonal blocks all at once, then block rows) in place of A_kk, W and U0. (A single fused
+prepare kernel with an fp64 scratch of 1 KB per token and head was 7-17% faster on the H200 and was
+removed for that scratch: docs/perf_notes.md.) With a bounded gate (`bounded_gate`) the diagonal
+blocks are anchored too (factors <= 2^112), see `_chunk_intra_kernel`.
 Then the state walk (`kda.ops.chunk_state`): the sequential part, plain (one program per V block,
 sequence and value head) or, for few long sequences, segmented (affine segment summaries, a scan, the
 outputs); it reads the initial state (dense, paged or none) and writes o and the final state (dense or
@@ -37,8 +35,6 @@ needed.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -75,188 +71,6 @@ def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.conste
         return 1.0 / tl.sqrt(ssq + 1e-6)
     else:
         return tl.full([rows.shape[0]], 1.0, dtype=tl.float32)
-
-
-@triton.jit
-def _chunk_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    gc_ws, akk_ws, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
-    T, N, NT, scale, lower_bound,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    DOT_PREC: tl.constexpr, SKIP: tl.constexpr = 0,
-):
-    # SKIP: development aid, bits 1/2/4/8 leave out the diagonal blocks, the off-diagonal blocks, the
-    # inverse, the W/U0/Qd/Kr stage (wrong results; used only to time the stages apart)
-    i_p = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
-    if t0 >= eos:
-        return
-    n_rows = tl.minimum(eos - t0, BT)
-    o_t = tl.arange(0, BT)
-    row_ok = o_t < n_rows
-    rows = t0 + o_t  # flat token index, int64
-
-    q_h = q + i_h * s_qh
-    k_h = k + i_h * s_kh
-    # workspaces are [tokens, HV, D] fp32, contiguous
-    gc_h = gc_ws + i_hv * K
-    akk_h = akk_ws + i_hv * BT
-    aqk_h = aqk_ws + i_hv * BT
-
-    rq = _qk_inv_norm(q_h, rows, row_ok, s_qt, K, BK, USE_L2NORM)
-    rk = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, USE_L2NORM)
-    b_beta = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(tl.float32)
-    if USE_BETA_SIGMOID:
-        b_beta = tl.sigmoid(b_beta)
-    b_beta = tl.where(row_ok, b_beta, 0.0)
-
-    # 1. gate and cumulative log2 decay inside the chunk -> gc_ws
-    a = 1.0
-    if HAS_A_LOG:
-        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        col_ok = cols < K
-        m = row_ok[:, None] & col_ok[None, :]
-        if HAS_DT_BIAS:
-            bias = tl.load(dt_bias + i_hv * K + cols, mask=col_ok, other=0.0).to(tl.float32)
-        else:
-            bias = tl.zeros([BK], dtype=tl.float32)
-        g_raw = tl.load(g + rows[:, None] * s_gt + i_hv * s_gh + cols[None, :], mask=m, other=0.0)
-        g_log2 = kda_gate_log2(g_raw, a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
-        g_log2 = tl.where(m, g_log2, 0.0).to(tl.float64)
-        b_cum = tl.cumsum(g_log2, axis=0)
-        tl.store(gc_h + rows[:, None] * (HV * K) + cols[None, :], b_cum, mask=m)
-    tl.debug_barrier()
-
-    # 2. A_kk and A_qk in BC x BC sub-blocks (r: row block, s: column block, s <= r)
-    NC: tl.constexpr = BT // BC
-    o_c = tl.arange(0, BC)
-    for r in tl.static_range(NC):
-        rows_r = t0 + r * BC + o_c
-        ok_r = (r * BC + o_c) < n_rows
-        if r * BC < n_rows:
-            rq_r = _qk_inv_norm(q_h, rows_r, ok_r, s_qt, K, BK, USE_L2NORM)
-            rk_r = _qk_inv_norm(k_h, rows_r, ok_r, s_kt, K, BK, USE_L2NORM)
-            beta_r = tl.load(beta + rows_r * s_bt + i_hv * s_bh, mask=ok_r, other=0.0).to(tl.float32)
-            if USE_BETA_SIGMOID:
-                beta_r = tl.sigmoid(beta_r)
-            # diagonal block: 2^(b_i - b_j) for i >= j only, pairwise in BKD-wide slices (no factor can
-            # overflow, and the fp64 difference keeps fp32 accuracy after any earlier decay)
-            lower = ((o_c[:, None] >= o_c[None, :]) & ok_r[:, None] & ok_r[None, :])[:, :, None]
-            acc_kk = tl.zeros([BC, BC], dtype=tl.float32)
-            acc_qk = tl.zeros([BC, BC], dtype=tl.float32)
-            if (SKIP & 1) == 0:
-                for k0 in range(0, K, BKD):
-                    cols = k0 + tl.arange(0, BKD)
-                    m_r = ok_r[:, None] & (cols < K)[None, :]
-                    q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
-                    k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
-                    b_r = tl.load(gc_h + rows_r[:, None] * (HV * K) + cols[None, :], mask=m_r, other=0.0)
-                    e = tl.exp2(tl.where(lower, b_r[:, None, :] - b_r[None, :, :], float("-inf")).to(tl.float32))
-                    ke = (k_r * rk_r[:, None])[None, :, :] * e
-                    acc_kk += tl.sum((k_r * rk_r[:, None])[:, None, :] * ke, 2)
-                    acc_qk += tl.sum((q_r * rq_r[:, None])[:, None, :] * ke, 2)
-            acc_kk = tl.where(o_c[:, None] > o_c[None, :], acc_kk, 0.0) * beta_r[:, None]
-            acc_qk = tl.where(o_c[:, None] >= o_c[None, :], acc_qk, 0.0) * scale
-            m_rr = ok_r[:, None] & ok_r[None, :]
-            blk = rows_r[:, None] * (HV * BT) + r * BC + o_c[None, :]
-            tl.store(akk_h + blk, acc_kk, mask=m_rr)
-            tl.store(aqk_h + blk, acc_qk, mask=m_rr)
-            # off-diagonal blocks: anchor on the first row of block r, b_s >= anchor >= b_r, factors <= 1
-            if (SKIP & 2) == 0:
-                for s in tl.static_range(r):
-                    rows_s = t0 + s * BC + o_c
-                    rk_s = _qk_inv_norm(k_h, rows_s, rows_s < eos, s_kt, K, BK, USE_L2NORM)
-                    acc_kk = tl.zeros([BC, BC], dtype=tl.float32)
-                    acc_qk = tl.zeros([BC, BC], dtype=tl.float32)
-                    for k0 in range(0, K, BK):
-                        cols = k0 + tl.arange(0, BK)
-                        col_ok = cols < K
-                        m_r = ok_r[:, None] & col_ok[None, :]
-                        m_s = col_ok[None, :] & (o_c >= 0)[:, None]  # block s < r is full
-                        q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
-                        k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
-                        k_s = tl.load(k_h + rows_s[:, None] * s_kt + cols[None, :], mask=m_s, other=0.0).to(tl.float32)
-                        b_r = tl.load(gc_h + rows_r[:, None] * (HV * K) + cols[None, :], mask=m_r, other=0.0)
-                        b_s = tl.load(gc_h + rows_s[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0.0)
-                        anchor = tl.load(gc_h + (t0 + r * BC) * (HV * K) + cols, mask=col_ok, other=0.0)
-                        e_r = tl.exp2(tl.where(m_r, b_r - anchor[None, :], 0.0).to(tl.float32))
-                        e_s = tl.exp2(tl.where(m_s, anchor[None, :] - b_s, 0.0).to(tl.float32))
-                        ks_t = tl.trans(k_s * (e_s * rk_s[:, None]))
-                        acc_kk += tl.dot(k_r * (e_r * rk_r[:, None]), ks_t, input_precision=DOT_PREC)
-                        acc_qk += tl.dot(q_r * (e_r * rq_r[:, None]), ks_t, input_precision=DOT_PREC)
-                    blk = rows_r[:, None] * (HV * BT) + s * BC + o_c[None, :]
-                    tl.store(akk_h + blk, acc_kk * beta_r[:, None], mask=ok_r[:, None])
-                    tl.store(aqk_h + blk, acc_qk * scale, mask=ok_r[:, None])
-    tl.debug_barrier()
-
-    # 3. X = (I + A_kk)^-1, in place of A_kk. Diagonal blocks by forward substitution in registers
-    #    (X_i = e_i - sum_{j<i} L_ij X_j), then X_rs = -X_rr sum_{m=s}^{r-1} L_rm X_ms in ascending s,
-    #    which only ever reads L blocks not yet overwritten. fp32 throughout ("ieee" dots).
-    if (SKIP & 4) == 0:
-        eye_c = (o_c[:, None] == o_c[None, :]).to(tl.float32)
-        for r in tl.static_range(NC):
-            if r * BC < n_rows:
-                ok_r = (r * BC + o_c) < n_rows
-                blk = (t0 + r * BC + o_c)[:, None] * (HV * BT) + r * BC + o_c[None, :]
-                L = tl.load(akk_h + blk, mask=ok_r[:, None] & ok_r[None, :] & (o_c[:, None] > o_c[None, :]), other=0.0)
-                Xd = eye_c
-                for i in tl.static_range(1, BC):
-                    l_i = tl.sum(tl.where(o_c[:, None] == i, L, 0.0), 0)
-                    x_i = tl.sum(l_i[:, None] * Xd, 0)
-                    Xd = tl.where(o_c[:, None] == i, eye_c - x_i[None, :], Xd)
-                tl.store(akk_h + blk, Xd, mask=ok_r[:, None] & ok_r[None, :])
-        tl.debug_barrier()
-        for r in tl.static_range(1, NC):
-            if r * BC < n_rows:
-                ok_r = (r * BC + o_c) < n_rows
-                row_off = (t0 + r * BC + o_c)[:, None] * (HV * BT)
-                X_rr = tl.load(akk_h + row_off + r * BC + o_c[None, :], mask=ok_r[:, None] & ok_r[None, :], other=0.0)
-                for s in tl.static_range(r):
-                    acc = tl.zeros([BC, BC], dtype=tl.float32)
-                    for m in tl.static_range(s, r):
-                        L_rm = tl.load(akk_h + row_off + m * BC + o_c[None, :], mask=ok_r[:, None], other=0.0)
-                        X_ms = tl.load(akk_h + (t0 + m * BC + o_c)[:, None] * (HV * BT) + s * BC + o_c[None, :])
-                        acc += tl.dot(L_rm, X_ms, input_precision="ieee")
-                    X_rs = -tl.dot(X_rr, acc, input_precision="ieee")
-                    tl.store(akk_h + row_off + s * BC + o_c[None, :], X_rs, mask=ok_r[:, None])
-                tl.debug_barrier()
-    X = tl.load(akk_h + rows[:, None] * (HV * BT) + o_t[None, :],
-                mask=row_ok[:, None] & row_ok[None, :] & (o_t[:, None] >= o_t[None, :]), other=0.0)
-
-    # 4. W = X diag(beta) (2^b * K),  U0 = X diag(beta) V, and what the state walk needs per chunk:
-    #    Qd = scale 2^b * Q, Kr = 2^(b_last - b) * K, gt = 2^b_last (exponents from fp64 differences)
-    if (SKIP & 8) == 0:
-        Xb = X * b_beta[None, :]
-        last = t0 + n_rows - 1
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            col_ok = cols < K
-            m = row_ok[:, None] & col_ok[None, :]
-            ws_off = rows[:, None] * (HV * K) + i_hv * K + cols[None, :]
-            k_c = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-            q_c = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
-            b_c = tl.load(gc_h + rows[:, None] * (HV * K) + cols[None, :], mask=m, other=0.0)
-            b_last = tl.load(gc_h + last * (HV * K) + cols, mask=col_ok, other=0.0)
-            kd = tl.where(m, k_c * tl.exp2(b_c.to(tl.float32)), 0.0)
-            w = tl.dot(Xb, kd, input_precision=DOT_PREC)
-            tl.store(w_ws + ws_off, w, mask=m)
-            tl.store(qd_ws + ws_off, q_c * (scale * tl.exp2(b_c.to(tl.float32))), mask=m)
-            tl.store(kr_ws + ws_off, k_c * tl.exp2((b_last[None, :] - b_c).to(tl.float32)), mask=m)
-            tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
-        for v0 in range(0, V, BV):
-            cols = v0 + tl.arange(0, BV)
-            m = row_ok[:, None] & (cols < V)[None, :]
-            v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            u = tl.dot(Xb, v_c, input_precision=DOT_PREC)
-            tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :], u, mask=m)
 
 
 @triton.jit
@@ -527,9 +341,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
     gt_ws = torch.empty((max(n_programs, 1), HV, K), dtype=torch.float32, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    if total == 0:
-        pass  # only empty sequences: the state walk copies their states
-    elif _PREPARE == "split":
+    if total > 0:  # else only empty sequences: the state walk copies their states
         BVp = min(64, pow2_at_least(V))
         flags = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
         kd_ws = w_ws.new_empty(w_ws.shape)
@@ -552,29 +364,6 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
             HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(32, pow2_at_least(K)), BV=BVp,
             num_warps=4, num_stages=1, **flags,
         )
-    else:
-        gc_ws = torch.empty((total, HV, K), dtype=torch.float64, device=dev)  # the fused kernel's scratch
-        BK = min(32, pow2_at_least(K))
-        BVp = min(64, pow2_at_least(V))
-        _chunk_prepare_kernel[(n_programs, HV)](
-            q, k, v, g, beta, A_log, dt_bias, cu,
-            gc_ws, akk_ws, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
-            token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2), token_stride(v, T), v.stride(2),
-            token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2),
-            T, N, NT, call.scale, lower_bound,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BKD=16, BV=BVp,
-            IS_VARLEN=varlen, USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
-            HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
-            USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
-            DOT_PREC=prec, SKIP=_SKIP, num_warps=_PREP_WARPS,
-        )
     ws = dict(aqk=aqk_ws, w=w_ws, u=u_ws, qd=qd_ws, kr=kr_ws, gt=gt_ws)
     state_walk(call, st, o, ws, BT, NT, prec, _state_stages(ws_dtype))
     return o, st.final_state
-
-
-# Development switches, to time alternatives side by side on the GPU (scripts/profile_chunk.py):
-# KDA_DEV_PREPARE=fused|split picks the prepare kernel(s); KDA_DEV_SKIP leaves stages of the fused one out.
-_PREPARE = os.environ.get("KDA_DEV_PREPARE", "split")
-_SKIP = int(os.environ.get("KDA_DEV_SKIP", "0"))
-_PREP_WARPS = int(os.environ.get("KDA_DEV_PREP_WARPS", "4"))
