@@ -1,5 +1,6 @@
 """Studies of the sequence and state contracts: varlen layouts with empty sequences, and the paged pool
-against dense state (bitwise). Each returns a list of entries (`context.entry`)."""
+against dense state (bitwise with a 16-element-aligned slot stride; with an odd one, chunk bitwise and
+fused_recurrent within rounding). Each returns a list of entries (`context.entry`)."""
 
 from __future__ import annotations
 
@@ -87,12 +88,66 @@ def poisoned_pool(slots: int, plane: tuple, dtype: torch.dtype, device: str, pad
     return big.to(dtype).to(device)[:, :numel].view(slots, *plane)
 
 
+# Slot strides of the paged study, in elements past one plane. ALIGNED_PAD keeps stride(0) a multiple of
+# 16 elements (every plane is one too): Triton then proves the planes 16-byte aligned and compiles the
+# paged call to the dense call's code, so paged == dense bit for bit for both kernels. ODD_PAD (7) breaks
+# that: on a GPU fused_recurrent_kda then loads the state tile with another register layout and sums over
+# K in another order (the last fp32 bits differ); chunk_kda reduces through tl.dot, whose layout does not
+# depend on the load, and stays bitwise. The interpreter has no layouts: bitwise at both strides.
+ALIGNED_PAD = 16
+ODD_PAD = 7
+# The fp32 part of `reorder_bound` (below): the relative L2 difference that two K-summation orders leave
+# in fp32 results before their final rounding may reach this.
+REORDER_FP32_TERM = 1e-6
+
+
+def reorder_bound(dtype: torch.dtype) -> float:
+    """Bound on the relative L2 difference between two results of one call that differ only in the order
+    of the fp32 sums over K (fused_recurrent_kda, paged with an odd slot stride vs dense), stored in `dtype`:
+    2 x the unit roundoff u of `dtype` + REORDER_FP32_TERM (u = 2^-24 fp32, 2^-11 fp16, 2^-8 bf16).
+
+    Why. Both calls do the same operations on the same values; only each K reduction (S'^T k and S'^T q
+    per token, K fp32 products) adds its terms in another order. Reordering moves a sum of K terms by at
+    most 2 gamma_(K-1) sum|terms| (gamma_n ~ n u_fp32), in practice a few fp32 ulps; the recurrence carries
+    these differences over the tokens without amplifying them (decay <= 1; I - beta k k^T with |k| = 1 and
+    0 < beta < 1 is a contraction). So the fp32 values a (paged) and b (dense) differ by some delta,
+    relative, below 1e-6: a one-off fp32 emulation of the kernel's recurrence (K = V = 128, HV = 4, 1 to 64
+    tokens, the strong regime, 20 draws) gave delta <= 3.1e-7 for the output and 3.4e-8 for the state
+    between a fully sequential order and the tree-shaped ones of a warp (4 contiguous or 4 strided elements
+    per lane, then a tree over 32 lanes). Each result is then rounded once to its dtype, fl(x) = x (1 + e)
+    with |e| <= u, so
+        ||fl(a) - fl(b)|| <= ||a - b|| + u (||a|| + ||b||)  =>  relative <= delta + 2u (to first order):
+    two roundings that fall on either side of a rounding boundary cost at most an ulp each, whatever
+    delta is. For fp32 2u = 1.2e-7 and delta dominates: the bound is 1.1e-6 (about 19 fp32 ulps), 33x the
+    largest emulated state delta and 3.6x the largest emulated fp32 output delta. For bf16 and fp16 the
+    rounding term dominates (the emulation: bf16 outputs differed by at most 5e-4 and bf16 states by
+    1.4e-5, against a bound of 7.8e-3)."""
+    return 2 * (torch.finfo(dtype).eps / 2) + REORDER_FP32_TERM
+
+
+def _bitwise(r: dict, dense: dict, prefix: str = "") -> dict:
+    """The bitwise checks of one stride: paged results `r` (`paged_runs`) against the dense ones."""
+    same = {n: same_bits(r[n], d) for n, d in dense.items()}
+    return {f"{prefix}out_bits": same["out"], f"{prefix}state_bits": same["state"],
+            f"{prefix}untouched_bits": r["untouched_bits"], f"{prefix}dirty_out_bits": same["dirty_out"],
+            f"{prefix}dirty_state_bits": same["dirty_state"], f"{prefix}dirty_finite": r["dirty_finite"],
+            f"{prefix}padding_rows_zero": r["padding_rows_zero"],
+            f"{prefix}padding_others_bits": same["padding_out"] and same["padding_state"],
+            f"{prefix}padding_untouched_bits": r["padding_untouched_bits"]}
+
+
 def paged_vs_dense(ctx: Context, part: dict | None = None) -> list[dict]:
-    """Per kernel and storage dtype, V-first planes (the serving layout), varlen with an empty sequence:
-    - the paged call (permuted slots of a padded pool poisoned with NaN/1e30) gives bit for bit the
-      dense call's output and final states, and leaves every other slot's bits unchanged;
-    - dirty slots (NaN) with has_initial_state = False: bit for bit the dense call from zeros there;
-    - a padding sequence (slot -1): zero output rows, nothing written, the others unchanged."""
+    """Per kernel and storage dtype, V-first planes (the serving layout), varlen with an empty sequence,
+    through a pool of permuted slots poisoned with NaN/1e30 whose slot stride is padded past the plane by
+    ALIGNED_PAD (a multiple of 16 elements) and then by ODD_PAD elements:
+    - the paged call gives the dense call's output and final states, and leaves every other slot's bits
+      unchanged;
+    - dirty slots (NaN) with has_initial_state = False: the dense call from zeros there;
+    - a padding sequence (slot -1): zero output rows, nothing written, the others as in the dense call.
+    The contract: with the aligned stride, both kernels bit for bit (checks `out_bits`, ...); with the odd
+    stride, chunk_kda bit for bit (`odd_out_bits`, ...) and fused_recurrent_kda within `reorder_bound`
+    (`odd_out_rounding`, `odd_state_rounding`; the differences are in info `odd_*_diff_rel`); the slots
+    the call must not write keep their bits at both strides, for both kernels."""
     P, dev = ctx.preset, ctx.device
     lengths = [min(n, P.varlen_max_len) for n in (3, 0, 17, 1, 9)]
     N, T = len(lengths), sum(lengths)
@@ -106,58 +161,88 @@ def paged_vs_dense(ctx: Context, part: dict | None = None) -> list[dict]:
     fresh = torch.tensor([n % 2 == 1 for n in range(N)])  # has_initial_state = False here (dirty slots)
     pad_seq = 2  # a sequence with tokens, turned into padding
     seq_rows = [(a, b) for a, b in zip(cu_cpu.tolist(), cu_cpu.tolist()[1:])]
+    a_pad, b_pad = seq_rows[pad_seq]
+    keep = torch.ones(T, dtype=torch.bool)
+    keep[a_pad:b_pad] = False
+    keep = keep.to(dev)
+    live = torch.tensor([n for n in range(N) if n != pad_seq]).to(dev)
     kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, state_v_first=True, **inp.opts)
+    idx_d, others_d, fresh_d = idx.to(dev), others.to(dev), fresh.to(dev)
+    ones = torch.ones(N, dtype=torch.bool, device=dev)
+
+    def paged_runs(kern: str, h: torch.Tensor, st: torch.dtype, pad: int) -> dict:
+        """The three paged calls through a pool of slot stride plane + `pad`: results and slot checks."""
+        r = {}
+        # 1. every sequence from its slot
+        pool = poisoned_pool(slots, plane, st, dev, pad=pad)
+        pool[idx_d] = h
+        before = pool.clone()
+        r["out"], _ = call(kern, *inp.args(), state_cache=pool, state_indices=idx_d, has_initial_state=ones, **kw)
+        r["state"] = pool[idx_d]
+        r["untouched_bits"] = same_bits(pool[others_d], before[others_d])
+        r["stride"] = pool.stride(0)
+        # 2. dirty slots (NaN) with has_initial_state = False
+        pool = poisoned_pool(slots, plane, st, dev, pad=pad)
+        pool[idx_d] = h
+        pool[idx_d[fresh_d]] = float("nan")
+        r["dirty_out"], _ = call(kern, *inp.args(), state_cache=pool, state_indices=idx_d,
+                                 has_initial_state=~fresh_d, **kw)
+        r["dirty_state"] = pool[idx_d]
+        r["dirty_finite"] = all_finite(r["dirty_out"], r["dirty_state"])
+        # 3. a padding sequence: zero rows, its slot untouched, the other sequences as in the dense call
+        pool = poisoned_pool(slots, plane, st, dev, pad=pad)
+        pool[idx_d] = h
+        before = pool.clone()
+        idx_pad = idx_d.clone()
+        idx_pad[pad_seq] = -1
+        o_p, _ = call(kern, *inp.args(), state_cache=pool, state_indices=idx_pad, has_initial_state=ones, **kw)
+        r["padding_out"], r["padding_state"] = o_p[:, keep], pool[idx_d[live]]
+        r["padding_rows_zero"] = bool((o_p[:, a_pad:b_pad] == 0).all())
+        r["padding_untouched_bits"] = (same_bits(pool[idx_d[pad_seq]], before[idx_d[pad_seq]])
+                                       and same_bits(pool[others_d], before[others_d]))
+        return r
+
     out = []
     for st_name in pick(P.contract_states, part, "state"):
         st = DTYPES[st_name]
         h = h0.to(st).to(dev)
-        idx_d, others_d = idx.to(dev), others.to(dev)
         o_ref, s_ref, method = exact(inp, initial_state=h, state_v_first=True, cu_seqlens=cu)
         for kern in KERNEL_NAMES:
             o_d, s_d = call(kern, *inp.args(), initial_state=h.clone(), output_final_state=True, **kw)
-            checks = {}
-            # 1. paged == dense, bit for bit; untouched slots unchanged
-            pool = poisoned_pool(slots, plane, st, dev, pad=7)
-            pool[idx_d] = h
-            before = pool.clone()
-            o_p, _ = call(kern, *inp.args(), state_cache=pool, state_indices=idx_d,
-                          has_initial_state=torch.ones(N, dtype=torch.bool, device=dev), **kw)
-            checks.update(out_bits=same_bits(o_p, o_d), state_bits=same_bits(pool[idx_d], s_d),
-                          untouched_bits=same_bits(pool[others_d], before[others_d]))
-            # 2. dirty slots with has_initial_state = False == dense from zeros
             h_zero = h.clone()
-            h_zero[fresh.to(dev)] = 0
+            h_zero[fresh_d] = 0
             o_z, s_z = call(kern, *inp.args(), initial_state=h_zero, output_final_state=True, **kw)
-            pool = poisoned_pool(slots, plane, st, dev, pad=7)
-            pool[idx_d] = h
-            pool[idx_d[fresh.to(dev)]] = float("nan")
-            o_p, _ = call(kern, *inp.args(), state_cache=pool, state_indices=idx_d,
-                          has_initial_state=(~fresh).to(dev), **kw)
-            checks.update(dirty_out_bits=same_bits(o_p, o_z), dirty_state_bits=same_bits(pool[idx_d], s_z),
-                          dirty_finite=all_finite(o_p, pool[idx_d]))
-            # 3. a padding sequence: zero rows, its slot untouched, the other sequences as in the dense call
-            pool = poisoned_pool(slots, plane, st, dev, pad=7)
-            pool[idx_d] = h
-            before = pool.clone()
-            idx_pad = idx_d.clone()
-            idx_pad[pad_seq] = -1
-            o_p, _ = call(kern, *inp.args(), state_cache=pool, state_indices=idx_pad,
-                          has_initial_state=torch.ones(N, dtype=torch.bool, device=dev), **kw)
-            a, b = seq_rows[pad_seq]
-            keep = torch.ones(T, dtype=torch.bool)
-            keep[a:b] = False
-            live = torch.tensor([n for n in range(N) if n != pad_seq])
-            checks.update(padding_rows_zero=bool((o_p[:, a:b] == 0).all()),
-                          padding_others_bits=same_bits(o_p[:, keep.to(dev)], o_d[:, keep.to(dev)])
-                          and same_bits(pool[idx_d[live.to(dev)]], s_d[live.to(dev)]),
-                          padding_untouched_bits=same_bits(pool[idx_d[pad_seq]], before[idx_d[pad_seq]])
-                          and same_bits(pool[others_d], before[others_d]))
+            dense = dict(out=o_d, state=s_d, dirty_out=o_z, dirty_state=s_z, padding_out=o_d[:, keep],
+                         padding_state=s_d[live])
+            # aligned stride: paged == dense bit for bit, both kernels
+            aligned = paged_runs(kern, h, st, ALIGNED_PAD)
+            checks = _bitwise(aligned, dense)
+            # odd stride: chunk bit for bit; fused_recurrent within the reordering bound. Every kernel keeps
+            # the slots it must not write, and both get the bound checks (bitwise implies them).
+            odd = paged_runs(kern, h, st, ODD_PAD)
+            odd_bits = _bitwise(odd, dense, "odd_")
+            diffs = {f"odd_{n}_diff_rel": rel_l2(odd[n], d) for n, d in dense.items()}
+            out_bound, state_bound = reorder_bound(inp.v.dtype), reorder_bound(st)
+            slot_checks = ("odd_untouched_bits", "odd_dirty_finite", "odd_padding_rows_zero",
+                           "odd_padding_untouched_bits")
+            checks.update({n: odd_bits[n] for n in slot_checks})
+            if kern == "chunk":
+                checks.update(odd_bits)
+            checks.update(odd_out_rounding=all(diffs[f"odd_{n}_diff_rel"] <= out_bound
+                                               for n in ("out", "dirty_out", "padding_out")),
+                          odd_state_rounding=all(diffs[f"odd_{n}_diff_rel"] <= state_bound
+                                                 for n in ("state", "dirty_state", "padding_state")))
             m_o, i_o = errors(o_d, o_ref, inp.v.dtype, "out")
             m_s, i_s = errors(s_d, s_ref, st, "state")
+            odd_info = dict(diffs, odd_out_bound=out_bound, odd_state_bound=state_bound,
+                            odd_fp32_term=REORDER_FP32_TERM,
+                            odd_bitwise=all(v for n, v in odd_bits.items() if n not in slot_checks))
             params = dict(kernel=kern, lengths=lengths, input="bf16", state=st_name, slots=slots,
-                          slot_stride=pool.stride(0), plane_numel=plane[0] * plane[1] * plane[2],
-                          state_indices=idx.tolist(), fresh=fresh.tolist(), padding_sequence=pad_seq,
-                          H=P.H, HV=P.HV, K=P.K, V=P.K, oracle=method)
-            out.append(entry("paged", f"{kern}/state={st_name}", params, {**m_o, **m_s}, {**i_o, **i_s}, checks))
+                          slot_stride=aligned["stride"], odd_slot_stride=odd["stride"],
+                          plane_numel=plane[0] * plane[1] * plane[2], state_indices=idx.tolist(),
+                          fresh=fresh.tolist(), padding_sequence=pad_seq, H=P.H, HV=P.HV, K=P.K, V=P.K,
+                          oracle=method)
+            out.append(entry("paged", f"{kern}/state={st_name}", params, {**m_o, **m_s}, {**i_o, **i_s, **odd_info},
+                             checks))
         ctx.progress(f"paged: {st_name} storage done")
     return out

@@ -259,17 +259,61 @@ def _paged_md(report: dict) -> list[str]:
     if not ents:
         return []
     p = ents[0]["params"]
+    plane = p["plane_numel"]
     L = ["## Paged vs dense", ""]
-    L += [f"Sequences of lengths {p['lengths']} (bf16 inputs), V-first planes, a pool of {p['slots']} slots with "
-          f"slot stride {p['slot_stride']} > plane {p['plane_numel']} (padded), poisoned with NaN / 1e30, slots "
-          f"{p['state_indices']}. `out`/`state`: paged == dense bit for bit; `untouched`: the other slots' bits "
-          f"unchanged; `dirty`: slots full of NaN with has_initial_state = False (sequences {p['fresh']}) == "
-          f"dense from zeros, bit for bit; `padding`: sequence {p['padding_sequence']} with slot -1 gets zero rows, "
-          "its slot and the unnamed ones keep their bits, the others equal the dense call.", ""]
-    names = list(ents[0]["checks"])
+    L += [f"Sequences of lengths {p['lengths']} (bf16 inputs), V-first planes of {plane} elements, a pool of "
+          f"{p['slots']} slots poisoned with NaN / 1e30, slots {p['state_indices']}, padded past the plane twice: "
+          f"slot stride {p['slot_stride']} (plane + {p['slot_stride'] - plane}, a multiple of 16 elements) and "
+          + (f"{p['odd_slot_stride']} (plane + {p['odd_slot_stride'] - plane}, not a multiple of 16). "
+             if "odd_slot_stride" in p else "no other. ")
+          + "Each stride runs three paged calls against the dense calls: every sequence from its slot (`out`, "
+          "`state`: paged vs dense; `untouched`: the other slots' bits unchanged); `dirty`: slots full of NaN "
+          f"with has_initial_state = False (sequences {p['fresh']}) vs the dense call from zeros; `padding`: "
+          f"sequence {p['padding_sequence']} with slot -1 gets zero rows, its slot and the unnamed ones keep "
+          "their bits, the others vs the dense call.", ""]
+    L += ["**Contract.** `kda.chunk_kda`: paged == dense bit for bit at any slot stride. "
+          "`kda.fused_recurrent_kda`: bit for bit when the pool's stride(0) is a multiple of 16 elements (every "
+          "contiguous pool, and padding by a multiple of 16); with another padding the two agree to rounding, "
+          "not bitwise. Cause: with such a stride Triton cannot prove the state planes 16-byte aligned, so the "
+          "decode kernel loads its state tile with another register layout (scalar instead of 4-wide), and "
+          "`tl.sum` over K adds in another order: the last fp32 bits differ, and the stored state and output "
+          "may round to the neighbouring value. chunk_kda reduces through `tl.dot`, whose layout does not "
+          "depend on the load. The interpreter (CPU) has no layouts: there everything is bitwise.", ""]
+    names = [n for n in ents[0]["checks"] if not n.startswith("odd_")]
+    L += [f"**Stride {p['slot_stride']}** (a multiple of 16 elements): every check bit for bit, both kernels.", ""]
     rows = [[x["params"]["kernel"], x["params"]["state"], e(x["metrics"]["out_rel"]),
              *(e(x["checks"][n]) for n in names)] for x in ents]
     L += _table(["kernel", "state", "out err (dense)", *names], rows)
+    if "odd_slot_stride" not in p:
+        return L
+    i0 = ents[0]["info"]
+    L += [f"**Stride {p['odd_slot_stride']}** (not a multiple of 16): `out diff`, `state diff`: relative L2 "
+          "difference paged vs dense, the largest of the three calls (the dirty call against the dense call "
+          "from zeros, the padding call over the other sequences). `bound`: 2 x the unit roundoff of the stored "
+          f"dtype (bf16 output; state in its storage dtype) + {i0['odd_fp32_term']:g}: the fp32 values of two "
+          f"summation orders differ by far less than {i0['odd_fp32_term']:g}, and each result is rounded once, "
+          "which costs at most an ulp where the two fall on either side of a rounding boundary "
+          "(kda/accuracy/layouts.py `reorder_bound`). `bitwise`: out, state, dirty "
+          "and padding results bit for bit, required of chunk_kda; for fused_recurrent_kda shown for "
+          "information (bitwise in the interpreter; on an H200 it was not).", ""]
+    bit_names = ("odd_out_bits", "odd_state_bits", "odd_dirty_out_bits", "odd_dirty_state_bits",
+                 "odd_padding_others_bits")
+    rows = []
+    for x in ents:
+        c, i = x["checks"], x["info"]
+        if all(n in c for n in bit_names):
+            bitwise = e(all(c[n] for n in bit_names))
+        else:
+            bitwise = ("yes" if i["odd_bitwise"] else "no") + " (not required)"
+        rows.append([x["params"]["kernel"], x["params"]["state"],
+                     e(max(i[f"odd_{n}_diff_rel"] for n in ("out", "dirty_out", "padding_out"))),
+                     e(max(i[f"odd_{n}_diff_rel"] for n in ("state", "dirty_state", "padding_state"))),
+                     f"{e(i['odd_out_bound'])} / {e(i['odd_state_bound'])}",
+                     e(c["odd_out_rounding"] and c["odd_state_rounding"]), bitwise,
+                     e(c["odd_untouched_bits"]), e(c["odd_dirty_finite"]), e(c["odd_padding_rows_zero"]),
+                     e(c["odd_padding_untouched_bits"])])
+    L += _table(["kernel", "state", "out diff", "state diff", "bound (out / state)", "within bound", "bitwise",
+                 "untouched_bits", "dirty_finite", "padding_rows_zero", "padding_untouched_bits"], rows)
     return L
 
 
