@@ -11,6 +11,7 @@ from helpers import bits, rel_err, rounding_floor
 
 import kda
 import kda_reference as ref
+from kda.accuracy.layouts import reorder_bound
 
 pytestmark = pytest.mark.gpu
 
@@ -85,6 +86,47 @@ def _decode_call(N=8, H=2, K=128, V=128, seed=3):
     kw = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
               use_beta_sigmoid_in_kernel=True, state_cache=pool, state_indices=idx, state_v_first=True)
     return (q, k, v, g, beta), kw
+
+
+@pytest.mark.parametrize("pad", [16, 7])
+def test_decode_paged_vs_dense_padded_pool(pad):
+    """fused_recurrent_kda (bf16 inputs, fp32 pool of V-first planes, K = V = 128) through a pool whose
+    stride(0) is one plane + `pad` elements, against the dense call from the gathered planes. pad = 16 (a
+    multiple of 16 elements, like every contiguous pool): paged == dense bit for bit. pad = 7: Triton cannot
+    prove the planes 16-byte aligned, loads the state tile with another layout and sums over K in another
+    order, so the two agree to rounding only: relative L2 difference <= 2 x unit roundoff of the stored dtype
+    + 1e-6 (`reorder_bound`, derived in kda/accuracy/layouts.py). The other slots keep their bits either way."""
+    N, H, K, V, slots = 8, 2, 128, 128, 32
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(N, 1, H, K, device=dev, generator=gen).to(dt)
+    k = torch.randn(N, 1, H, K, device=dev, generator=gen).to(dt)
+    v = torch.randn(N, 1, H, V, device=dev, generator=gen).to(dt)
+    g = torch.randn(N, 1, H, K, device=dev, generator=gen)
+    beta = torch.randn(N, 1, H, device=dev, generator=gen)
+    numel = H * V * K
+    pool = torch.randn(slots, numel + pad, device=dev, generator=gen)[:, :numel].view(slots, H, V, K)
+    assert pool.stride(0) == numel + pad
+    idx = torch.randperm(slots, device=dev, generator=gen)[:N]
+    others = torch.tensor([i for i in range(slots) if i not in idx.tolist()], device=dev)
+    h = pool[idx].clone()  # the gathered planes, a contiguous dense initial state
+    before = pool.clone()
+    kw = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    o_d, s_d = kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=h, output_final_state=True, **kw)
+    o_p, _ = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx.to(torch.int32), **kw)
+    s_p = pool[idx]
+    assert o_p.dtype == o_d.dtype == dt and s_p.dtype == s_d.dtype == torch.float32
+    assert torch.equal(bits(pool[others]), bits(before[others]))
+    if pad % 16 == 0:
+        assert torch.equal(bits(o_p), bits(o_d))
+        assert torch.equal(bits(s_p), bits(s_d))
+    else:
+        e_o, e_s = rel_err(o_p, o_d), rel_err(s_p, s_d)
+        print(f"\n[paged stride plane + {pad}] paged vs dense: output {e_o:.3e} (bound "
+              f"{reorder_bound(dt):.3e}), state {e_s:.3e} (bound {reorder_bound(torch.float32):.3e})")
+        assert e_o <= reorder_bound(dt)
+        assert e_s <= reorder_bound(torch.float32)
 
 
 def test_no_call_syncs_the_host():
