@@ -73,19 +73,26 @@ def test_paged_equals_dense_bitwise_on_gpu():
         assert torch.equal(bits(pool[slot]), bits(before[slot]))
 
 
+DECODE_FLAGS = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True, state_v_first=True)
+
+
+def _decode_tokens(N, H, K, V, gen, dt=torch.bfloat16):
+    """One decode token per sequence: q, k, v in `dt`, the raw gate and beta logits in fp32."""
+    q = torch.randn(N, 1, H, K, device="cuda", generator=gen).to(dt)
+    k = torch.randn(N, 1, H, K, device="cuda", generator=gen).to(dt)
+    v = torch.randn(N, 1, H, V, device="cuda", generator=gen).to(dt)
+    g = torch.randn(N, 1, H, K, device="cuda", generator=gen)
+    beta = torch.randn(N, 1, H, device="cuda", generator=gen)
+    return q, k, v, g, beta
+
+
 def _decode_call(N=8, H=2, K=128, V=128, seed=3):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(N, 1, H, K, device=dev, generator=gen).to(dt)
-    k = torch.randn(N, 1, H, K, device=dev, generator=gen).to(dt)
-    v = torch.randn(N, 1, H, V, device=dev, generator=gen).to(dt)
-    g = torch.randn(N, 1, H, K, device=dev, generator=gen)
-    beta = torch.randn(N, 1, H, device=dev, generator=gen)
-    pool = torch.randn(4 * N, H, V, K, device=dev, generator=gen)
-    idx = torch.randperm(4 * N, device=dev, generator=gen)[:N].to(torch.int32)
-    kw = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, state_cache=pool, state_indices=idx, state_v_first=True)
-    return (q, k, v, g, beta), kw
+    args = _decode_tokens(N, H, K, V, gen)
+    pool = torch.randn(4 * N, H, V, K, device="cuda", generator=gen)
+    idx = torch.randperm(4 * N, device="cuda", generator=gen)[:N].to(torch.int32)
+    return args, dict(DECODE_FLAGS, state_cache=pool, state_indices=idx)
 
 
 @pytest.mark.parametrize("pad", [16, 7])
@@ -99,11 +106,7 @@ def test_decode_paged_vs_dense_padded_pool(pad):
     N, H, K, V, slots = 8, 2, 128, 128, 32
     gen = torch.Generator(device="cuda").manual_seed(6)
     dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(N, 1, H, K, device=dev, generator=gen).to(dt)
-    k = torch.randn(N, 1, H, K, device=dev, generator=gen).to(dt)
-    v = torch.randn(N, 1, H, V, device=dev, generator=gen).to(dt)
-    g = torch.randn(N, 1, H, K, device=dev, generator=gen)
-    beta = torch.randn(N, 1, H, device=dev, generator=gen)
+    q, k, v, g, beta = _decode_tokens(N, H, K, V, gen, dt)
     numel = H * V * K
     pool = torch.randn(slots, numel + pad, device=dev, generator=gen)[:, :numel].view(slots, H, V, K)
     assert pool.stride(0) == numel + pad
@@ -111,8 +114,7 @@ def test_decode_paged_vs_dense_padded_pool(pad):
     others = torch.tensor([i for i in range(slots) if i not in idx.tolist()], device=dev)
     h = pool[idx].clone()  # the gathered planes, a contiguous dense initial state
     before = pool.clone()
-    kw = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    kw = DECODE_FLAGS
     o_d, s_d = kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=h, output_final_state=True, **kw)
     o_p, _ = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx.to(torch.int32), **kw)
     s_p = pool[idx]
