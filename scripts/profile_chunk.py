@@ -40,13 +40,13 @@ def fmt(rows):
 
 
 if __name__ == "__main__":
-    bounded = chunk_ops.bounded_gate
+    default = chunk_ops._ANCHOR_BOUNDED
     for B, T, H in [(1, 4096, 12), (1, 16384, 12), (1, 16384, 32), (1, 8192, 96)]:
         args, kw = inputs(B, T, H)
-        for name, pick in (("bounded", bounded), ("pairwise", lambda call: False)):
-            chunk_ops.bounded_gate = pick
+        for name, on in (("bounded", True), ("pairwise", False)):
+            chunk_ops._ANCHOR_BOUNDED = on  # KDA_DEV_BOUNDED_GATE
             print(f"{B}x{T} H={H} {name:8s}: {fmt(kernel_times(args, kw))}", flush=True)
-    chunk_ops.bounded_gate = bounded
+    chunk_ops._ANCHOR_BOUNDED = default
     for B, T, H in [(1, 16384, 12), (1, 65536, 12)]:
         args, kw = inputs(B, T, H)
         for mode in ("never", "always"):

@@ -106,6 +106,7 @@ def test_bounded_gate_anchored_diagonal(lower_bound, keys, device, monkeypatch):
 
     import kda.ops.chunk as chunk_ops
 
+    monkeypatch.setattr(chunk_ops, "_ANCHOR_BOUNDED", True)  # the dev switch KDA_DEV_BOUNDED_GATE=1
     B, T, H, HV, K, V = 1, 90, 1, 1, 32, 8
     q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, gate="lower_bound", device=device, seed=9)
     kw.update(lower_bound=lower_bound, use_qk_l2norm_in_kernel=True, output_final_state=True)

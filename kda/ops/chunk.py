@@ -36,6 +36,8 @@ needed.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -284,6 +286,9 @@ def _chunk_solve_kernel(
 
 # A bounded gate's largest log2 decay over the 15 steps inside a 16-row block (see _chunk_intra_kernel)
 BOUNDED_GATE_MAX_LOG2_SPAN = 112.0
+# The anchored diagonal is off by default until a GPU run has tested and timed it (the GPU test suite and
+# scripts/profile_chunk.py, docs/perf_notes.md); KDA_DEV_BOUNDED_GATE=1 turns it on.
+_ANCHOR_BOUNDED = os.environ.get("KDA_DEV_BOUNDED_GATE", "0") == "1"
 
 
 def bounded_gate(call: KDACall) -> bool:
@@ -291,8 +296,9 @@ def bounded_gate(call: KDACall) -> bool:
     lower-bound gate g = lb * sigmoid(.) costs at most |lb| log2(e) log2 units per token, so 15 steps stay
     within 2^112 when |lb| <= 5.17 (lb = -5, Kimi's value, gives 2^108.2); and q, k are L2-normalised in the
     kernel, so a dot of K such terms stays below 2^(112 + log2 K) < 2^128. Other gates (a raw log-decay may be
-    -1000) keep the pairwise diagonal."""
-    return (call.use_gate_in_kernel and call.lower_bound is not None and call.use_qk_l2norm_in_kernel
+    -1000) keep the pairwise diagonal. Off unless KDA_DEV_BOUNDED_GATE=1 (`_ANCHOR_BOUNDED`) for now."""
+    return (_ANCHOR_BOUNDED and call.use_gate_in_kernel and call.lower_bound is not None
+            and call.use_qk_l2norm_in_kernel
             and -call.lower_bound * LOG2E * (SUB - 1) <= BOUNDED_GATE_MAX_LOG2_SPAN)
 
 
