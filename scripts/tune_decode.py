@@ -35,7 +35,16 @@ def main() -> int:
     original = fr._launch_config
     # (BV, num_warps) for the V-first [V, K] plane at K = 128
     candidates = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; cells: graph us (x floor)")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (2 GiB); cells: graph us (x floor)")
+    # A device copy of the same bytes (half read, half written) at each shape: what a kernel that only
+    # moves the state could do at that size, launch and ramp included (the floor assumes the 2 GiB rate).
+    for name in wanted:
+        n = bench.floor_bytes(cases[name]) // 8
+        src = torch.empty(n, dtype=torch.float32, device="cuda").normal_()
+        dst = torch.empty_like(src)
+        t = timer.bench(lambda d=dst, x=src: d.copy_(x))
+        floor_us = bench.floor_bytes(cases[name]) / bw * 1e6
+        print(f"same-bytes copy for {name}: {t:.1f} us ({t / floor_us:.2f} x floor)")
     print("| BV, warps | " + " | ".join(wanted) + " |")
     print("|---" * (len(wanted) + 1) + "|")
     for BV, warps in candidates:
