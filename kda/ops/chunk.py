@@ -205,6 +205,102 @@ def _chunk_intra_kernel(
 
 
 @triton.jit
+def _chunk_intra_bounded_kernel(
+    q, k, g, beta, A_log, dt_bias, cu_seqlens,
+    akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws,
+    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
+    T, N, NT, scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The intra stage for a bounded gate (`bounded_gate`: in-kernel lower-bound gate, q/k l2norm in the
+    kernel), one program per (chunk, value head) instead of one per (chunk, 16-row block, value head):
+    the gate, its fp64 cumsum and the q/k loads are done once per K slice for all BT rows, not once per
+    row block. Per K slice and row block r (anchor a_r = b of r's first row), A_kk and A_qk gain
+    (rows of block r of X * 2^(b - a_r)) (K * 2^(a_r - b))^T over the columns up to r's last row: the row
+    factors are <= 1, the column factors <= 1 for earlier blocks and <= 2^112 inside block r (the gate's
+    bound), so every block below and on the diagonal goes through a tensor-core dot; the other row blocks'
+    rows are zeroed in the left operand (the dots are 4x larger than needed, and cheap). Writes what
+    `_chunk_intra_kernel` writes: A_kk (strictly lower) and A_qk (lower) with zeros above, Kd, Qd, Kr, gt."""
+    i_p = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if t0 >= eos:
+        return
+    n_rows = tl.minimum(eos - t0, BT)
+    o_t = tl.arange(0, BT)
+    row_ok = o_t < n_rows
+    rows = t0 + o_t
+    blk = o_t // BC  # row block of each row
+    q_h = q + i_h * s_qh
+    k_h = k + i_h * s_kh
+    g_h = g + i_hv * s_gh
+
+    rk = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, True)
+    rq = _qk_inv_norm(q_h, rows, row_ok, s_qt, K, BK, True)
+    b_beta = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        b_beta = tl.sigmoid(b_beta)
+    a = 1.0
+    if HAS_A_LOG:
+        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+
+    acc_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    acc_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    ws = rows[:, None] * (HV * K) + i_hv * K
+    o_blk = tl.arange(0, BT // BC)
+    first = (o_t % BC) == 0
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        m = row_ok[:, None] & col_ok[None, :]
+        if HAS_DT_BIAS:
+            bias = tl.load(dt_bias + i_hv * K + cols, mask=col_ok, other=0.0).to(tl.float32)
+        else:
+            bias = tl.zeros([BK], dtype=tl.float32)
+        gl = kda_gate_log2(tl.load(g_h + rows[:, None] * s_gt + cols[None, :], mask=m, other=0.0),
+                           a, bias, lower_bound, True, True)
+        gl = tl.where(m, gl, 0.0).to(tl.float64)
+        b = tl.cumsum(gl, axis=0)  # log2 decay from the chunk start, fp64 (differences stay exact to fp32)
+        b_last = tl.sum(gl, 0)
+        # anchors: b at the first row of every row block, [BT // BC, BK], and per row
+        b3 = tl.reshape(b, [BT // BC, BC, BK])
+        anchors = tl.sum(tl.where(tl.reshape(first, [BT // BC, BC])[:, :, None], b3, 0.0), 1)
+        row_anchor = tl.reshape(tl.broadcast_to(anchors[:, None, :], [BT // BC, BC, BK]), [BT, BK])
+        kx = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        qx = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        e_row = tl.exp2((b - row_anchor).to(tl.float32))  # <= 1
+        ke_row = kx * e_row
+        qe_row = qx * e_row
+        for r in tl.static_range(BT // BC):
+            a_r = tl.sum(tl.where(o_blk[:, None] == r, anchors, 0.0), 0)  # [BK]
+            upto_r = (o_t < (r + 1) * BC) & row_ok
+            mc = upto_r[:, None] & col_ok[None, :]
+            kc = kx * tl.exp2(tl.where(mc, a_r[None, :] - b, 0.0).to(tl.float32))
+            kc = tl.trans(tl.where(mc, kc, 0.0))
+            in_r = (blk == r)[:, None]
+            acc_kk += tl.dot(tl.where(in_r, ke_row, 0.0), kc, input_precision=DOT_PREC)
+            acc_qk += tl.dot(tl.where(in_r, qe_row, 0.0), kc, input_precision=DOT_PREC)
+        # what the solve and the state walk read
+        d = tl.exp2(b.to(tl.float32))
+        kn = kx * rk[:, None]
+        tl.store(kd_ws + ws + cols[None, :], kn * d, mask=m)
+        tl.store(qd_ws + ws + cols[None, :], qx * (rq * scale)[:, None] * d, mask=m)
+        tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b_last[None, :] - b).to(tl.float32)), mask=m)
+        tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
+
+    a_off = rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
+    m_a = row_ok[:, None] & row_ok[None, :]
+    kk = acc_kk * (rk * b_beta)[:, None] * rk[None, :]
+    qk = acc_qk * (rq * scale)[:, None] * rk[None, :]
+    tl.store(akk_ws + a_off, tl.where(o_t[None, :] < o_t[:, None], kk, 0.0), mask=m_a)
+    tl.store(aqk_ws + a_off, tl.where(o_t[None, :] <= o_t[:, None], qk, 0.0), mask=m_a)
+
+
+@triton.jit
 def _chunk_solve_kernel(
     v, beta, cu_seqlens, akk_ws, kd_ws, w_ws, u_ws,
     s_vt, s_vh, s_bt, s_bh,
@@ -286,9 +382,12 @@ def _chunk_solve_kernel(
 
 # A bounded gate's largest log2 decay over the 15 steps inside a 16-row block (see _chunk_intra_kernel)
 BOUNDED_GATE_MAX_LOG2_SPAN = 112.0
-# The anchored diagonal is off by default until a GPU run has tested and timed it (the GPU test suite and
-# scripts/profile_chunk.py, docs/perf_notes.md); KDA_DEV_BOUNDED_GATE=1 turns it on.
-_ANCHOR_BOUNDED = os.environ.get("KDA_DEV_BOUNDED_GATE", "0") == "1"
+# The bounded-gate intra paths are off by default until a GPU run has tested and timed them (the GPU test
+# suite and scripts/profile_chunk.py, docs/perf_notes.md). KDA_DEV_BOUNDED_GATE: "0" (default) the pairwise
+# diagonal; "split" (or "1") `_chunk_intra_kernel` with the anchored diagonal; "chunk"
+# `_chunk_intra_bounded_kernel`, one program per chunk and head.
+_BOUNDED_MODE = {"1": "split"}.get(os.environ.get("KDA_DEV_BOUNDED_GATE", "0"),
+                                   os.environ.get("KDA_DEV_BOUNDED_GATE", "0"))
 
 
 def bounded_gate(call: KDACall) -> bool:
@@ -296,8 +395,8 @@ def bounded_gate(call: KDACall) -> bool:
     lower-bound gate g = lb * sigmoid(.) costs at most |lb| log2(e) log2 units per token, so 15 steps stay
     within 2^112 when |lb| <= 5.17 (lb = -5, Kimi's value, gives 2^108.2); and q, k are L2-normalised in the
     kernel, so a dot of K such terms stays below 2^(112 + log2 K) < 2^128. Other gates (a raw log-decay may be
-    -1000) keep the pairwise diagonal. Off unless KDA_DEV_BOUNDED_GATE=1 (`_ANCHOR_BOUNDED`) for now."""
-    return (_ANCHOR_BOUNDED and call.use_gate_in_kernel and call.lower_bound is not None
+    -1000) keep the pairwise diagonal. Off unless KDA_DEV_BOUNDED_GATE is split or chunk (`_BOUNDED_MODE`) for now."""
+    return (_BOUNDED_MODE in ("split", "chunk") and call.use_gate_in_kernel and call.lower_bound is not None
             and call.use_qk_l2norm_in_kernel
             and -call.lower_bound * LOG2E * (SUB - 1) <= BOUNDED_GATE_MAX_LOG2_SPAN)
 
@@ -351,18 +450,27 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
         BVp = min(64, pow2_at_least(V))
         flags = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
         kd_ws = w_ws.new_empty(w_ws.shape)
-        _chunk_intra_kernel[(n_programs, BT // BC, HV)](
-            q, k, g, beta, A_log, dt_bias, cu,
-            akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws,
-            token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
-            token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2),
-            T, N, NT, call.scale, lower_bound,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=16,
-            USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
-            HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
-            USE_L2NORM=call.use_qk_l2norm_in_kernel, BOUNDED_GATE=bounded_gate(call), num_warps=4, num_stages=1,
-            **flags,
-        )
+        strides = (token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
+                   token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2))
+        bounded = bounded_gate(call)
+        if bounded and _BOUNDED_MODE == "chunk":
+            _chunk_intra_bounded_kernel[(n_programs, HV)](
+                q, k, g, beta, A_log, dt_bias, cu, akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws, *strides,
+                T, N, NT, call.scale, lower_bound,
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=min(32, pow2_at_least(K)),
+                HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None,
+                num_warps=8, num_stages=1, **flags,
+            )
+        else:
+            _chunk_intra_kernel[(n_programs, BT // BC, HV)](
+                q, k, g, beta, A_log, dt_bias, cu, akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws, *strides,
+                T, N, NT, call.scale, lower_bound,
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=16,
+                USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
+                HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
+                USE_L2NORM=call.use_qk_l2norm_in_kernel, BOUNDED_GATE=bounded, num_warps=4, num_stages=1,
+                **flags,
+            )
         _chunk_solve_kernel[(n_programs, HV)](
             v, beta, cu, akk_ws, kd_ws, w_ws, u_ws,
             token_stride(v, T), v.stride(2), token_stride(beta, T), beta.stride(2),
