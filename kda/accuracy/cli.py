@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> dict:
     from .verdict import decode_verdicts
 
     preset = PRESETS[args.preset]
+    env = environment(args.device, args.seed)  # the commit and tree state the run starts from
     ctx = Context(preset, args.device, args.seed, quiet=args.quiet)
     units = work_units(args.sections, preset)
     jobs = max(1, min(args.jobs or default_jobs(args.device), len(units)))
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> dict:
                  + ", ".join(f"{k} {v:.0f}" for k, v in section_s.items()))
     verdicts, per_regime = decode_verdicts(entries)
     meta = dict(preset=preset.as_dict(), sections=list(args.sections), thresholds=thresholds(),
-                environment=environment(args.device, args.seed), elapsed_s=ctx.elapsed(), section_s=section_s,
+                environment=env, elapsed_s=ctx.elapsed(), section_s=section_s,
                 jobs=jobs)
     return dict(meta=meta, verdicts=verdicts, verdicts_per_regime=per_regime, summaries=summaries, entries=entries)
 
