@@ -47,7 +47,7 @@ if __name__ == "__main__":
             chunk_ops._BOUNDED_MODE = mode
             print(f"{B}x{T} H={H} bounded={mode:5s}: {fmt(kernel_times(args, kw))}", flush=True)
     chunk_ops._BOUNDED_MODE = default
-    for B, T, H in [(1, 16384, 12), (1, 65536, 12)]:
+    for B, T, H in [(1, 16384, 12), (1, 16384, 32), (1, 65536, 12)]:
         args, kw = inputs(B, T, H)
         for mode in ("never", "always"):
             walk_ops.SEGMENT_MODE = mode

@@ -275,14 +275,18 @@ def _sm_count(device_index: int) -> int:
 
 
 def use_segments(call: KDACall, programs: int, BT: int) -> bool:
-    """Segment the walk when the plain walk leaves most of the GPU idle (fewer programs than SMs) and the
-    sequences are long (on average at least 4 segments), from shapes alone: no sync."""
+    """Segment the walk when the plain walk leaves most of the GPU idle (at most half as many programs as
+    SMs, AIT's threshold) and the sequences are long (on average at least 4 segments), from shapes alone:
+    no sync. Measured on the H200 (docs/perf_notes.md): 48 programs (1x16384 H=12) 1.02 ms segmented vs
+    1.25 ms plain; at 128 programs (1x16384 H=32) the segmented walk took 2.54 ms, about twice what the
+    plain walk's per-program time predicts (its summary and output passes each cost a whole walk), so the
+    threshold moved from "fewer than the SMs" to half of them."""
     if SEGMENT_MODE != "auto":
         return SEGMENT_MODE == "always"
     if interpreting() or call.q.device.type != "cuda":
         return False
     avg_chunks = (call.B * call.T) / max(call.N, 1) / BT
-    return programs < _sm_count(call.q.device.index or 0) and avg_chunks >= 4 * SEGMENT_CHUNKS
+    return 2 * programs <= _sm_count(call.q.device.index or 0) and avg_chunks >= 4 * SEGMENT_CHUNKS
 
 
 def state_walk(call: KDACall, st: StatePlan, o: torch.Tensor, ws: dict, BT: int, NT: int, prec: str,
