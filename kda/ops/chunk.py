@@ -76,6 +76,55 @@ def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
+def _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID: tl.constexpr):
+    """beta of `rows` for value head i_hv in fp32 (sigmoid applied in the kernel if asked), 0 past the
+    sequence."""
+    b = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        b = tl.sigmoid(b)
+    return tl.where(row_ok, b, 0.0)
+
+
+@triton.jit
+def _decay_rate(A_log, i_hv, HAS_A_LOG: tl.constexpr):
+    """a = exp(A_log) of value head i_hv for the in-kernel gate, or 1."""
+    a = 1.0
+    if HAS_A_LOG:
+        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    return a
+
+
+@triton.jit
+def _dt_bias_slice(dt_bias, i_hv, cols, K: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """dt_bias of value head i_hv at channels `cols` (0 past K, or without dt_bias)."""
+    if HAS_DT_BIAS:
+        return tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros([cols.shape[0]], dtype=tl.float32)
+
+
+@triton.jit
+def _gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, USE_GATE: tl.constexpr,
+               USE_LOWER_BOUND: tl.constexpr):
+    """The log2 decay of the [rows, cols] tile in fp64 (the cumsums are taken in fp64), 0 outside `m`."""
+    gl = kda_gate_log2(tl.load(g_h + rows[:, None] * s_gt + cols[None, :], mask=m, other=0.0),
+                       a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
+    return tl.where(m, gl, 0.0).to(tl.float64)
+
+
+@triton.jit
+def _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b, b_last):
+    """What the solve and the state walk read, for the rows of `b` (log2 decay from the chunk start):
+    Kd = 2^b k~, Qd = scale 2^b q~, Kr = 2^(b_last - b) k~, with k~ = rk k and q~ = rq q (l2norm), at row
+    offsets `ws` and channels `cols`."""
+    d = tl.exp2(b.to(tl.float32))
+    kn = kx * rk[:, None]
+    tl.store(kd_ws + ws + cols[None, :], kn * d, mask=m)
+    tl.store(qd_ws + ws + cols[None, :], qx * (rq * scale)[:, None] * d, mask=m)
+    tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b_last[None, :] - b).to(tl.float32)), mask=m)
+
+
+@triton.jit
 def _chunk_intra_kernel(
     q, k, g, beta, A_log, dt_bias, cu_seqlens,
     akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws,
@@ -124,12 +173,8 @@ def _chunk_intra_kernel(
     rk_all = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, USE_L2NORM)
     rq_r = _qk_inv_norm(q_h, rows_r, ok_r, s_qt, K, BK, USE_L2NORM)
     rk_r = _qk_inv_norm(k_h, rows_r, ok_r, s_kt, K, BK, USE_L2NORM)
-    beta_r = tl.load(beta + rows_r * s_bt + i_hv * s_bh, mask=ok_r, other=0.0).to(tl.float32)
-    if USE_BETA_SIGMOID:
-        beta_r = tl.sigmoid(beta_r)
-    a = 1.0
-    if HAS_A_LOG:
-        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    beta_r = _load_beta(beta, rows_r, ok_r, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
+    a = _decay_rate(A_log, i_hv, HAS_A_LOG)
 
     lower = ((o_c[:, None] >= o_c[None, :]) & ok_r[:, None] & ok_r[None, :])[:, :, None]
     acc_off_kk = tl.zeros([BC, BT], dtype=tl.float32)
@@ -140,22 +185,15 @@ def _chunk_intra_kernel(
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
-        if HAS_DT_BIAS:
-            bias = tl.load(dt_bias + i_hv * K + cols, mask=col_ok, other=0.0).to(tl.float32)
-        else:
-            bias = tl.zeros([BK], dtype=tl.float32)
         m_all = row_ok[:, None] & col_ok[None, :]
         m_r = ok_r[:, None] & col_ok[None, :]
+        bias = _dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
         # the cumulative log2 decay of every row of the chunk, and of block r, in fp64
-        g_all = kda_gate_log2(tl.load(g_h + rows[:, None] * s_gt + cols[None, :], mask=m_all, other=0.0),
-                              a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
-        g_all = tl.where(m_all, g_all, 0.0).to(tl.float64)
+        g_all = _gate_tile(g_h, rows, cols, m_all, s_gt, a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
         b_all = tl.cumsum(g_all, axis=0)
         b_last = tl.sum(g_all, 0)
         prefix = tl.sum(tl.where(before[:, None], g_all, 0.0), 0)
-        g_r = kda_gate_log2(tl.load(g_h + rows_r[:, None] * s_gt + cols[None, :], mask=m_r, other=0.0),
-                            a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
-        g_r = tl.where(m_r, g_r, 0.0).to(tl.float64)
+        g_r = _gate_tile(g_h, rows_r, cols, m_r, s_gt, a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
         b_r = prefix[None, :] + tl.cumsum(g_r, axis=0)
         anchor = prefix + tl.sum(tl.where(o_c[:, None] == 0, g_r, 0.0), 0)
         q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
@@ -175,12 +213,7 @@ def _chunk_intra_kernel(
             ke = k_r[None, :, :] * e
             acc_dg_kk += tl.sum(k_r[:, None, :] * ke, 2)
             acc_dg_qk += tl.sum(q_r[:, None, :] * ke, 2)
-        # what the solve and the state walk read for block r's rows
-        d_r = tl.exp2(b_r.to(tl.float32))
-        kn_r = k_r * rk_r[:, None]
-        tl.store(kd_ws + ws_r + cols[None, :], kn_r * d_r, mask=m_r)
-        tl.store(qd_ws + ws_r + cols[None, :], q_r * (rq_r * scale)[:, None] * d_r, mask=m_r)
-        tl.store(kr_ws + ws_r + cols[None, :], kn_r * tl.exp2((b_last[None, :] - b_r).to(tl.float32)), mask=m_r)
+        _store_decayed(kd_ws, qd_ws, kr_ws, ws_r, cols, m_r, k_r, q_r, rk_r, rq_r, scale, b_r, b_last)
         if i_r == 0:
             tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
 
@@ -241,12 +274,8 @@ def _chunk_intra_bounded_kernel(
 
     rk = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, True)
     rq = _qk_inv_norm(q_h, rows, row_ok, s_qt, K, BK, True)
-    b_beta = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(tl.float32)
-    if USE_BETA_SIGMOID:
-        b_beta = tl.sigmoid(b_beta)
-    a = 1.0
-    if HAS_A_LOG:
-        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    b_beta = _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
+    a = _decay_rate(A_log, i_hv, HAS_A_LOG)
 
     acc_kk = tl.zeros([BT, BT], dtype=tl.float32)
     acc_qk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -257,13 +286,8 @@ def _chunk_intra_bounded_kernel(
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         m = row_ok[:, None] & col_ok[None, :]
-        if HAS_DT_BIAS:
-            bias = tl.load(dt_bias + i_hv * K + cols, mask=col_ok, other=0.0).to(tl.float32)
-        else:
-            bias = tl.zeros([BK], dtype=tl.float32)
-        gl = kda_gate_log2(tl.load(g_h + rows[:, None] * s_gt + cols[None, :], mask=m, other=0.0),
-                           a, bias, lower_bound, True, True)
-        gl = tl.where(m, gl, 0.0).to(tl.float64)
+        bias = _dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
+        gl = _gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, True, True)
         b = tl.cumsum(gl, axis=0)  # log2 decay from the chunk start, fp64 (differences stay exact to fp32)
         b_last = tl.sum(gl, 0)
         # anchors: b at the first row of every row block, [BT // BC, BK], and per row
@@ -284,12 +308,7 @@ def _chunk_intra_bounded_kernel(
             in_r = (blk == r)[:, None]
             acc_kk += tl.dot(tl.where(in_r, ke_row, 0.0), kc, input_precision=DOT_PREC)
             acc_qk += tl.dot(tl.where(in_r, qe_row, 0.0), kc, input_precision=DOT_PREC)
-        # what the solve and the state walk read
-        d = tl.exp2(b.to(tl.float32))
-        kn = kx * rk[:, None]
-        tl.store(kd_ws + ws + cols[None, :], kn * d, mask=m)
-        tl.store(qd_ws + ws + cols[None, :], qx * (rq * scale)[:, None] * d, mask=m)
-        tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b_last[None, :] - b).to(tl.float32)), mask=m)
+        _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b, b_last)
         tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
 
     a_off = rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
@@ -325,10 +344,7 @@ def _chunk_solve_kernel(
     row_ok = o_t < n_rows
     rows = t0 + o_t
     a_h = akk_ws + i_hv * BT
-    b_beta = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(tl.float32)
-    if USE_BETA_SIGMOID:
-        b_beta = tl.sigmoid(b_beta)
-    b_beta = tl.where(row_ok, b_beta, 0.0)
+    b_beta = _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
 
     NC: tl.constexpr = BT // BC
     o_b = tl.arange(0, NC)[:, None, None]
@@ -386,8 +402,7 @@ BOUNDED_GATE_MAX_LOG2_SPAN = 112.0
 # suite and scripts/profile_chunk.py, docs/perf_notes.md). KDA_DEV_BOUNDED_GATE: "0" (default) the pairwise
 # diagonal; "split" (or "1") `_chunk_intra_kernel` with the anchored diagonal; "chunk"
 # `_chunk_intra_bounded_kernel`, one program per chunk and head.
-_BOUNDED_MODE = {"1": "split"}.get(os.environ.get("KDA_DEV_BOUNDED_GATE", "0"),
-                                   os.environ.get("KDA_DEV_BOUNDED_GATE", "0"))
+_BOUNDED_MODE = {"1": "split"}.get(_mode := os.environ.get("KDA_DEV_BOUNDED_GATE", "0"), _mode)
 
 
 def bounded_gate(call: KDACall) -> bool:
