@@ -65,6 +65,10 @@ GROWING_EXPONENT = 0.1
 KERNEL_FLOOR_FACTOR = 2.0
 KERNEL_FP32_TERM = 1e-5
 KERNEL_NARROW_TERM = 4 * 2.0**-11
+# Paged vs dense with a slot stride that is not a multiple of 16 elements (kda/accuracy/layouts.py
+# `reorder_bound`): the fp32 term on top of 2 unit roundoffs of the stored dtype, the relative L2
+# difference that two K-summation orders may leave in fp32 results before their final rounding.
+REORDER_FP32_TERM = 1e-6
 # --check: an error metric fails when new > CHECK_FACTOR * baseline + CHECK_SLACK. The metrics are
 # relative (L2 relative error, max abs error / max |exact|), so the slack is relative too: 5e-7 is about
 # 4 fp32 ulps (2^-21), where fp32 results sit and where a different summation order alone moves them.
@@ -81,7 +85,8 @@ def thresholds() -> dict:
     return dict(
         output_floor_factor=OUTPUT_FLOOR_FACTOR, emulation_ratio_max=EMULATION_RATIO_MAX,
         growing_exponent=GROWING_EXPONENT, kernel_floor_factor=KERNEL_FLOOR_FACTOR,
-        kernel_fp32_term=KERNEL_FP32_TERM, check_factor=CHECK_FACTOR, check_slack=CHECK_SLACK,
+        kernel_fp32_term=KERNEL_FP32_TERM, kernel_narrow_term=KERNEL_NARROW_TERM,
+        reorder_fp32_term=REORDER_FP32_TERM, check_factor=CHECK_FACTOR, check_slack=CHECK_SLACK,
         fit_min_step=FIT_MIN_STEP, output_window=OUTPUT_WINDOW,
     )
 

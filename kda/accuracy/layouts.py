@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import DTYPES, REGIMES
+from .config import DTYPES, REGIMES, REORDER_FP32_TERM
 from .context import Context, entry
 from .inputs import regime_inputs
 from .kernels import call
@@ -96,9 +96,6 @@ def poisoned_pool(slots: int, plane: tuple, dtype: torch.dtype, device: str, pad
 # depend on the load, and stays bitwise. The interpreter has no layouts: bitwise at both strides.
 ALIGNED_PAD = 16
 ODD_PAD = 7
-# The fp32 part of `reorder_bound` (below): the relative L2 difference that two K-summation orders leave
-# in fp32 results before their final rounding may reach this.
-REORDER_FP32_TERM = 1e-6
 
 
 def reorder_bound(dtype: torch.dtype) -> float:
