@@ -169,26 +169,29 @@ def paged_vs_dense(ctx: Context, part: dict | None = None) -> list[dict]:
 
     def paged_runs(kern: str, h: torch.Tensor, st: torch.dtype, pad: int) -> dict:
         """The three paged calls through a pool of slot stride plane + `pad`: results and slot checks."""
+
+        def live_pool():  # poisoned, the live sequences' initial states in their slots
+            pool = poisoned_pool(slots, plane, st, dev, pad=pad)
+            pool[idx_d] = h
+            return pool
+
         r = {}
         # 1. every sequence from its slot
-        pool = poisoned_pool(slots, plane, st, dev, pad=pad)
-        pool[idx_d] = h
+        pool = live_pool()
         before = pool.clone()
         r["out"], _ = call(kern, *inp.args(), state_cache=pool, state_indices=idx_d, has_initial_state=ones, **kw)
         r["state"] = pool[idx_d]
         r["untouched_bits"] = same_bits(pool[others_d], before[others_d])
         r["stride"] = pool.stride(0)
         # 2. dirty slots (NaN) with has_initial_state = False
-        pool = poisoned_pool(slots, plane, st, dev, pad=pad)
-        pool[idx_d] = h
+        pool = live_pool()
         pool[idx_d[fresh_d]] = float("nan")
         r["dirty_out"], _ = call(kern, *inp.args(), state_cache=pool, state_indices=idx_d,
                                  has_initial_state=~fresh_d, **kw)
         r["dirty_state"] = pool[idx_d]
         r["dirty_finite"] = all_finite(r["dirty_out"], r["dirty_state"])
         # 3. a padding sequence: zero rows, its slot untouched, the other sequences as in the dense call
-        pool = poisoned_pool(slots, plane, st, dev, pad=pad)
-        pool[idx_d] = h
+        pool = live_pool()
         before = pool.clone()
         idx_pad = idx_d.clone()
         idx_pad[pad_seq] = -1
@@ -232,7 +235,6 @@ def paged_vs_dense(ctx: Context, part: dict | None = None) -> list[dict]:
             m_o, i_o = errors(o_d, o_ref, inp.v.dtype, "out")
             m_s, i_s = errors(s_d, s_ref, st, "state")
             odd_info = dict(diffs, odd_out_bound=out_bound, odd_state_bound=state_bound,
-                            odd_fp32_term=REORDER_FP32_TERM,
                             odd_bitwise=all(v for n, v in odd_bits.items() if n not in slot_checks))
             params = dict(kernel=kern, lengths=lengths, input="bf16", state=st_name, slots=slots,
                           slot_stride=aligned["stride"], odd_slot_stride=odd["stride"],

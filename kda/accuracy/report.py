@@ -17,6 +17,7 @@ from .config import (
     OUTPUT_FLOOR_FACTOR,
     OUTPUT_WINDOW,
     REGIMES,
+    REORDER_FP32_TERM,
 )
 from .inputs import ADVERSARIAL_DOC
 from .verdict import _fmt_fit, failed_checks
@@ -286,12 +287,11 @@ def _paged_md(report: dict) -> list[str]:
     L += _table(["kernel", "state", "out err (dense)", *names], rows)
     if "odd_slot_stride" not in p:
         return L
-    i0 = ents[0]["info"]
     L += [f"**Stride {p['odd_slot_stride']}** (not a multiple of 16): `out diff`, `state diff`: relative L2 "
           "difference paged vs dense, the largest of the three calls (the dirty call against the dense call "
           "from zeros, the padding call over the other sequences). `bound`: 2 x the unit roundoff of the stored "
-          f"dtype (bf16 output; state in its storage dtype) + {i0['odd_fp32_term']:g}: the fp32 values of two "
-          f"summation orders differ by far less than {i0['odd_fp32_term']:g}, and each result is rounded once, "
+          f"dtype (bf16 output; state in its storage dtype) + {REORDER_FP32_TERM:g}: the fp32 values of two "
+          f"summation orders differ by far less than {REORDER_FP32_TERM:g}, and each result is rounded once, "
           "which costs at most an ulp where the two fall on either side of a rounding boundary "
           "(kda/accuracy/layouts.py `reorder_bound`). `bitwise`: out, state, dirty "
           "and padding results bit for bit, required of chunk_kda; for fused_recurrent_kda shown for "
