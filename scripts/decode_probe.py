@@ -1,0 +1,171 @@
+"""Where does decode time go at small N? Times the issue-4 decode shapes four ways, for kda, fla and a
+device copy of the same bytes, so that a gap to the HBM floor can be split into what the kernel costs and
+what the measurement costs.
+
+    python scripts/decode_probe.py [--rep MS] [--filter REGEX] [--no-fla]
+
+Timers (all CUDA-graph replay, medians, microseconds):
+- `dobench`: kda.bench's timer (triton.testing.do_bench: before each replay it zeroes a 256 MB buffer, which
+  leaves up to an L2's worth of dirty lines that the timed kernel's misses must write back to HBM);
+- `clean`: before each replay an L2 flush that only reads (a sum over 256 MB: clean lines, nothing to write
+  back), then events around one replay;
+- `x4`: one graph holding 4 calls over 4 disjoint slot sets of the 4N-slot pool (no slot read twice, so no
+  call reads another's state from L2), time / 4, L2 flushed clean before the replay: back-to-back calls as
+  in a serving step, with the graph's launch cost shared by 4 calls;
+- `kernel`: the kernel's own duration from the torch profiler (CUPTI) during graph replay, no launch cost.
+The copy moves the same bytes (half read, half written). An empty graph (one tiny kernel) gives the launch
+cost of one replay under `dobench` and `clean`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+
+import torch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rep", type=int, default=200, help="replays per timer")
+    p.add_argument("--filter", default="", help="regex on the decode case names")
+    p.add_argument("--no-fla", action="store_true")
+    args = p.parse_args()
+
+    from kda import bench
+
+    flush_buf = torch.ones(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB
+    zero_buf = torch.empty(64 << 20, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+
+    def flush_clean():
+        torch.sum(flush_buf, dim=0, out=sink)
+
+    def flush_dirty():
+        zero_buf.zero_()
+
+    def capture(fns):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for f in fns:
+                f()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            for f in fns:
+                f()
+        gr.replay()
+        torch.cuda.synchronize()
+        return gr
+
+    def timed(gr, flush, div=1):
+        ts = []
+        for _ in range(args.rep):
+            flush()
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            gr.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3 / div)
+        return statistics.median(ts)
+
+    def kernel_time(gr, div=1):
+        from torch.profiler import ProfilerActivity, profile
+
+        reps = 20
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                flush_clean()
+                gr.replay()
+            torch.cuda.synchronize()
+        ks = [e for e in prof.events() if e.device_type.name == "CUDA" and "reduce" not in e.name.lower()
+              and "sum" not in e.name.lower()]
+        total = sum(e.device_time for e in ks)
+        return total / reps / div
+
+    def all_timers(one, four):
+        g1 = capture([one])
+        g4 = capture(four)
+        return (timed(g1, flush_dirty), timed(g1, flush_clean), timed(g4, flush_clean, 4), kernel_time(g1))
+
+    timer = bench.Timer(warmup_ms=25, rep_ms=100)
+    bw = bench.measure_bandwidth(timer, 2.0)
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s (2 GiB, do_bench); cells: us (x floor)")
+    fla = None
+    if not args.no_fla:
+        try:
+            fc, fd, ver = bench.load_fla()
+            fla = (fc, fd)
+            print(f"fla {ver}")
+        except Exception as e:  # noqa: BLE001
+            print(f"fla not importable: {e}")
+
+    empty = torch.zeros(1, device="cuda")
+    ge = capture([lambda: empty.add_(1)])
+    print(f"empty graph (one 1-element kernel): dobench {timed(ge, flush_dirty):.1f} us, "
+          f"clean {timed(ge, flush_clean):.1f} us")
+
+    cases = [c for c in bench.all_cases() if c.group == "decode" and re.search(args.filter, c.name)]
+    print("| shape | who | dobench | clean | x4 | kernel |")
+    print("|---|---|---|---|---|---|")
+    for case in cases:
+        floor_us = bench.floor_bytes(case) / bw * 1e6
+
+        def fmt(t):
+            return f"{t:.1f} ({t / floor_us:.2f})"
+
+        torch.manual_seed(1)
+        # four disjoint slot sets: the calls close over the index tensor's cell; each captured call
+        # gets its own set by swapping the cell's contents (no copy node in the graph)
+        kda_call, fla_call, _cmp = bench.build(case, fla, {})
+        cell = _index_cell(kda_call)
+        perm = torch.randperm(4 * case.N, device="cuda").to(cell.cell_contents.dtype).view(4, case.N)
+        sets = [perm[i].clone() for i in range(4)]
+        first = cell.cell_contents
+
+        def with_set(fn, j):
+            def f():
+                cell.cell_contents = sets[j]
+                try:
+                    return fn()
+                finally:
+                    cell.cell_contents = first
+            return f
+
+        rows = [("kda", kda_call)]
+        if fla_call is not None:
+            rows.append(("fla", fla_call))
+        for who, fn in rows:
+            try:
+                t = all_timers(fn, [with_set(fn, j) for j in range(4)])
+                print(f"| {case.name} | {who} | " + " | ".join(fmt(x) for x in t) + " |", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"| {case.name} | {who} | error {type(e).__name__}: {e} |", flush=True)
+        nbytes = bench.floor_bytes(case) // 2
+        n = nbytes // 4
+        srcs = [torch.empty(n, dtype=torch.float32, device="cuda").normal_() for _ in range(4)]
+        dsts = [torch.empty_like(s) for s in srcs]
+        t = all_timers(lambda: dsts[0].copy_(srcs[0]), [lambda j=j: dsts[j].copy_(srcs[j]) for j in range(4)])
+        print(f"| {case.name} | copy | " + " | ".join(fmt(x) for x in t) + " |", flush=True)
+        del srcs, dsts
+        torch.cuda.empty_cache()
+    return 0
+
+
+def _index_cell(fn):
+    """The closure cell of the int32 slot-index tensor that kda.bench's decode calls share."""
+    for cell in fn.__closure__ or ():
+        x = cell.cell_contents
+        if isinstance(x, torch.Tensor) and x.dtype == torch.int32 and x.dim() == 1:
+            return cell
+    raise RuntimeError("no index tensor in the call's closure")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
