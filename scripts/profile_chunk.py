@@ -1,6 +1,6 @@
-"""Per-kernel GPU time of chunk_kda (torch.profiler): the intra stage in its three forms for a bounded
-gate (KDA_DEV_BOUNDED_GATE: 0 pairwise diagonal, split anchored diagonal, chunk one program per chunk),
-and the state walk plain and segmented. Development aid: `python scripts/profile_chunk.py`."""
+"""Per-kernel GPU time of chunk_kda (torch.profiler): every stage for Kimi's bounded gate, with the
+bounded intra kernel and with the pairwise one (what an unbounded gate runs), and the state walk plain
+and segmented. Development aid: `python scripts/profile_chunk.py`."""
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -40,13 +40,13 @@ def fmt(rows):
 
 
 if __name__ == "__main__":
-    default = chunk_ops._BOUNDED_MODE
+    bounded = chunk_ops.bounded_gate
     for B, T, H in [(1, 4096, 12), (1, 16384, 12), (1, 16384, 32), (1, 8192, 96)]:
         args, kw = inputs(B, T, H)
-        for mode in ("0", "split", "chunk"):  # KDA_DEV_BOUNDED_GATE: pairwise, anchored split, per chunk
-            chunk_ops._BOUNDED_MODE = mode
-            print(f"{B}x{T} H={H} bounded={mode:5s}: {fmt(kernel_times(args, kw))}", flush=True)
-    chunk_ops._BOUNDED_MODE = default
+        for name, rule in (("bounded", bounded), ("pairwise", lambda call: False)):
+            chunk_ops.bounded_gate = rule  # pairwise: the intra kernel of an unbounded gate
+            print(f"{B}x{T} H={H} {name:8s}: {fmt(kernel_times(args, kw))}", flush=True)
+    chunk_ops.bounded_gate = bounded
     for B, T, H in [(1, 16384, 12), (1, 16384, 32), (1, 65536, 12)]:
         args, kw = inputs(B, T, H)
         for mode in ("never", "always"):

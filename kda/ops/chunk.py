@@ -23,8 +23,10 @@ per (chunk, 16-row block, value head): gate, fp64 cumsum in registers, the block
 A_qk, its rows of Kd, Qd, Kr (and gt); then `_chunk_solve_kernel`, one program per (chunk, value head):
 the inverse (diagonal blocks all at once, then block rows) in place of A_kk, W and U0. (A single fused
 prepare kernel with an fp64 scratch of 1 KB per token and head was 7-17% faster on the H200 and was
-removed for that scratch: docs/perf_notes.md.) With a bounded gate (`bounded_gate`) the diagonal
-blocks are anchored too (factors <= 2^112), see `_chunk_intra_kernel`.
+removed for that scratch: docs/perf_notes.md.) With a bounded gate (`bounded_gate`: Kimi's in-kernel
+lower-bound gate with |lb| <= 5.17 and in-kernel q/k l2norm) `_chunk_intra_bounded_kernel` replaces
+`_chunk_intra_kernel`: one program per (chunk, value head), the diagonal blocks anchored too (factors
+<= 2^112), every product a tensor-core dot; 2.2x faster on the H200 (6.09 -> 2.77 ms at 1x16384 H = 32).
 Then the state walk (`kda.ops.chunk_state`): the sequential part, plain (one program per V block,
 sequence and value head) or, for few long sequences, segmented (affine segment summaries, a scan, the
 outputs); it reads the initial state (dense, paged or none) and writes o and the final state (dense or
@@ -35,8 +37,6 @@ needed.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -134,19 +134,14 @@ def _chunk_intra_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    DOT_PREC: tl.constexpr, BOUNDED_GATE: tl.constexpr = False,
+    DOT_PREC: tl.constexpr,
 ):
     """Split prepare, part 1: one program per (chunk, row block r of BC rows, value head). Walks K in
     BK-wide slices; per slice it recomputes the gate of the whole chunk and its fp64 cumsum in registers
     (no scratch), then adds to row block r's strip of A_kk / A_qk: columns of earlier blocks through one
     dot anchored on the first row of block r, the diagonal block pairwise. Also writes block r's rows of
     Kd = 2^b k, Qd = scale 2^b q, Kr = 2^(b_last - b) k (l2-normalised) and, for r = 0, gt = 2^b_last.
-
-    BOUNDED_GATE (the host sets it when a token's log2 decay is known to lie in (-BOUNDED_GATE_MAX_LOG2, 0]:
-    `bounded_gate`): the diagonal block goes through the same anchored dot as the earlier blocks. Its
-    column factor 2^(anchor - b_j) is then >= 1 but at most 2^(15 x max log2 decay) <= 2^112, inside fp32
-    (and tf32) range, and no product of the two factors cancels, so nothing is lost; the pairwise
-    [BC, BC, BK] exp2 tile on CUDA cores (about 40% of the prepare's time on the H200) goes away."""
+    This is the path of any gate; a bounded one takes `_chunk_intra_bounded_kernel`."""
     i_p = tl.program_id(0)
     i_r = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -161,7 +156,6 @@ def _chunk_intra_kernel(
     o_t = tl.arange(0, BT)
     row_ok = o_t < n_rows
     before = o_t < r0  # rows of the earlier blocks (all valid)
-    through_r = (o_t < r0 + BC) & row_ok  # the earlier blocks and block r
     rows = t0 + o_t
     o_c = tl.arange(0, BC)
     ok_r = (r0 + o_c) < n_rows
@@ -199,20 +193,18 @@ def _chunk_intra_kernel(
         q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
         k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
         # earlier blocks: 2^(b_i - b_j) = 2^(b_i - anchor) 2^(anchor - b_j), both factors <= 1
-        # (BOUNDED_GATE: block r's own rows too, their factor 2^(anchor - b_j) <= 2^112)
-        m_before = (through_r if BOUNDED_GATE else before)[:, None] & col_ok[None, :]
+        m_before = before[:, None] & col_ok[None, :]
         k_all = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m_before, other=0.0).to(tl.float32)
         ke_all = k_all * tl.exp2(tl.where(m_before, anchor[None, :] - b_all, 0.0).to(tl.float32))
         e_r = tl.exp2(tl.where(m_r, b_r - anchor[None, :], 0.0).to(tl.float32))
         ke_t = tl.trans(ke_all)
         acc_off_kk += tl.dot(k_r * e_r, ke_t, input_precision=DOT_PREC)
         acc_off_qk += tl.dot(q_r * e_r, ke_t, input_precision=DOT_PREC)
-        if not BOUNDED_GATE:
-            # the diagonal block: 2^(b_i - b_j) for i >= j, pairwise
-            e = tl.exp2(tl.where(lower, b_r[:, None, :] - b_r[None, :, :], float("-inf")).to(tl.float32))
-            ke = k_r[None, :, :] * e
-            acc_dg_kk += tl.sum(k_r[:, None, :] * ke, 2)
-            acc_dg_qk += tl.sum(q_r[:, None, :] * ke, 2)
+        # the diagonal block: 2^(b_i - b_j) for i >= j, pairwise
+        e = tl.exp2(tl.where(lower, b_r[:, None, :] - b_r[None, :, :], float("-inf")).to(tl.float32))
+        ke = k_r[None, :, :] * e
+        acc_dg_kk += tl.sum(k_r[:, None, :] * ke, 2)
+        acc_dg_qk += tl.sum(q_r[:, None, :] * ke, 2)
         _store_decayed(kd_ws, qd_ws, kr_ws, ws_r, cols, m_r, k_r, q_r, rk_r, rq_r, scale, b_r, b_last)
         if i_r == 0:
             tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
@@ -220,21 +212,14 @@ def _chunk_intra_kernel(
     a_off = rows_r[:, None] * (HV * BT) + i_hv * BT
     kk = acc_off_kk * (rk_r * beta_r)[:, None] * rk_all[None, :]
     qk = acc_off_qk * (rq_r * scale)[:, None] * rk_all[None, :]
-    if BOUNDED_GATE:
-        # the whole strip up to block r's last column: strictly lower (A_kk) / lower (A_qk), zeros above
-        row_i = (r0 + o_c)[:, None]
-        m_strip = ok_r[:, None] & through_r[None, :]
-        tl.store(akk_ws + a_off + o_t[None, :], tl.where(o_t[None, :] < row_i, kk, 0.0), mask=m_strip)
-        tl.store(aqk_ws + a_off + o_t[None, :], tl.where(o_t[None, :] <= row_i, qk, 0.0), mask=m_strip)
-    else:
-        m_off = ok_r[:, None] & before[None, :]
-        tl.store(akk_ws + a_off + o_t[None, :], kk, mask=m_off)
-        tl.store(aqk_ws + a_off + o_t[None, :], qk, mask=m_off)
-        kk = tl.where(o_c[:, None] > o_c[None, :], acc_dg_kk, 0.0) * (rk_r * beta_r)[:, None] * rk_r[None, :]
-        qk = tl.where(o_c[:, None] >= o_c[None, :], acc_dg_qk, 0.0) * (rq_r * scale)[:, None] * rk_r[None, :]
-        m_dg = ok_r[:, None] & ok_r[None, :]
-        tl.store(akk_ws + a_off + r0 + o_c[None, :], kk, mask=m_dg)
-        tl.store(aqk_ws + a_off + r0 + o_c[None, :], qk, mask=m_dg)
+    m_off = ok_r[:, None] & before[None, :]
+    tl.store(akk_ws + a_off + o_t[None, :], kk, mask=m_off)
+    tl.store(aqk_ws + a_off + o_t[None, :], qk, mask=m_off)
+    kk = tl.where(o_c[:, None] > o_c[None, :], acc_dg_kk, 0.0) * (rk_r * beta_r)[:, None] * rk_r[None, :]
+    qk = tl.where(o_c[:, None] >= o_c[None, :], acc_dg_qk, 0.0) * (rq_r * scale)[:, None] * rk_r[None, :]
+    m_dg = ok_r[:, None] & ok_r[None, :]
+    tl.store(akk_ws + a_off + r0 + o_c[None, :], kk, mask=m_dg)
+    tl.store(aqk_ws + a_off + r0 + o_c[None, :], qk, mask=m_dg)
 
 
 @triton.jit
@@ -396,22 +381,17 @@ def _chunk_solve_kernel(
                  tl.dot(Xb, v_c, input_precision=DOT_PREC), mask=m)
 
 
-# A bounded gate's largest log2 decay over the 15 steps inside a 16-row block (see _chunk_intra_kernel)
+# A bounded gate's largest log2 decay over the 15 steps inside a 16-row block (see _chunk_intra_bounded_kernel)
 BOUNDED_GATE_MAX_LOG2_SPAN = 112.0
-# The bounded-gate intra paths are off by default until a GPU run has tested and timed them (the GPU test
-# suite and scripts/profile_chunk.py, docs/perf_notes.md). KDA_DEV_BOUNDED_GATE: "0" (default) the pairwise
-# diagonal; "split" (or "1") `_chunk_intra_kernel` with the anchored diagonal; "chunk"
-# `_chunk_intra_bounded_kernel`, one program per chunk and head.
-_BOUNDED_MODE = {"1": "split"}.get(_mode := os.environ.get("KDA_DEV_BOUNDED_GATE", "0"), _mode)
 
 
 def bounded_gate(call: KDACall) -> bool:
-    """Whether the intra kernel may anchor the diagonal blocks too (BOUNDED_GATE): the in-kernel
+    """Whether `_chunk_intra_bounded_kernel` may run (it anchors the diagonal blocks too): the in-kernel
     lower-bound gate g = lb * sigmoid(.) costs at most |lb| log2(e) log2 units per token, so 15 steps stay
     within 2^112 when |lb| <= 5.17 (lb = -5, Kimi's value, gives 2^108.2); and q, k are L2-normalised in the
     kernel, so a dot of K such terms stays below 2^(112 + log2 K) < 2^128. Other gates (a raw log-decay may be
-    -1000) keep the pairwise diagonal. Off unless KDA_DEV_BOUNDED_GATE is split or chunk (`_BOUNDED_MODE`) for now."""
-    return (_BOUNDED_MODE in ("split", "chunk") and call.use_gate_in_kernel and call.lower_bound is not None
+    -1000) keep `_chunk_intra_kernel` and its pairwise diagonal."""
+    return (call.use_gate_in_kernel and call.lower_bound is not None
             and call.use_qk_l2norm_in_kernel
             and -call.lower_bound * LOG2E * (SUB - 1) <= BOUNDED_GATE_MAX_LOG2_SPAN)
 
@@ -467,8 +447,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
         kd_ws = w_ws.new_empty(w_ws.shape)
         strides = (token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
                    token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2))
-        bounded = bounded_gate(call)
-        if bounded and _BOUNDED_MODE == "chunk":
+        if bounded_gate(call):
             _chunk_intra_bounded_kernel[(n_programs, HV)](
                 q, k, g, beta, A_log, dt_bias, cu, akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws, *strides,
                 T, N, NT, call.scale, lower_bound,
@@ -483,8 +462,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BK=16,
                 USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
                 HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
-                USE_L2NORM=call.use_qk_l2norm_in_kernel, BOUNDED_GATE=bounded, num_warps=4, num_stages=1,
-                **flags,
+                USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **flags,
             )
         _chunk_solve_kernel[(n_programs, HV)](
             v, beta, cu, akk_ws, kd_ws, w_ws, u_ws,
