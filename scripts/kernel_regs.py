@@ -34,7 +34,10 @@ POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "g": "*fp32"
 HALF_WORKSPACES = ("w_ws", "qd_ws", "kr_ws", "kd_ws")
 
 
-def compile_for_sm90(fn, consts: dict, warps: int, stages: int, maxnreg: int | None, ws: str = "fp32"):
+def compile_for_sm90(fn, consts: dict, warps: int, stages: int, maxnreg: int | None, ws: str = "fp32",
+                     divisible: tuple[str, ...] = ()):
+    """`divisible`: parameters to mark divisible by 16 (what Triton's launcher specialises at run time for
+    16-byte aligned pointers and integers that are multiples of 16; without it loads do not vectorise)."""
     params = list(inspect.signature(fn.fn).parameters)
     sig = {}
     for p in params:
@@ -48,7 +51,8 @@ def compile_for_sm90(fn, consts: dict, warps: int, stages: int, maxnreg: int | N
             sig[p] = "fp32"
         else:
             sig[p] = "i32"
-    src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in divisible}
+    src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()}, attrs=attrs)
     opts = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
         opts["maxnreg"] = maxnreg

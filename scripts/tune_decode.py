@@ -1,6 +1,6 @@
 """Sweep the decode kernel's tile (BV, num_warps) on the GPU: the issue-4 shapes, graph replay.
 
-    python scripts/tune_decode.py [--rep MS] [--configs 8:1,16:1] [--filter 'bf16|fp16']
+    python scripts/tune_decode.py [--rep MS] [--configs 8:1,16:1] [--filter 'bf16|fp16'] [--steady] [--no-copy]
 
 Times `kda.fused_recurrent_kda` through `kda.bench`'s own cases and timer, with
 `kda.ops.fused_recurrent._launch_config` replaced by each candidate, and prints time / floor per shape.
@@ -21,6 +21,9 @@ def main() -> int:
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--configs", default="8:1,16:1,16:2,32:1,32:2,32:4,64:2,64:4", help="BV:warps,...")
     p.add_argument("--filter", default="", help="regex on the decode case names")
+    p.add_argument("--steady", action="store_true", help="time with kda.bench's Timer.steady (8 back-to-back "
+                   "calls over 4 disjoint slot sets) instead of one graph replay under do_bench")
+    p.add_argument("--no-copy", action="store_true", help="skip the same-bytes copy rows")
     args = p.parse_args()
 
     import triton
@@ -38,7 +41,7 @@ def main() -> int:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (2 GiB); cells: graph us (x floor)")
     # A device copy of the same bytes (half read, half written) at each shape: what a kernel that only
     # moves the state could do at that size, launch and ramp included (the floor assumes the 2 GiB rate).
-    for name in wanted:
+    for name in ([] if args.no_copy else wanted):
         n = bench.floor_bytes(cases[name]) // 8
         src = torch.empty(n, dtype=torch.float32, device="cuda").normal_()
         dst = torch.empty_like(src)
@@ -58,7 +61,7 @@ def main() -> int:
             fr._launch_config = cfg
             try:
                 kda_call, _fla, _cmp = bench.build(case, None, {})
-                t = timer.graph(kda_call)
+                t = timer.steady(kda_call.rotations) if args.steady else timer.graph(kda_call)
                 cells.append(f"{t:.1f} ({t / (bench.floor_bytes(case) / bw * 1e6):.2f})")
             except Exception as e:  # a tile that does not compile or fit: say so, go on
                 cells.append(f"error {type(e).__name__}")
