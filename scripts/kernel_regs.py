@@ -86,7 +86,7 @@ def main() -> None:
     k = compile_for_sm90(chunk_ops._chunk_intra_kernel, consts, a.warps, 1, a.maxnreg, a.ws)
     print(f"intra, any gate ({a.warps} warps, 1 stage): {ptxas_report(k)}", flush=True)
     bconsts = dict(H=12, HV=12, K=a.K, BT=64, BC=16, BK=min(32, triton.next_power_of_2(a.K)), IS_VARLEN=False,
-                   HAS_A_LOG=True, HAS_DT_BIAS=True, **flags)
+                   HAS_A_LOG=True, HAS_DT_BIAS=True, A_PREC="tf32x3", **flags)
     for warps in (4, 8):
         k = compile_for_sm90(chunk_ops._chunk_intra_bounded_kernel, bconsts, warps, 1, a.maxnreg, a.ws)
         print(f"bounded intra, one program per chunk ({warps} warps, 1 stage): {ptxas_report(k)}", flush=True)

@@ -231,7 +231,7 @@ def _chunk_intra_bounded_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, A_PREC: tl.constexpr,
 ):
     """The intra stage for a bounded gate (`bounded_gate`: in-kernel lower-bound gate, q/k l2norm in the
     kernel), one program per (chunk, value head) instead of one per (chunk, 16-row block, value head):
@@ -241,7 +241,12 @@ def _chunk_intra_bounded_kernel(
     factors are <= 1, the column factors <= 1 for earlier blocks and <= 2^112 inside block r (the gate's
     bound), so every block below and on the diagonal goes through a tensor-core dot; the other row blocks'
     rows are zeroed in the left operand (the dots are 4x larger than needed, and cheap). Writes what
-    `_chunk_intra_kernel` writes: A_kk (strictly lower) and A_qk (lower) with zeros above, Kd, Qd, Kr, gt."""
+    `_chunk_intra_kernel` writes: A_kk (strictly lower) and A_qk (lower) with zeros above, Kd, Qd, Kr, gt.
+    A_PREC, the precision of the A_qk dots: "tf32x3" where DOT_PREC is "tf32" (`intra_dot_precision`): the
+    diagonal blocks hold most of A_qk's weight under a strong decay, and the pairwise path computes them
+    in fp32; plain tf32 there raised the bf16-input output error from 2.00e-3 to 2.43e-3 on the H200
+    (full accuracy preset at c42b4d6, T = 1024, strong regime; bf16 floor 1.66e-3). A_kk stays at
+    DOT_PREC: the final-state error did not move with it (8.16e-4 both ways)."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -292,7 +297,7 @@ def _chunk_intra_bounded_kernel(
             kc = tl.trans(tl.where(mc, kc, 0.0))
             in_r = (blk == r)[:, None]
             acc_kk += tl.dot(tl.where(in_r, ke_row, 0.0), kc, input_precision=DOT_PREC)
-            acc_qk += tl.dot(tl.where(in_r, qe_row, 0.0), kc, input_precision=DOT_PREC)
+            acc_qk += tl.dot(tl.where(in_r, qe_row, 0.0), kc, input_precision=A_PREC)
         _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b, b_last)
         tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
 
@@ -396,6 +401,12 @@ def bounded_gate(call: KDACall) -> bool:
             and -call.lower_bound * LOG2E * (SUB - 1) <= BOUNDED_GATE_MAX_LOG2_SPAN)
 
 
+def intra_dot_precision(prec: str) -> str:
+    """Precision of `_chunk_intra_bounded_kernel`'s A_qk dots: tf32 becomes tf32x3 (about fp32), because
+    those dots carry the diagonal blocks that the pairwise path computes in fp32."""
+    return "tf32x3" if prec == "tf32" else prec
+
+
 def workspace_dtype(call: KDACall) -> torch.dtype:
     """Storage of the K-wide workspaces Kd, Qd, Kr and W, the bulk of what the state walk reads per chunk.
     fp16 when the inputs are 16-bit and q, k are l2-normalised in the kernel: then |Qd| <= scale and
@@ -453,7 +464,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
                 T, N, NT, call.scale, lower_bound,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BK=min(32, pow2_at_least(K)),
                 HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None,
-                num_warps=8, num_stages=1, **flags,
+                A_PREC=intra_dot_precision(prec), num_warps=8, num_stages=1, **flags,
             )
         else:
             _chunk_intra_kernel[(n_programs, BT // BC, HV)](
