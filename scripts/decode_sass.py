@@ -2,7 +2,7 @@
 (scripts/kernel_regs.py's compiler path; Triton here may be newer than the GPU machine's 3.6, so treat the
 counts as close, not equal). Development aid:
 
-    python scripts/decode_sass.py [--pool fp32|bf16] [--configs BV:warps,...]
+    python scripts/decode_sass.py [--pool fp32|bf16] [--configs BV:warps[:nsub[:maxnreg]],...]  (nsub > 0: the one-token kernel)
 """
 
 from __future__ import annotations
@@ -59,13 +59,19 @@ def main() -> None:
     pool = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}[a.pool]
     POINTERS.update(state_src=pool, state_dst=pool)
     for c in a.configs.split(","):
-        bv, w = (int(x) for x in c.split(":"))
-        k = compile_for_sm90(fr._fused_recurrent_kda_kernel, dict(consts, BV=bv), w, 1, None,
-                             divisible=DIVISIBLE)
+        bv, w, *rest = (int(x) for x in c.split(":"))
+        nsub = rest[0] if rest else 0
+        if nsub:  # the one-token kernel (dense T = 1)
+            one = {k_: v_ for k_, v_ in consts.items() if k_ != "IS_VARLEN"}
+            k = compile_for_sm90(fr._fused_recurrent_one_token_kernel, dict(one, BV=bv, NSUB=nsub), w, 1,
+                                 rest[1] if len(rest) > 1 else None, divisible=DIVISIBLE)
+        else:
+            k = compile_for_sm90(fr._fused_recurrent_kda_kernel, dict(consts, BV=bv), w, 1, None,
+                                 divisible=DIVISIBLE)
         mix = sass_mix(k)
         total = sum(mix.values())
         top = ", ".join(f"{op} {n}" for op, n in mix.most_common(14))
-        print(f"{a.pool} BV={bv} warps={w}: {ptxas_report(k)}\n  {total} SASS: {top}", flush=True)
+        print(f"{a.pool} BV={bv} warps={w} nsub={nsub}: {ptxas_report(k)}\n  {total} SASS: {top}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Sweep the decode kernel's tile (BV, num_warps) on the GPU: the issue-4 shapes, graph replay.
 
-    python scripts/tune_decode.py [--rep MS] [--configs 8:1,16:1] [--filter 'bf16|fp16'] [--steady] [--no-copy]
+    python scripts/tune_decode.py [--rep MS] [--configs BV:warps[:nsub[:maxnreg]],...] [--filter 'bf16|fp16']
+                                  [--steady] [--no-copy]
+
+nsub > 0 runs the one-token kernel (`_fused_recurrent_one_token_kernel`) with nsub V blocks per program.
 
 Times `kda.fused_recurrent_kda` through `kda.bench`'s own cases and timer, with
 `kda.ops.fused_recurrent._launch_config` replaced by each candidate, and prints time / floor per shape.
@@ -36,7 +39,8 @@ def main() -> int:
     cases = {c.name: c for c in bench.all_cases() if c.group == "decode"}
     wanted = [n for n in cases if "N=1 " not in n and re.search(args.filter, n)]
     original = fr._launch_config
-    # (BV, num_warps) for the V-first [V, K] plane at K = 128
+    # (BV, num_warps[, nsub[, maxnreg]]) for the V-first [V, K] plane at K = 128; nsub > 0: the one-token
+    # kernel with nsub blocks per program (the bench's decode calls are dense, T = 1)
     candidates = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (2 GiB); cells: graph us (x floor)")
     # A device copy of the same bytes (half read, half written) at each shape: what a kernel that only
@@ -48,15 +52,18 @@ def main() -> int:
         t = timer.bench(lambda d=dst, x=src: d.copy_(x))
         floor_us = bench.floor_bytes(cases[name]) / bw * 1e6
         print(f"same-bytes copy for {name}: {t:.1f} us ({t / floor_us:.2f} x floor)")
-    print("| BV, warps | " + " | ".join(wanted) + " |")
+    print("| BV, warps, nsub, maxnreg | " + " | ".join(wanted) + " |")
     print("|---" * (len(wanted) + 1) + "|")
-    for BV, warps in candidates:
+    for BV, warps, *extra in candidates:
+        nsub = extra[0] if extra else 0
+        maxnreg = extra[1] if len(extra) > 1 else None
         cells = []
         for name in wanted:
             case = cases[name]
 
-            def cfg(K, V, v_first, state_bytes=4, BV=BV, warps=warps):
-                return max(16, triton.next_power_of_2(K)), BV, warps
+            def cfg(K, V, v_first, state_bytes=4, one_token=False, BV=BV, warps=warps):
+                return fr.LaunchConfig(max(16, triton.next_power_of_2(K)), BV, warps,
+                                       nsub=nsub if one_token else 0, maxnreg=maxnreg)
 
             fr._launch_config = cfg
             try:
@@ -68,7 +75,7 @@ def main() -> int:
             finally:
                 fr._launch_config = original
             torch.cuda.synchronize()
-        print(f"| {BV}, {warps} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {BV}, {warps}, {nsub}, {maxnreg} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 

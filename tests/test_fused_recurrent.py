@@ -423,3 +423,50 @@ def test_stochastic_rounding_needs_narrow_state():
     assert same_bits(pool, before) and torch.isnan(out).all()
     with pytest.raises(ValueError, match="stochastic_rounding"):
         kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, stochastic_rounding=True)
+
+
+@pytest.mark.parametrize("nsub", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v_first", [True, False])
+def test_one_token_kernel_equals_loop_kernel(nsub, dtype, v_first, monkeypatch):
+    """`_fused_recurrent_one_token_kernel` (dense q [N, 1, ...]: decode; behind KDA_DEV_DECODE_NSUB until
+    timed) against the loop kernel on a poisoned, padded paged pool with a padding sequence and an unread
+    slot, V not a multiple of its NSUB blocks (masked rows) and K not a power of two: within 1e-5 of the
+    oracle (fp32 pool), and bit for bit the loop kernel's output and pool (same arithmetic in the same
+    order; the interpreter has no layouts); with stochastic rounding too (bf16)."""
+    import kda.ops.fused_recurrent as fr
+
+    N, H, HV, K, V = 5, 1, 2, 24, 40
+    q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=8)
+    slots = 11
+    idx = torch.tensor([7, -1, 2, 9, 4], dtype=torch.int32, device=DEVICE)  # sequence 1 is padding
+    hist = torch.tensor([True, True, True, False, True], device=DEVICE)  # slot 9 holds NaN, unread
+    wide, pool = make_pool(slots, HV, K, V, v_first, dtype, pad=3)
+    for n, slot in enumerate(idx.tolist()):
+        if slot >= 0 and hist[n]:
+            pool[slot] = random_planes(1, HV, K, V, v_first, seed=30 + n)[0].to(dtype)
+    before = wide.clone()
+    sr = dtype == torch.bfloat16
+    kw = dict(state_v_first=v_first, state_indices=idx, has_initial_state=hist, use_qk_l2norm_in_kernel=True,
+              stochastic_rounding=sr, seed=5 if sr else 0, **opts)
+    results = {}
+    for mode in (0, nsub):
+        monkeypatch.setattr(fr, "_DEV_NSUB", mode)
+        wide.copy_(before)
+        out = torch.full((N, 1, HV, V), float("nan"), device=DEVICE)
+        kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, out=out, **kw)
+        results[mode] = (out.clone(), wide.clone())
+    (o0, w0), (o1, w1) = results[0], results[nsub]
+    assert same_bits(o1, o0) and same_bits(w1, w0)
+    assert torch.equal(o1[1], torch.zeros_like(o1[1]))  # padding rows are zeros
+    used = [7, 2, 9, 4]
+    untouched = [s for s in range(slots) if s not in used]
+    assert same_bits(w1[untouched], before[untouched])
+    assert same_bits(w1[used, HV * K * V:], before[used, HV * K * V:])
+    if dtype == torch.float32:
+        pool_ref = before.clone()[:, : HV * K * V].unflatten(1, pool.shape[1:])
+        kw_ref = {k_: x for k_, x in kw.items() if k_ not in ("stochastic_rounding", "seed")}
+        o_ref, _ = ref.recurrent_kda(q, k, v, g, beta, state_cache=pool_ref, **kw_ref)
+        keep = [0, 2, 3, 4]
+        assert rel(o1[keep], o_ref[keep]) <= FP32_TOL
+        assert rel(pool[used], pool_ref[used]) <= FP32_TOL

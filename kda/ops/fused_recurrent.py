@@ -60,6 +60,9 @@ bounds it, docs/contract.md states the contract).
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -119,6 +122,100 @@ def _round_state(S, counter, seed, SR: tl.constexpr):
     return tl.where(finite, y, S)
 
 
+@triton.jit
+def _tile(i_vb, BV: tl.constexpr, BK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.constexpr):
+    """Offsets of V block `i_vb` (rows i_vb * BV ...) of a state plane, in the caller's orientation (the
+    contiguous dimension of memory is the last dimension of the tile): (o_v, v_ok, tile_off, tile_ok)."""
+    o_k = tl.arange(0, BK)
+    o_v = i_vb * BV + tl.arange(0, BV)
+    k_ok = o_k < K
+    v_ok = o_v < V
+    if V_FIRST:
+        tile_off = o_v[:, None] * K + o_k[None, :]
+        tile_ok = v_ok[:, None] & k_ok[None, :]
+    else:
+        tile_off = o_k[:, None] * V + o_v[None, :]
+        tile_ok = k_ok[:, None] & v_ok[None, :]
+    return o_v, v_ok, tile_off, tile_ok
+
+
+@triton.jit
+def _load_state(plane, tile_off, tile_ok, FULL_TILE: tl.constexpr):
+    """The state tile in its storage dtype (upcast where it is used)."""
+    if FULL_TILE:
+        x = tl.load(plane + tile_off)
+    else:
+        x = tl.load(plane + tile_off, mask=tile_ok, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_state(S, plane, tile_off, tile_ok, counter, seed, SR: tl.constexpr, FULL_TILE: tl.constexpr):
+    """Round the fp32 tile to the storage dtype (nearest even, or stochastically with Philox counters
+    `counter` when SR) and store it."""
+    if SR != 0:
+        S = _round_state(S, counter, seed, SR)
+    y = round_to(S, plane.dtype.element_ty)
+    if FULL_TILE:
+        tl.store(plane + tile_off, y)
+    else:
+        tl.store(plane + tile_off, y, mask=tile_ok)
+
+
+@triton.jit
+def _head_gate(A_log, dt_bias, i_hv, K: tl.constexpr, BK: tl.constexpr, HAS_A_LOG: tl.constexpr,
+               HAS_DT_BIAS: tl.constexpr):
+    """Per-head gate parameters: a = exp(A_log) (1 without A_log) and the dt_bias row ([BK], zeros past K)."""
+    o_k = tl.arange(0, BK)
+    a = 1.0
+    if HAS_A_LOG:
+        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    if HAS_DT_BIAS:
+        bias = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BK], dtype=tl.float32)
+    return a, bias
+
+
+@triton.jit
+def _token_inputs(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, a, bias, scale, lower_bound,
+                  K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                  USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
+    """One token's K-vectors: (scale q~, k~, log2 decay g, beta), q~, k~ l2-normalised when asked."""
+    o_k = tl.arange(0, BK)
+    k_ok = o_k < K
+    q_t = tl.load(q_t_ptr + o_k, mask=k_ok, other=0.0).to(tl.float32)
+    k_t = tl.load(k_t_ptr + o_k, mask=k_ok, other=0.0).to(tl.float32)
+    g_raw = tl.load(g_t_ptr + o_k, mask=k_ok, other=0.0)
+    beta_t = tl.load(b_t_ptr).to(tl.float32)
+    if USE_L2NORM:
+        q_t = q_t / tl.sqrt(tl.sum(q_t * q_t, 0) + 1e-6)
+        k_t = k_t / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
+    if USE_BETA_SIGMOID:
+        beta_t = tl.sigmoid(beta_t)
+    g_t = tl.reshape(kda_gate_log2(g_raw[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK])
+    return q_t * scale, k_t, g_t, beta_t
+
+
+@triton.jit
+def _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST: tl.constexpr):
+    """One token on an fp32 state tile: S' = Diag(2^g) S;  u = beta (v - S'^T k);  S <- S' + k u^T;
+    o = S^T q~ = S'^T q~ + (k . q~) u (q~ already scaled). The two reductions over K read the same S' and
+    are independent (a shorter dependent chain). Returns (S, o)."""
+    if V_FIRST:
+        K_AXIS: tl.constexpr = 1
+    else:
+        K_AXIS: tl.constexpr = 0
+    k_b = _on_k(k_t, V_FIRST)
+    S = S * _on_k(tl.exp2(g_t), V_FIRST)
+    kS = tl.sum(S * k_b, K_AXIS)
+    qS = tl.sum(S * _on_k(q_t, V_FIRST), K_AXIS)
+    u_t = beta_t * (v_t - kS)
+    o_t = qS + tl.sum(k_t * q_t, 0) * u_t
+    S = S + k_b * _on_v(u_t, V_FIRST)
+    return S, o_t
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _fused_recurrent_kda_kernel(
     q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens,
@@ -133,25 +230,14 @@ def _fused_recurrent_kda_kernel(
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
 ):
+    """Any number of tokens per sequence (varlen, empty sequences): one program per (V block of BV rows,
+    sequence, value head) walks its sequence's tokens."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)  # GVA: the q/k head of this value head
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    k_ok = o_k < K
-    v_ok = o_v < V
-    # the tile in the caller's orientation: last (contiguous) dim = K for V-first planes, V for K-first
-    if V_FIRST:
-        K_AXIS: tl.constexpr = 1
-        tile_off = o_v[:, None] * K + o_k[None, :]
-        tile_ok = v_ok[:, None] & k_ok[None, :]
-    else:
-        K_AXIS: tl.constexpr = 0
-        tile_off = o_k[:, None] * V + o_v[None, :]
-        tile_ok = k_ok[:, None] & v_ok[None, :]
+    o_v, v_ok, tile_off, tile_ok = _tile(i_v, BV, BK, K, V, V_FIRST)
 
     slot = i_n.to(tl.int64)
     if PAGED:
@@ -169,20 +255,9 @@ def _fused_recurrent_kda_kernel(
         if HAS_INIT_FLAGS:
             read = tl.load(has_initial_state + i_n) != 0
         if read:
-            src_plane = state_src + slot * src_stride + i_hv * (K * V)
-            if FULL_TILE:
-                S = tl.load(src_plane + tile_off).to(tl.float32)
-            else:
-                S = tl.load(src_plane + tile_off, mask=tile_ok, other=0.0).to(tl.float32)
-
-    # per-head gate parameters, loaded once
-    a = 1.0
-    if HAS_A_LOG:
-        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    if HAS_DT_BIAS:
-        bias = tl.load(dt_bias + i_hv * K + o_k, mask=k_ok, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros([BK], dtype=tl.float32)
+            S = _load_state(state_src + slot * src_stride + i_hv * (K * V), tile_off, tile_ok,
+                            FULL_TILE).to(tl.float32)
+    a, bias = _head_gate(A_log, dt_bias, i_hv, K, BK, HAS_A_LOG, HAS_DT_BIAS)
 
     q_h = q + i_h * s_qh
     k_h = k + i_h * s_kh
@@ -190,43 +265,132 @@ def _fused_recurrent_kda_kernel(
     g_h = g + i_hv * s_gh
     b_h = beta + i_hv * s_bh
     for t in range(bos, eos):
-        q_t = tl.load(q_h + t * s_qt + o_k, mask=k_ok, other=0.0).to(tl.float32)
-        k_t = tl.load(k_h + t * s_kt + o_k, mask=k_ok, other=0.0).to(tl.float32)
-        g_raw = tl.load(g_h + t * s_gt + o_k, mask=k_ok, other=0.0)
+        q_t, k_t, g_t, beta_t = _token_inputs(q_h + t * s_qt, k_h + t * s_kt, g_h + t * s_gt, b_h + t * s_bt,
+                                              a, bias, scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND,
+                                              USE_L2NORM, USE_BETA_SIGMOID)
         v_t = tl.load(v_h + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
-        beta_t = tl.load(b_h + t * s_bt).to(tl.float32)
-        if USE_L2NORM:
-            q_t = q_t / tl.sqrt(tl.sum(q_t * q_t, 0) + 1e-6)
-            k_t = k_t / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
-        if USE_BETA_SIGMOID:
-            beta_t = tl.sigmoid(beta_t)
-        g_t = tl.reshape(kda_gate_log2(g_raw[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK])
-
-        # S' = Diag(2^g) S;  u = beta (v - S'^T k);  S <- S' + k u^T;  o = S^T (scale q) = S'^T q~ + (k . q~) u.
-        # The two reductions over K read the same S' and are independent (a shorter dependent chain).
-        q_t = q_t * scale
-        k_b = _on_k(k_t, V_FIRST)
-        S = S * _on_k(tl.exp2(g_t), V_FIRST)
-        kS = tl.sum(S * k_b, K_AXIS)
-        qS = tl.sum(S * _on_k(q_t, V_FIRST), K_AXIS)
-        u_t = beta_t * (v_t - kS)
-        o_t = qS + tl.sum(k_t * q_t, 0) * u_t
-        S = S + k_b * _on_v(u_t, V_FIRST)
+        S, o_t = _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST)
         tl.store(o_h + t * s_ot + o_v, round_to(o_t, o.dtype.element_ty), mask=v_ok)
 
     if HAS_DST:
-        if SR != 0:
-            S = _round_state(S, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR)
-        dst_plane = state_dst + slot * dst_stride + i_hv * (K * V)
-        if FULL_TILE:
-            tl.store(dst_plane + tile_off, round_to(S, state_dst.dtype.element_ty))
-        else:
-            tl.store(dst_plane + tile_off, round_to(S, state_dst.dtype.element_ty), mask=tile_ok)
+        _store_state(S, state_dst + slot * dst_stride + i_hv * (K * V), tile_off, tile_ok,
+                     (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
 
 
-def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4) -> tuple[int, int, int]:
-    """(BK, BV, num_warps), chosen by measurement on an H200 at K = V = 128 (paged fp32 pool, one token
-    per sequence); other K, V follow the same rule, unmeasured.
+@triton.jit
+def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt, s_ot,
+                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    HAS_DST: tl.constexpr, V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
+    """`_fused_recurrent_one_token_kernel`'s work on V block i_vb, whose state `S_raw` was loaded (in its
+    storage dtype) before any block was worked on."""
+    o_v, v_ok, tile_off, tile_ok = _tile(i_vb, BV, BK, K, V, V_FIRST)
+    v_t = tl.load(v_h + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
+    S, o_t = _step(S_raw.to(tl.float32), q_t, k_t, g_t, v_t, beta_t, V_FIRST)
+    tl.store(o_h + t * s_ot + o_v, round_to(o_t, o_h.dtype.element_ty), mask=v_ok)
+    if HAS_DST:
+        _store_state(S, dst_plane, tile_off, tile_ok, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
+
+
+@triton.jit
+def _first_state(src_plane, has_initial_state, i_n, i_vb, BV: tl.constexpr, BK: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, V_FIRST: tl.constexpr,
+                 FULL_TILE: tl.constexpr):
+    """The initial state of V block i_vb in its storage dtype (zeros when there is none to read)."""
+    _o_v, _v_ok, tile_off, tile_ok = _tile(i_vb, BV, BK, K, V, V_FIRST)
+    S = tl.zeros_like(tile_off).to(src_plane.dtype.element_ty)
+    if HAS_SRC:
+        read = True
+        if HAS_INIT_FLAGS:
+            read = tl.load(has_initial_state + i_n) != 0
+        if read:
+            S = _load_state(src_plane, tile_off, tile_ok, FULL_TILE)
+    return S
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _fused_recurrent_one_token_kernel(
+    q, k, v, g, beta, o, A_log, dt_bias,
+    state_src, state_dst, slot_of_seq, has_initial_state,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    src_stride, dst_stride,
+    scale, lower_bound, seed,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
+):
+    """Exactly one token per sequence (dense q of shape [N, 1, H, K]: decode). One program per (group of
+    NSUB V blocks of BV rows, sequence, value head): the NSUB state blocks are all loaded first, in their
+    storage dtype, then worked on one after the other, so that a program keeps NSUB blocks of state
+    reads in flight while only one block is held in fp32 (a 2-byte pool's loads take half the registers
+    of the fp32 tile they become); the token's K-vectors (norms, gate) are computed once per program
+    instead of once per block. NSUB is 1, 2 or 4."""
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    t = i_n  # dense, T = 1: token n is sequence n's only token
+    i_vb = i_v * NSUB
+
+    slot = i_n.to(tl.int64)
+    if PAGED:
+        slot = tl.load(slot_of_seq + i_n).to(tl.int64)
+    o_h = o + i_hv * s_oh
+    if slot < 0:
+        o_v = i_vb * BV + tl.arange(0, NSUB * BV)
+        tl.store(o_h + t * s_ot + o_v, tl.zeros([NSUB * BV], dtype=o.dtype.element_ty), mask=o_v < V)
+        return
+
+    src_plane = state_src + slot * src_stride + i_hv * (K * V)
+    S0 = _first_state(src_plane, has_initial_state, i_n, i_vb, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS, V_FIRST,
+                      FULL_TILE)
+    if NSUB >= 2:
+        S1 = _first_state(src_plane, has_initial_state, i_n, i_vb + 1, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
+                          V_FIRST, FULL_TILE)
+    if NSUB >= 4:
+        S2 = _first_state(src_plane, has_initial_state, i_n, i_vb + 2, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
+                          V_FIRST, FULL_TILE)
+        S3 = _first_state(src_plane, has_initial_state, i_n, i_vb + 3, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
+                          V_FIRST, FULL_TILE)
+
+    a, bias = _head_gate(A_log, dt_bias, i_hv, K, BK, HAS_A_LOG, HAS_DT_BIAS)
+    q_t, k_t, g_t, beta_t = _token_inputs(q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt,
+                                          g + i_hv * s_gh + t * s_gt, beta + i_hv * s_bh + t * s_bt,
+                                          a, bias, scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND,
+                                          USE_L2NORM, USE_BETA_SIGMOID)
+    v_h = v + i_hv * s_vh
+    dst_plane = state_dst + slot * dst_stride + i_hv * (K * V)
+    _one_token_rows(S0, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt, s_ot,
+                    HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
+    if NSUB >= 2:
+        _one_token_rows(S1, i_vb + 1, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
+                        s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
+    if NSUB >= 4:
+        _one_token_rows(S2, i_vb + 2, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
+                        s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
+        _one_token_rows(S3, i_vb + 3, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
+                        s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    BK: int
+    BV: int
+    num_warps: int
+    nsub: int = 0  # 0: `_fused_recurrent_kda_kernel`; 1, 2, 4: `_fused_recurrent_one_token_kernel`, NSUB
+    maxnreg: int | None = None  # register cap per thread (None: the compiler's choice)
+
+
+# Development switch until timed on a GPU: KDA_DEV_DECODE_NSUB=1|2|4 sends one-token calls (dense, T = 1)
+# to `_fused_recurrent_one_token_kernel` with that NSUB; unset, every call takes the loop kernel.
+_DEV_NSUB = int(os.environ.get("KDA_DEV_DECODE_NSUB", "0") or 0)
+
+
+def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4, one_token: bool = False) -> LaunchConfig:
+    """The launch (BK, BV, num_warps; nsub and maxnreg for experiments), chosen by measurement on an H200
+    at K = V = 128 (paged fp32 pool, one token per sequence); other K, V follow the same rule, unmeasured.
     BK covers K. About 64 fp32 state elements per thread: the register file bounds how many programs an
     SM keeps in flight, and with it how much state is being read at once.
     - V-first [V, K]: BV = 16 rows of K contiguous elements, one warp at K <= 128 (2 and 4 warps were
@@ -244,7 +408,7 @@ def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4) -> tuple
     else:
         BV = min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V)))
     num_warps = max(1, min(8, BK * BV // 2048))
-    return BK, BV, num_warps
+    return LaunchConfig(BK, BV, num_warps, nsub=_DEV_NSUB if one_token else 0)
 
 
 def fused_recurrent_kda_fwd(
@@ -264,24 +428,37 @@ def fused_recurrent_kda_fwd(
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     A_log, dt_bias, lower_bound = gate_params(call)
     dummy = q  # pointer for absent tensors (never dereferenced: the matching constexpr flag is off)
-    BK, BV, num_warps = _launch_config(K, V, call.state_v_first, call.state_dtype.itemsize)
-    _fused_recurrent_kda_kernel[(triton.cdiv(V, BV), N, HV)](
-        q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else dummy,
-        st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
-        st.slot_of_seq if st.slot_of_seq is not None else dummy,
-        st.has_initial_state if st.has_initial_state is not None else dummy,
-        token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
-        token_stride(v, T), v.stride(2), token_stride(g, T), g.stride(2),
-        token_stride(beta, T), beta.stride(2), token_stride(o, T), o.stride(2),
-        st.src_stride, st.dst_stride,
-        T, call.scale, lower_bound, seed,
+    one_token = not varlen and T == 1
+    cfg = _launch_config(K, V, call.state_v_first, call.state_dtype.itemsize, one_token)
+    BK, BV = cfg.BK, cfg.BV
+    pointers = (st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
+                st.slot_of_seq if st.slot_of_seq is not None else dummy,
+                st.has_initial_state if st.has_initial_state is not None else dummy)
+    strides = (token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
+               token_stride(v, T), v.stride(2), token_stride(g, T), g.stride(2),
+               token_stride(beta, T), beta.stride(2), token_stride(o, T), o.stride(2),
+               st.src_stride, st.dst_stride)
+    flags = dict(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        IS_VARLEN=varlen, USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
+        USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
         HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
         USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
         HAS_SRC=st.src is not None, HAS_DST=st.dst is not None, PAGED=call.state_mode == "paged",
         HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first, SR=sr,
-        FULL_TILE=(K == BK and V % BV == 0),
-        num_warps=1 if interpreting() else num_warps,
+        num_warps=1 if interpreting() else cfg.num_warps,
     )
+    if cfg.maxnreg is not None and not interpreting():
+        flags["maxnreg"] = cfg.maxnreg
+    if one_token and cfg.nsub > 0:
+        rows = BV * cfg.nsub
+        _fused_recurrent_one_token_kernel[(triton.cdiv(V, rows), N, HV)](
+            q, k, v, g, beta, o, A_log, dt_bias, *pointers, *strides, call.scale, lower_bound, seed,
+            NSUB=cfg.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
+        )
+    else:
+        _fused_recurrent_kda_kernel[(triton.cdiv(V, BV), N, HV)](
+            q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else dummy, *pointers, *strides,
+            T, call.scale, lower_bound, seed,
+            IS_VARLEN=varlen, FULL_TILE=(K == BK and V % BV == 0), **flags,
+        )
     return o, st.final_state
