@@ -428,45 +428,55 @@ def test_stochastic_rounding_needs_narrow_state():
 @pytest.mark.parametrize("nsub", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v_first", [True, False])
-def test_one_token_kernel_equals_loop_kernel(nsub, dtype, v_first, monkeypatch):
+def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
     """`_fused_recurrent_one_token_kernel` (dense q [N, 1, ...]: decode; behind KDA_DEV_DECODE_NSUB until
-    timed) against the loop kernel on a poisoned, padded paged pool with a padding sequence and an unread
-    slot, V not a multiple of its NSUB blocks (masked rows) and K not a power of two: within 1e-5 of the
-    oracle (fp32 pool), and bit for bit the loop kernel's output and pool (same arithmetic in the same
-    order; the interpreter has no layouts); with stochastic rounding too (bf16)."""
+    timed) on a poisoned, padded paged pool with a padding sequence and an unread slot, V not a multiple
+    of its NSUB blocks (masked rows), K not a power of two: paged == dense (the gathered planes) bit for
+    bit, the other slots and the padding between planes keep their bits, padding rows are zeros; within
+    rounding of the loop kernel (its update is an explicit fma, the loop kernel's a multiply and an add);
+    within 1e-5 of the oracle (fp32 pool)."""
     import kda.ops.fused_recurrent as fr
 
     N, H, HV, K, V = 5, 1, 2, 24, 40
     q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=8)
     slots = 11
     idx = torch.tensor([7, -1, 2, 9, 4], dtype=torch.int32, device=DEVICE)  # sequence 1 is padding
-    hist = torch.tensor([True, True, True, False, True], device=DEVICE)  # slot 9 holds NaN, unread
+    read = [True, True, True, False, True]  # slot 9 holds NaN and is not read
     wide, pool = make_pool(slots, HV, K, V, v_first, dtype, pad=3)
     for n, slot in enumerate(idx.tolist()):
-        if slot >= 0 and hist[n]:
+        if slot >= 0 and read[n]:
             pool[slot] = random_planes(1, HV, K, V, v_first, seed=30 + n)[0].to(dtype)
     before = wide.clone()
-    sr = dtype == torch.bfloat16
-    kw = dict(state_v_first=v_first, state_indices=idx, has_initial_state=hist, use_qk_l2norm_in_kernel=True,
-              stochastic_rounding=sr, seed=5 if sr else 0, **opts)
+    kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
+    paged = dict(state_indices=idx, has_initial_state=torch.tensor(read, device=DEVICE), **kw)
+    keep = [0, 2, 3, 4]
+    used = [7, 2, 9, 4]
     results = {}
     for mode in (0, nsub):
         monkeypatch.setattr(fr, "_DEV_NSUB", mode)
         wide.copy_(before)
         out = torch.full((N, 1, HV, V), float("nan"), device=DEVICE)
-        kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, out=out, **kw)
-        results[mode] = (out.clone(), wide.clone())
-    (o0, w0), (o1, w1) = results[0], results[nsub]
-    assert same_bits(o1, o0) and same_bits(w1, w0)
+        kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, out=out, **paged)
+        results[mode] = (out.clone(), wide.clone(), pool[used].clone())
+    o1, w1, s1 = results[nsub]
     assert torch.equal(o1[1], torch.zeros_like(o1[1]))  # padding rows are zeros
-    used = [7, 2, 9, 4]
     untouched = [s for s in range(slots) if s not in used]
     assert same_bits(w1[untouched], before[untouched])
     assert same_bits(w1[used, HV * K * V:], before[used, HV * K * V:])
+    # the dense contract on the same sequences, from the gathered planes (zeros where not read)
+    init = torch.stack([before[s, : HV * K * V].unflatten(0, pool.shape[1:]) if read[n]
+                        else torch.zeros(pool.shape[1:], dtype=dtype, device=DEVICE)
+                        for n, s in zip(keep, used)])
+    sub = [x[keep] for x in (q, k, v, g, beta)]
+    o_d, s_d = kda.fused_recurrent_kda(*sub, initial_state=init, output_final_state=True, **kw)
+    assert same_bits(o1[keep], o_d) and same_bits(s1, s_d)
+    # the loop kernel: the same function to rounding
+    o0, _w0, s0 = results[0]
+    u = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8
+    assert rel(o1[keep].float(), o0[keep].float()) <= 2 * 2.0 ** -24 + 1e-6
+    assert rel(s1.float(), s0.float()) <= 2 * u + 1e-6
     if dtype == torch.float32:
         pool_ref = before.clone()[:, : HV * K * V].unflatten(1, pool.shape[1:])
-        kw_ref = {k_: x for k_, x in kw.items() if k_ not in ("stochastic_rounding", "seed")}
-        o_ref, _ = ref.recurrent_kda(q, k, v, g, beta, state_cache=pool_ref, **kw_ref)
-        keep = [0, 2, 3, 4]
+        o_ref, _ = ref.recurrent_kda(q, k, v, g, beta, state_cache=pool_ref, **paged)
         assert rel(o1[keep], o_ref[keep]) <= FP32_TOL
-        assert rel(pool[used], pool_ref[used]) <= FP32_TOL
+        assert rel(s1, pool_ref[used]) <= FP32_TOL

@@ -198,10 +198,14 @@ def _token_inputs(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, a, bias, scale, lower_boun
 
 
 @triton.jit
-def _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST: tl.constexpr):
+def _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST: tl.constexpr, FMA_UPDATE: tl.constexpr = False):
     """One token on an fp32 state tile: S' = Diag(2^g) S;  u = beta (v - S'^T k);  S <- S' + k u^T;
     o = S^T q~ = S'^T q~ + (k . q~) u (q~ already scaled). The two reductions over K read the same S' and
-    are independent (a shorter dependent chain). Returns (S, o)."""
+    are independent (a shorter dependent chain). Returns (S, o).
+    FMA_UPDATE: the update as an explicit fma(k, u, S'). Written as S' + k u^T, the compiler may contract
+    either product into the fma (fma(k, u, S S') or fma(S, 2^g, k u)), and its choice can differ between
+    two compilations of the same kernel (paged and dense): the H200 showed the one-token kernel's paged and
+    dense final states differing in the last bits (its outputs agreed) with the implicit form."""
     if V_FIRST:
         K_AXIS: tl.constexpr = 1
     else:
@@ -212,7 +216,10 @@ def _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST: tl.constexpr):
     qS = tl.sum(S * _on_k(q_t, V_FIRST), K_AXIS)
     u_t = beta_t * (v_t - kS)
     o_t = qS + tl.sum(k_t * q_t, 0) * u_t
-    S = S + k_b * _on_v(u_t, V_FIRST)
+    if FMA_UPDATE:
+        S = tl.fma(tl.broadcast_to(k_b, S.shape), tl.broadcast_to(_on_v(u_t, V_FIRST), S.shape), S)
+    else:
+        S = S + k_b * _on_v(u_t, V_FIRST)
     return S, o_t
 
 
@@ -285,7 +292,7 @@ def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, 
     storage dtype) before any block was worked on."""
     o_v, v_ok, tile_off, tile_ok = _tile(i_vb, BV, BK, K, V, V_FIRST)
     v_t = tl.load(v_h + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
-    S, o_t = _step(S_raw.to(tl.float32), q_t, k_t, g_t, v_t, beta_t, V_FIRST)
+    S, o_t = _step(S_raw.to(tl.float32), q_t, k_t, g_t, v_t, beta_t, V_FIRST, True)
     tl.store(o_h + t * s_ot + o_v, round_to(o_t, o_h.dtype.element_ty), mask=v_ok)
     if HAS_DST:
         _store_state(S, dst_plane, tile_off, tile_ok, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
