@@ -1,6 +1,6 @@
 """Per-kernel GPU time of chunk_kda (torch.profiler): every stage for Kimi's bounded gate, with the
-bounded intra kernel and with the pairwise one (what an unbounded gate runs), and the state walk plain
-and segmented. Development aid: `python scripts/profile_chunk.py`."""
+bounded intra kernel's variants (K slice 32 or 16, diagonal blocks per row block or batched) and with the
+pairwise one (what an unbounded gate runs), and the state walk plain and segmented. Development aid: `python scripts/profile_chunk.py`."""
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -41,12 +41,18 @@ def fmt(rows):
 
 if __name__ == "__main__":
     bounded = chunk_ops.bounded_gate
-    for B, T, H in [(1, 4096, 12), (1, 16384, 12), (1, 16384, 32), (1, 8192, 96)]:
+    default = (chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED)
+    for B, T, H in [(1, 4096, 12), (1, 16384, 32), (1, 8192, 96)]:
         args, kw = inputs(B, T, H)
-        for name, rule in (("bounded", bounded), ("pairwise", lambda call: False)):
-            chunk_ops.bounded_gate = rule  # pairwise: the intra kernel of an unbounded gate
-            print(f"{B}x{T} H={H} {name:8s}: {fmt(kernel_times(args, kw))}", flush=True)
-    chunk_ops.bounded_gate = bounded
+        # the bounded intra kernel's dev variants (KDA_DEV_INTRA_BK, KDA_DEV_INTRA_DIAG), then the pairwise one
+        for bk, diag in ((32, False), (16, False), (32, True), (16, True)):
+            chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED = bk, diag
+            print(f"{B}x{T} H={H} bounded BK={bk} diag={'batched' if diag else 'per-block'}: "
+                  f"{fmt(kernel_times(args, kw))}", flush=True)
+        chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED = default
+        chunk_ops.bounded_gate = lambda call: False  # the intra kernel of an unbounded gate
+        print(f"{B}x{T} H={H} pairwise: {fmt(kernel_times(args, kw))}", flush=True)
+        chunk_ops.bounded_gate = bounded
     for B, T, H in [(1, 16384, 12), (1, 16384, 32), (1, 65536, 12)]:
         args, kw = inputs(B, T, H)
         for mode in ("never", "always"):
