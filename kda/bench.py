@@ -152,36 +152,10 @@ class Timer:
         the replay, median over the replays, divided by the calls in the graph. This is a serving step's
         view (many layers' decode calls back to back in one graph, the launch cost shared); each call pays
         the write-back of the states that the call before it wrote."""
-        flush = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
-        sink = torch.empty((), dtype=torch.float32, device="cuda")
         calls = list(fns) * repeat
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for f in calls:
-                f()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for f in calls:
-                f()
+        graph = capture_graph(calls)
         try:
-            graph.replay()
-            torch.cuda.synchronize()
-            times = []
-            deadline = time.perf_counter() + self.rep_ms / 1e3
-            while len(times) < 20 or (time.perf_counter() < deadline and len(times) < 2000):
-                torch.sum(flush, dim=0, out=sink)
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / len(calls))
-            times.sort()
-            return times[len(times) // 2]
+            return time_replays(graph, read_only_flush(), len(calls), min_reps=20, budget_s=self.rep_ms / 1e3)
         finally:
             del graph
             torch.cuda.synchronize()
@@ -219,6 +193,50 @@ class Timer:
         finally:
             del graph
             torch.cuda.synchronize()
+
+
+def capture_graph(calls) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` in order, captured after one warm-up round on a side stream, replayed once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def read_only_flush(mb: int = 256):
+    """A callable that evicts the L2 by reading `mb` MB (a sum into a scalar): it leaves clean lines, so a
+    kernel timed after it writes back none of the flush's bytes."""
+    buf = torch.ones(mb << 18, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    return lambda: torch.sum(buf, dim=0, out=sink)
+
+
+def time_replays(graph, flush, div: int = 1, min_reps: int = 20, budget_s: float = 0.1, max_reps: int = 2000) -> float:
+    """Median microseconds of `graph.replay()` / div, each replay after `flush()`, timed with events; at
+    least `min_reps` replays, more while `budget_s` lasts."""
+    times = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < max_reps):
+        flush()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / div)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def measure_bandwidth(timer: Timer, gib: float) -> float:

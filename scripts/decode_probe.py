@@ -5,8 +5,9 @@ what the measurement costs.
     python scripts/decode_probe.py [--rep MS] [--filter REGEX] [--no-fla]
 
 Timers (all CUDA-graph replay, medians, microseconds):
-- `dobench`: kda.bench's timer (triton.testing.do_bench: before each replay it zeroes a 256 MB buffer, which
-  leaves up to an L2's worth of dirty lines that the timed kernel's misses must write back to HBM);
+- `dobench`: as kda.bench's single replay under triton.testing.do_bench: before each replay a 256 MB buffer
+  is zeroed, which leaves up to an L2's worth of dirty lines that the timed kernel's misses must write
+  back to HBM; events around one replay;
 - `clean`: before each replay an L2 flush that only reads (a sum over 256 MB: clean lines, nothing to write
   back), then events around one replay;
 - `steady`: one graph holding 8 calls cycling twice over 4 disjoint slot sets of the 4N-slot pool (no call
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 
 import torch
@@ -37,44 +37,16 @@ def main() -> int:
 
     from kda import bench
 
-    flush_buf = torch.ones(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB
     zero_buf = torch.empty(64 << 20, dtype=torch.float32, device="cuda")
-    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    flush_clean = bench.read_only_flush()
 
-    def flush_clean():
-        torch.sum(flush_buf, dim=0, out=sink)
-
-    def flush_dirty():
+    def flush_dirty():  # what do_bench does before each call: zero 256 MB
         zero_buf.zero_()
 
-    def capture(fns):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            for f in fns:
-                f()
-        gr.replay()
-        torch.cuda.synchronize()
-        return gr
+    capture = bench.capture_graph
 
     def timed(gr, flush, div=1):
-        ts = []
-        for _ in range(args.rep):
-            flush()
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            gr.replay()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / div)
-        return statistics.median(ts)
+        return bench.time_replays(gr, flush, div, min_reps=args.rep, budget_s=0.0)
 
     def kernel_time(gr, div=1):
         from torch.profiler import ProfilerActivity, profile
@@ -118,45 +90,26 @@ def main() -> int:
     for case in cases:
         floor_us = bench.floor_bytes(case) / bw * 1e6
 
-        def fmt(t):
+        def fmt(t, floor_us=floor_us):
             return f"{t:.1f} ({t / floor_us:.2f})"
 
         torch.manual_seed(1)
-        # four disjoint slot sets: the calls close over the index tensor's cell; each captured call
-        # gets its own set by swapping the cell's contents (no copy node in the graph)
         kda_call, fla_call, _cmp = bench.build(case, fla, {})
-        cell = _index_cell(kda_call)
-        perm = torch.randperm(4 * case.N, device="cuda").to(cell.cell_contents.dtype).view(4, case.N)
-        sets = [perm[i].clone() for i in range(4)]
-        first = cell.cell_contents
-
-        def with_set(fn, j):
-            def f():
-                cell.cell_contents = sets[j]
-                try:
-                    return fn()
-                finally:
-                    cell.cell_contents = first
-            return f
-
-        rows = [("kda", kda_call)]
-        if fla_call is not None:
-            rows.append(("fla", fla_call))
-        for who, fn in rows:
+        rows = [("kda", kda_call)] + ([("fla", fla_call)] if fla_call is not None else [])
+        for who, fn in rows:  # fn.rotations: the same call on each of the pool's 4 disjoint slot sets
             try:
-                t = all_timers(fn, [with_set(fn, j) for j in range(4)])
+                t = all_timers(fn, fn.rotations)
                 print(f"| {case.name} | {who} | " + " | ".join(fmt(x) for x in t) + " |", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"| {case.name} | {who} | error {type(e).__name__}: {e} |", flush=True)
-        nbytes = bench.floor_bytes(case) // 2
-        n = nbytes // 4
+        n = bench.floor_bytes(case) // 8  # fp32 elements: half the floor's bytes read, half written
         srcs = [torch.empty(n, dtype=torch.float32, device="cuda").normal_() for _ in range(4)]
-        dsts = [torch.empty_like(s) for s in srcs]
-        t = all_timers(lambda: dsts[0].copy_(srcs[0]), [lambda j=j: dsts[j].copy_(srcs[j]) for j in range(4)])
-        print(f"| {case.name} | copy_ | " + " | ".join(fmt(x) for x in t) + " |", flush=True)
+        dsts = [torch.empty_like(x) for x in srcs]
         cp = _triton_copy()
-        t = all_timers(lambda: cp(srcs[0], dsts[0]), [lambda j=j: cp(srcs[j], dsts[j]) for j in range(4)])
-        print(f"| {case.name} | triton copy | " + " | ".join(fmt(x) for x in t) + " |", flush=True)
+        for who, op in (("copy_", lambda d, x: d.copy_(x)), ("triton copy", lambda d, x, cp=cp: cp(x, d))):
+            calls = [lambda d=d, x=x, op=op: op(d, x) for d, x in zip(dsts, srcs)]
+            t = all_timers(calls[0], calls)
+            print(f"| {case.name} | {who} | " + " | ".join(fmt(x) for x in t) + " |", flush=True)
         del srcs, dsts
         torch.cuda.empty_cache()
     return 0
@@ -178,15 +131,6 @@ def _triton_copy():
         _copy[(triton.cdiv(n, 4096),)](src, dst, n, BLOCK=4096, num_warps=4)
 
     return run
-
-
-def _index_cell(fn):
-    """The closure cell of the int32 slot-index tensor that kda.bench's decode calls share."""
-    for cell in fn.__closure__ or ():
-        x = cell.cell_contents
-        if isinstance(x, torch.Tensor) and x.dtype == torch.int32 and x.dim() == 1:
-            return cell
-    raise RuntimeError("no index tensor in the call's closure")
 
 
 if __name__ == "__main__":

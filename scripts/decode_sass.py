@@ -2,7 +2,9 @@
 (scripts/kernel_regs.py's compiler path; Triton here may be newer than the GPU machine's 3.6, so treat the
 counts as close, not equal). Development aid:
 
-    python scripts/decode_sass.py [--pool fp32|bf16] [--configs BV:warps[:nsub[:maxnreg]],...]  (nsub > 0: the one-token kernel)
+    python scripts/decode_sass.py [--pool fp32|bf16] [--configs BV:warps[:nsub[:maxnreg]],...]
+
+nsub > 0 compiles the one-token kernel.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-
-import triton  # noqa: E402
 
 from kernel_regs import PTXAS, compile_for_sm90, ptxas_report  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Per-kernel GPU time of chunk_kda (torch.profiler): every stage for Kimi's bounded gate, with the
 bounded intra kernel's variants (K slice 32 or 16, diagonal blocks per row block or batched) and with the
-pairwise one (what an unbounded gate runs), and the state walk plain and segmented. Development aid: `python scripts/profile_chunk.py`."""
+pairwise one (what an unbounded gate runs), and the state walk plain and segmented. Development aid:
+`python scripts/profile_chunk.py`."""
 
 import torch
 from torch.profiler import ProfilerActivity, profile

@@ -61,7 +61,7 @@ def main() -> int:
         for name in wanted:
             case = cases[name]
 
-            def cfg(K, V, v_first, state_bytes=4, one_token=False, BV=BV, warps=warps):
+            def cfg(K, V, v_first, state_bytes=4, one_token=False, BV=BV, warps=warps, nsub=nsub, maxnreg=maxnreg):
                 return fr.LaunchConfig(max(16, triton.next_power_of_2(K)), BV, warps,
                                        nsub=nsub if one_token else 0, maxnreg=maxnreg)
 
