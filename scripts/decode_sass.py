@@ -62,7 +62,7 @@ def main() -> None:
         bv, w, *rest = (int(x) for x in c.split(":"))
         nsub = rest[0] if rest else 0
         if nsub:  # the one-token kernel (dense T = 1)
-            one = {k_: v_ for k_, v_ in consts.items() if k_ != "IS_VARLEN"}
+            one = {k_: v_ for k_, v_ in consts.items() if k_ not in ("IS_VARLEN", "PAGED")}  # paged: run time
             k = compile_for_sm90(fr._fused_recurrent_one_token_kernel, dict(one, BV=bv, NSUB=nsub), w, 1,
                                  rest[1] if len(rest) > 1 else None, divisible=DIVISIBLE)
         else:

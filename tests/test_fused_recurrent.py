@@ -432,9 +432,10 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
     """`_fused_recurrent_one_token_kernel` (dense q [N, 1, ...]: decode; behind KDA_DEV_DECODE_NSUB until
     timed) on a poisoned, padded paged pool with a padding sequence and an unread slot, V not a multiple
     of its NSUB blocks (masked rows), K not a power of two: paged == dense (the gathered planes) bit for
-    bit, the other slots and the padding between planes keep their bits, padding rows are zeros; within
-    rounding of the loop kernel (its update is an explicit fma, the loop kernel's a multiply and an add);
-    within 1e-5 of the oracle (fp32 pool)."""
+    bit (the kernel takes `paged` at run time, so both contracts run one binary), the other slots and the
+    padding between planes keep their bits, padding rows are zeros; within rounding of the loop kernel (the
+    same arithmetic, another binary: on a GPU the compiler may order and contract it differently); within
+    1e-5 of the oracle (fp32 pool)."""
     import kda.ops.fused_recurrent as fr
 
     N, H, HV, K, V = 5, 1, 2, 24, 40

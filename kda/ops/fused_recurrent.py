@@ -198,14 +198,10 @@ def _token_inputs(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, a, bias, scale, lower_boun
 
 
 @triton.jit
-def _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST: tl.constexpr, FMA_UPDATE: tl.constexpr = False):
+def _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST: tl.constexpr):
     """One token on an fp32 state tile: S' = Diag(2^g) S;  u = beta (v - S'^T k);  S <- S' + k u^T;
     o = S^T q~ = S'^T q~ + (k . q~) u (q~ already scaled). The two reductions over K read the same S' and
-    are independent (a shorter dependent chain). Returns (S, o).
-    FMA_UPDATE: the update as an explicit fma(k, u, S'). Written as S' + k u^T, the compiler may contract
-    either product into the fma (fma(k, u, S S') or fma(S, 2^g, k u)), and its choice can differ between
-    two compilations of the same kernel (paged and dense): the H200 showed the one-token kernel's paged and
-    dense final states differing in the last bits (its outputs agreed) with the implicit form."""
+    are independent (a shorter dependent chain). Returns (S, o)."""
     if V_FIRST:
         K_AXIS: tl.constexpr = 1
     else:
@@ -216,10 +212,7 @@ def _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST: tl.constexpr, FMA_UPDATE: tl.c
     qS = tl.sum(S * _on_k(q_t, V_FIRST), K_AXIS)
     u_t = beta_t * (v_t - kS)
     o_t = qS + tl.sum(k_t * q_t, 0) * u_t
-    if FMA_UPDATE:
-        S = tl.fma(tl.broadcast_to(k_b, S.shape), tl.broadcast_to(_on_v(u_t, V_FIRST), S.shape), S)
-    else:
-        S = S + k_b * _on_v(u_t, V_FIRST)
+    S = S + k_b * _on_v(u_t, V_FIRST)
     return S, o_t
 
 
@@ -292,7 +285,7 @@ def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, 
     storage dtype) before any block was worked on."""
     o_v, v_ok, tile_off, tile_ok = _tile(i_vb, BV, BK, K, V, V_FIRST)
     v_t = tl.load(v_h + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
-    S, o_t = _step(S_raw.to(tl.float32), q_t, k_t, g_t, v_t, beta_t, V_FIRST, True)
+    S, o_t = _step(S_raw.to(tl.float32), q_t, k_t, g_t, v_t, beta_t, V_FIRST)
     tl.store(o_h + t * s_ot + o_v, round_to(o_t, o_h.dtype.element_ty), mask=v_ok)
     if HAS_DST:
         _store_state(S, dst_plane, tile_off, tile_ok, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
@@ -314,18 +307,18 @@ def _first_state(src_plane, has_initial_state, i_n, i_vb, BV: tl.constexpr, BK: 
     return S
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "paged"])
 def _fused_recurrent_one_token_kernel(
     q, k, v, g, beta, o, A_log, dt_bias,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     src_stride, dst_stride,
-    scale, lower_bound, seed,
+    scale, lower_bound, seed, paged,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
 ):
     """Exactly one token per sequence (dense q of shape [N, 1, H, K]: decode). One program per (group of
@@ -333,7 +326,11 @@ def _fused_recurrent_one_token_kernel(
     storage dtype, then worked on one after the other, so that a program keeps NSUB blocks of state
     reads in flight while only one block is held in fp32 (a 2-byte pool's loads take half the registers
     of the fp32 tile they become); the token's K-vectors (norms, gate) are computed once per program
-    instead of once per block. NSUB is 1, 2 or 4."""
+    instead of once per block. NSUB is 1, 2 or 4.
+    `paged` is a run-time argument (not specialised), so that a paged call and the dense call on the same
+    planes run one compiled binary: with PAGED as a constexpr the two compilations ordered the arithmetic
+    differently, and the compiler's mul+add contractions with it (the H200 showed their final states
+    differing in the last bits)."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -342,7 +339,7 @@ def _fused_recurrent_one_token_kernel(
     i_vb = i_v * NSUB
 
     slot = i_n.to(tl.int64)
-    if PAGED:
+    if paged != 0:  # a run-time flag: the paged and the dense contract run the same binary
         slot = tl.load(slot_of_seq + i_n).to(tl.int64)
     o_h = o + i_hv * s_oh
     if slot < 0:
@@ -450,7 +447,7 @@ def fused_recurrent_kda_fwd(
         USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
         HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
         USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
-        HAS_SRC=st.src is not None, HAS_DST=st.dst is not None, PAGED=call.state_mode == "paged",
+        HAS_SRC=st.src is not None, HAS_DST=st.dst is not None,
         HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first, SR=sr,
         num_warps=1 if interpreting() else cfg.num_warps,
     )
@@ -460,12 +457,12 @@ def fused_recurrent_kda_fwd(
         rows = BV * cfg.nsub
         _fused_recurrent_one_token_kernel[(triton.cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *pointers, *strides, call.scale, lower_bound, seed,
-            NSUB=cfg.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
+            int(call.state_mode == "paged"), NSUB=cfg.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
         )
     else:
         _fused_recurrent_kda_kernel[(triton.cdiv(V, BV), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else dummy, *pointers, *strides,
             T, call.scale, lower_bound, seed,
-            IS_VARLEN=varlen, FULL_TILE=(K == BK and V % BV == 0), **flags,
+            IS_VARLEN=varlen, PAGED=call.state_mode == "paged", FULL_TILE=(K == BK and V % BV == 0), **flags,
         )
     return o, st.final_state
