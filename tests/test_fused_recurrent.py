@@ -430,11 +430,12 @@ def test_stochastic_rounding_needs_narrow_state():
 @pytest.mark.parametrize("v_first", [True, False])
 def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
     """`_fused_recurrent_one_token_kernel` (dense q [N, 1, ...]: decode; behind KDA_DEV_DECODE_NSUB until
-    timed) on a poisoned, padded paged pool with a padding sequence and an unread slot, V not a multiple
-    of its NSUB blocks (masked rows), K not a power of two: paged == dense (the gathered planes) bit for
-    bit (the kernel takes `paged` at run time, so both contracts run one binary), the other slots and the
-    padding between planes keep their bits, padding rows are zeros; within rounding of the loop kernel (the
-    same arithmetic, another binary: on a GPU the compiler may order and contract it differently); within
+    timed), V not a multiple of its NSUB blocks (masked rows), K not a power of two, a padding sequence.
+    (1) A padded pool whose stride is a multiple of 16 elements, every slot read: paged == dense (the
+    gathered planes) bit for bit, because the kernel takes `paged` at run time and both contracts run one
+    binary (on a GPU too: same flags, same alignment). (2) A poisoned pool (stride plane + 3) with an
+    unread NaN slot: the other slots and the padding between planes keep their bits, padding rows are
+    zeros, results within rounding of the loop kernel (the same arithmetic in another binary) and within
     1e-5 of the oracle (fp32 pool)."""
     import kda.ops.fused_recurrent as fr
 
@@ -442,16 +443,29 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
     q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=8)
     slots = 11
     idx = torch.tensor([7, -1, 2, 9, 4], dtype=torch.int32, device=DEVICE)  # sequence 1 is padding
+    keep, used = [0, 2, 3, 4], [7, 2, 9, 4]
+    kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
+    monkeypatch.setattr(fr, "_DEV_NSUB", nsub)
+
+    # (1) paged == dense, bit for bit
+    wide, pool = make_pool(slots, HV, K, V, v_first, dtype, pad=16)
+    for n, slot in zip(keep, used):
+        pool[slot] = random_planes(1, HV, K, V, v_first, seed=30 + n)[0].to(dtype)
+    init = pool[used].clone()
+    o_p, _ = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, **kw)
+    o_d, s_d = kda.fused_recurrent_kda(*(x[keep] for x in (q, k, v, g, beta)), initial_state=init,
+                                       output_final_state=True, **kw)
+    assert same_bits(o_p[keep], o_d) and same_bits(pool[used], s_d)
+    assert torch.equal(o_p[1], torch.zeros_like(o_p[1]))  # padding rows are zeros
+
+    # (2) a poisoned, oddly padded pool with an unread slot, against the loop kernel and the oracle
     read = [True, True, True, False, True]  # slot 9 holds NaN and is not read
     wide, pool = make_pool(slots, HV, K, V, v_first, dtype, pad=3)
-    for n, slot in enumerate(idx.tolist()):
-        if slot >= 0 and read[n]:
+    for n, slot in zip(keep, used):
+        if read[n]:
             pool[slot] = random_planes(1, HV, K, V, v_first, seed=30 + n)[0].to(dtype)
     before = wide.clone()
-    kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
     paged = dict(state_indices=idx, has_initial_state=torch.tensor(read, device=DEVICE), **kw)
-    keep = [0, 2, 3, 4]
-    used = [7, 2, 9, 4]
     results = {}
     for mode in (0, nsub):
         monkeypatch.setattr(fr, "_DEV_NSUB", mode)
@@ -459,22 +473,13 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
         out = torch.full((N, 1, HV, V), float("nan"), device=DEVICE)
         kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, out=out, **paged)
         results[mode] = (out.clone(), wide.clone(), pool[used].clone())
-    o1, w1, s1 = results[nsub]
-    assert torch.equal(o1[1], torch.zeros_like(o1[1]))  # padding rows are zeros
+    (o0, _w0, s0), (o1, w1, s1) = results[0], results[nsub]
+    assert torch.equal(o1[1], torch.zeros_like(o1[1]))
     untouched = [s for s in range(slots) if s not in used]
     assert same_bits(w1[untouched], before[untouched])
     assert same_bits(w1[used, HV * K * V:], before[used, HV * K * V:])
-    # the dense contract on the same sequences, from the gathered planes (zeros where not read)
-    init = torch.stack([before[s, : HV * K * V].unflatten(0, pool.shape[1:]) if read[n]
-                        else torch.zeros(pool.shape[1:], dtype=dtype, device=DEVICE)
-                        for n, s in zip(keep, used)])
-    sub = [x[keep] for x in (q, k, v, g, beta)]
-    o_d, s_d = kda.fused_recurrent_kda(*sub, initial_state=init, output_final_state=True, **kw)
-    assert same_bits(o1[keep], o_d) and same_bits(s1, s_d)
-    # the loop kernel: the same function to rounding
-    o0, _w0, s0 = results[0]
     u = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8
-    assert rel(o1[keep].float(), o0[keep].float()) <= 2 * 2.0 ** -24 + 1e-6
+    assert rel(o1[keep], o0[keep]) <= 2 * 2.0 ** -24 + 1e-6
     assert rel(s1.float(), s0.float()) <= 2 * u + 1e-6
     if dtype == torch.float32:
         pool_ref = before.clone()[:, : HV * K * V].unflatten(1, pool.shape[1:])
