@@ -50,6 +50,13 @@ if __name__ == "__main__":
             chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED = bk, diag
             print(f"{B}x{T} H={H} bounded BK={bk} diag={'batched' if diag else 'per-block'}: "
                   f"{fmt(kernel_times(args, kw))}", flush=True)
+        if (B, T, H) == (1, 16384, 32):  # pipelined K-slice loads (num_stages 2, 3)
+            for bk, diag, warps, stages in ((32, False, 8, 2), (16, True, 8, 2), (16, True, 8, 3)):
+                chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED = bk, diag
+                chunk_ops._BOUNDED_LAUNCH = {"num_warps": warps, "num_stages": stages}
+                print(f"{B}x{T} H={H} bounded BK={bk} diag={'batched' if diag else 'per-block'} "
+                      f"{warps} warps {stages} stages: {fmt(kernel_times(args, kw))}", flush=True)
+            chunk_ops._BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": 1}
         chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED = default
         chunk_ops.bounded_gate = lambda call: False  # the intra kernel of an unbounded gate
         print(f"{B}x{T} H={H} pairwise: {fmt(kernel_times(args, kw))}", flush=True)

@@ -438,6 +438,9 @@ _DIAG_BATCHED = os.environ.get("KDA_DEV_INTRA_DIAG", "") == "batched"
 # fp16 workspaces; scripts/kernel_regs.py): BK 32 with A_qk in tf32 (2.77 ms at 1x16384 H=32) 255 / 200 B;
 # in tf32x3, today's default (3.70 ms) 255 / 796 B; BK 16 in tf32x3 124 B, with DIAG_BATCHED 80 B.
 _BOUNDED_BK = int(os.environ.get("KDA_DEV_INTRA_BK", "32") or 32)
+# Its launch (scripts/profile_chunk.py sweeps it; one program per SM at 255 registers x 8 warps, so the
+# K-slice loop's loads are exposed at num_stages = 1: 2 and 3 compile under Triton 3.6, untimed).
+_BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": 1}
 # A bounded gate's largest log2 decay over the 15 steps inside a 16-row block (see _chunk_intra_bounded_kernel)
 BOUNDED_GATE_MAX_LOG2_SPAN = 112.0
 
@@ -516,8 +519,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
                 T, N, NT, call.scale, lower_bound,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BK=min(_BOUNDED_BK, pow2_at_least(K)),
                 HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None,
-                A_PREC=intra_dot_precision(prec), DIAG_BATCHED=_DIAG_BATCHED, num_warps=8, num_stages=1,
-                **flags,
+                A_PREC=intra_dot_precision(prec), DIAG_BATCHED=_DIAG_BATCHED, **_BOUNDED_LAUNCH, **flags,
             )
         else:
             _chunk_intra_kernel[(n_programs, BT // BC, HV)](
