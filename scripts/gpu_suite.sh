@@ -5,7 +5,8 @@
 #
 # Environment:
 #   OUT                  folder for the files that come back (default ./gpu_out)
-#   KDA_SUITE_STEPS      comma list of steps: pytest,sanitizer,profile,bench,accuracy (default: all; setup always runs)
+#   KDA_SUITE_STEPS      comma list of steps: pytest,sanitizer,devtests,profile,bench,accuracy (default: all;
+#                        setup always runs); devtests: the tests of each development switch with it on
 #   KDA_SKIP_ACCURACY=1  skip the accuracy step
 #   KDA_SUITE_BUDGET_S   wall-clock budget of the whole script in seconds (default 570: the device tool stops a
 #                        command at 600 s); a step gets at most what is left, a step with < 20 s left is skipped
@@ -207,6 +208,39 @@ step_accuracy() {
     return "$rc"
 }
 
+# The development switches (docs/perf_notes.md): the tests that reach each switched path, run with it on
+# (KDA_DEVTESTS overrides the list: "ENV=VALUE[,ENV=VALUE]:pytest targets and -k filter;...")
+DEVTESTS_DEFAULT="KDA_DEV_DECODE_NSUB=4:tests/test_fused_recurrent.py tests/test_gpu.py -k decode or fused or one_token;\
+KDA_DEV_DECODE_NSUB=1:tests/test_fused_recurrent.py tests/test_gpu.py -k decode or fused or one_token;\
+KDA_DEV_INTRA_DIAG=batched,KDA_DEV_INTRA_BK=16:tests/test_chunk.py tests/test_gpu.py -k not fused and not decode"
+step_devtests() {
+    local t=$1 rc=0 entry envs targets filter r
+    : >"$OUT/devtests.txt"
+    IFS=';' read -r -a entries <<<"${KDA_DEVTESTS:-$DEVTESTS_DEFAULT}"
+    for entry in "${entries[@]}"; do
+        envs=${entry%%:*}
+        targets=${entry#*:}
+        filter=""
+        if [[ $targets == *" -k "* ]]; then
+            filter=${targets#* -k }
+            targets=${targets%% -k *}
+        fi
+        local left=$((t - (SECONDS - STEP_T0)))
+        if ((left < 20)); then
+            echo "--- $envs: no time left ---" | tee -a "$OUT/devtests.txt"
+            ((rc == 0)) && rc=124
+            continue
+        fi
+        echo "--- $envs: pytest $targets${filter:+ -k \"$filter\"} ---" | tee -a "$OUT/devtests.txt"
+        # shellcheck disable=SC2086
+        env ${envs//,/ } timeout -k 15 "$left" python3 -m pytest -q -p no:cacheprovider -n 4 $targets \
+            ${filter:+-k "$filter"} 2>&1 | tail -n 15 | tee -a "$OUT/devtests.txt"
+        r=${PIPESTATUS[0]}
+        ((r != 0 && rc == 0)) && rc=$r
+    done
+    return "$rc"
+}
+
 step_profile() {
     local t=$1
     echo "python3 scripts/profile_chunk.py  (timeout ${t}s)" | tee "$OUT/profile.txt"
@@ -240,6 +274,7 @@ run_step pytest "${KDA_TIMEOUT_PYTEST:-300}" step_pytest pytest.txt
 cap "$OUT/pytest.txt"
 run_step sanitizer "${KDA_TIMEOUT_SANITIZER:-150}" step_sanitizer sanitizer.txt
 cap "$OUT/sanitizer.txt"
+run_step devtests "${KDA_TIMEOUT_DEVTESTS:-240}" step_devtests devtests.txt
 run_step profile "${KDA_TIMEOUT_PROFILE:-240}" step_profile profile.txt
 run_step bench "${KDA_TIMEOUT_BENCH:-400}" step_bench "bench.md, bench.log"
 cap "$OUT/bench.log"
