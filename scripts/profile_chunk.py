@@ -1,6 +1,7 @@
 """Per-kernel GPU time of chunk_kda (torch.profiler): every stage for Kimi's bounded gate, with the
 bounded intra kernel's variants (K slice 32 or 16, diagonal blocks per row block or batched) and with the
-pairwise one (what an unbounded gate runs), and the state walk plain and segmented. Development aid:
+pairwise one (what an unbounded gate runs), and the state walk plain (with its launch swept at 1x16384 H=32)
+and segmented. Development aid:
 `python scripts/profile_chunk.py`."""
 
 import torch
@@ -66,4 +67,10 @@ if __name__ == "__main__":
         for mode in ("never", "always"):
             walk_ops.SEGMENT_MODE = mode
             print(f"{B}x{T} H={H} segments {mode:6s}: {fmt(kernel_times(args, kw))}", flush=True)
+        if (B, T, H) == (1, 16384, 32):  # the plain walk's launch (walk_ops._WALK_LAUNCH)
+            walk_ops.SEGMENT_MODE = "never"
+            for bv, warps in ((16, 8), (16, 4), (32, 4)):
+                walk_ops._WALK_LAUNCH = {"BV": bv, "num_warps": warps}
+                print(f"{B}x{T} H={H} plain walk BV={bv} {warps} warps: {fmt(kernel_times(args, kw))}", flush=True)
+            walk_ops._WALK_LAUNCH = {"BV": None, "num_warps": 8}
     walk_ops.SEGMENT_MODE = "auto"

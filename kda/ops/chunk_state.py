@@ -289,6 +289,12 @@ def use_segments(call: KDACall, programs: int, BT: int) -> bool:
     return 2 * programs <= _sm_count(call.q.device.index or 0) and avg_chunks >= 4 * SEGMENT_CHUNKS
 
 
+# The plain walk's launch: BV None is the rule below (32, or 16 for V <= 16). scripts/profile_chunk.py
+# sweeps it (untimed so far: at 1x16384 H=32 the walk is 128 programs of 8 warps, one per SM, and 4.8 us
+# per chunk step; BV 16 doubles the programs and the workspace reads).
+_WALK_LAUNCH = {"BV": None, "num_warps": 8}
+
+
 def state_walk(call: KDACall, st: StatePlan, o: torch.Tensor, ws: dict, BT: int, NT: int, prec: str,
                stages: int) -> None:
     """Launch the plain or the segmented walk (module docstring) for a call whose prepare stage ran."""
@@ -296,7 +302,7 @@ def state_walk(call: KDACall, st: StatePlan, o: torch.Tensor, ws: dict, BT: int,
     varlen = call.cu_seqlens is not None
     cu = call.cu_seqlens if varlen else o
     BK = max(16, triton.next_power_of_2(K))
-    BV = 32 if V > 16 else 16
+    BV = _WALK_LAUNCH["BV"] or (32 if V > 16 else 16)
     dummy = ws["gt"]
     pools = (st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
              st.slot_of_seq if st.slot_of_seq is not None else dummy,
@@ -310,7 +316,7 @@ def state_walk(call: KDACall, st: StatePlan, o: torch.Tensor, ws: dict, BT: int,
             o, cu, *walk_ws, *pools,
             token_stride(o, T), o.stride(2), st.src_stride, st.dst_stride, T, NT,
             HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec, **flags,
-            num_warps=8, num_stages=stages,
+            num_warps=_WALK_LAUNCH["num_warps"], num_stages=stages,
         )
         return
     G = SEGMENT_CHUNKS
