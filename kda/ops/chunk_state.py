@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..contract import KDACall, interpreting
-from .common import StatePlan, locate_block, round_to, seq_bounds, token_stride
+from .common import StatePlan, locate_block, round_to, seq_bounds, slot_of, token_stride
 
 SEGMENT_CHUNKS = 16  # G: chunks per segment of the segmented walk
 # "auto" (segment when the plain walk has too few programs and long sequences), "always", "never"
@@ -106,9 +106,7 @@ def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_st
     k_ok = o_k < K
     v_ok = o_v < V
     plane_off = _plane_offsets(i_hv, o_k, o_v, K, V, V_FIRST)
-    slot = i_n.to(tl.int64)
-    if PAGED:
-        slot = tl.load(slot_of_seq + i_n).to(tl.int64)
+    slot = slot_of(slot_of_seq, i_n, PAGED)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_SRC:
         read = slot >= 0
@@ -256,9 +254,7 @@ def _segment_output_kernel(
     k_ok = o_k < K
     v_ok = o_v < V
     o_h = o + i_hv * s_oh
-    slot = i_n.to(tl.int64)
-    if PAGED:
-        slot = tl.load(slot_of_seq + i_n).to(tl.int64)
+    slot = slot_of(slot_of_seq, i_n, PAGED)
     if slot < 0:
         _zero_rows(o_h, s_ot, s0, s_end, o_v, v_ok, BT, BV)
     else:

@@ -74,6 +74,16 @@ def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def slot_of(slot_of_seq, i_n, paged):
+    """Sequence i_n's pool slot (int64; < 0: a padding sequence): slot_of_seq[i_n] when `paged` (a constexpr,
+    or a run-time flag where one binary must serve both contracts), else i_n (the dense contract)."""
+    slot = i_n.to(tl.int64)
+    if paged != 0:
+        slot = tl.load(slot_of_seq + i_n).to(tl.int64)
+    return slot
+
+
+@triton.jit
 def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
     """Program i_p of a grid over blocks of BT tokens (chunks, or segments of chunks) -> (sequence,
     sequence start, first token of its block, sequence end). Dense: NT blocks per sequence. Varlen: program p belongs to the

@@ -68,7 +68,16 @@ import triton
 import triton.language as tl
 
 from ..contract import KDACall, interpreting
-from .common import gate_params, kda_gate_log2, output_buffer, plan_state, round_to, seq_bounds, token_stride
+from .common import (
+    gate_params,
+    kda_gate_log2,
+    output_buffer,
+    plan_state,
+    round_to,
+    seq_bounds,
+    slot_of,
+    token_stride,
+)
 
 # store modes of the state (constexpr SR): plain cast (round to nearest even), stochastic bf16 / fp16
 _ROUND_NEAREST = 0
@@ -216,6 +225,22 @@ def _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST: tl.constexpr):
     return S, o_t
 
 
+@triton.jit
+def _first_state(src_plane, has_initial_state, i_n, i_vb, BV: tl.constexpr, BK: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, V_FIRST: tl.constexpr,
+                 FULL_TILE: tl.constexpr):
+    """The initial state of V block i_vb in its storage dtype (zeros when there is none to read)."""
+    _o_v, _v_ok, tile_off, tile_ok = _tile(i_vb, BV, BK, K, V, V_FIRST)
+    S = tl.zeros_like(tile_off).to(src_plane.dtype.element_ty)
+    if HAS_SRC:
+        read = True
+        if HAS_INIT_FLAGS:
+            read = tl.load(has_initial_state + i_n) != 0
+        if read:
+            S = _load_state(src_plane, tile_off, tile_ok, FULL_TILE)
+    return S
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _fused_recurrent_kda_kernel(
     q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens,
@@ -239,9 +264,7 @@ def _fused_recurrent_kda_kernel(
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_v, v_ok, tile_off, tile_ok = _tile(i_v, BV, BK, K, V, V_FIRST)
 
-    slot = i_n.to(tl.int64)
-    if PAGED:
-        slot = tl.load(slot_of_seq + i_n).to(tl.int64)
+    slot = slot_of(slot_of_seq, i_n, PAGED)
     o_h = o + i_hv * s_oh
     if slot < 0:
         # padding sequence: no read, no write of state; its output rows are zeros
@@ -249,14 +272,8 @@ def _fused_recurrent_kda_kernel(
             tl.store(o_h + t * s_ot + o_v, tl.zeros([BV], dtype=o.dtype.element_ty), mask=v_ok)
         return
 
-    S = tl.zeros_like(tile_off).to(tl.float32)
-    if HAS_SRC:
-        read = True
-        if HAS_INIT_FLAGS:
-            read = tl.load(has_initial_state + i_n) != 0
-        if read:
-            S = _load_state(state_src + slot * src_stride + i_hv * (K * V), tile_off, tile_ok,
-                            FULL_TILE).to(tl.float32)
+    S = _first_state(state_src + slot * src_stride + i_hv * (K * V), has_initial_state, i_n, i_v, BV, BK, K, V,
+                     HAS_SRC, HAS_INIT_FLAGS, V_FIRST, FULL_TILE).to(tl.float32)
     a, bias = _head_gate(A_log, dt_bias, i_hv, K, BK, HAS_A_LOG, HAS_DT_BIAS)
 
     q_h = q + i_h * s_qh
@@ -291,22 +308,6 @@ def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, 
         _store_state(S, dst_plane, tile_off, tile_ok, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
 
 
-@triton.jit
-def _first_state(src_plane, has_initial_state, i_n, i_vb, BV: tl.constexpr, BK: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, V_FIRST: tl.constexpr,
-                 FULL_TILE: tl.constexpr):
-    """The initial state of V block i_vb in its storage dtype (zeros when there is none to read)."""
-    _o_v, _v_ok, tile_off, tile_ok = _tile(i_vb, BV, BK, K, V, V_FIRST)
-    S = tl.zeros_like(tile_off).to(src_plane.dtype.element_ty)
-    if HAS_SRC:
-        read = True
-        if HAS_INIT_FLAGS:
-            read = tl.load(has_initial_state + i_n) != 0
-        if read:
-            S = _load_state(src_plane, tile_off, tile_ok, FULL_TILE)
-    return S
-
-
 @triton.jit(do_not_specialize=["seed", "paged"])
 def _fused_recurrent_one_token_kernel(
     q, k, v, g, beta, o, A_log, dt_bias,
@@ -338,9 +339,7 @@ def _fused_recurrent_one_token_kernel(
     t = i_n  # dense, T = 1: token n is sequence n's only token
     i_vb = i_v * NSUB
 
-    slot = i_n.to(tl.int64)
-    if paged != 0:  # a run-time flag: the paged and the dense contract run the same binary
-        slot = tl.load(slot_of_seq + i_n).to(tl.int64)
+    slot = slot_of(slot_of_seq, i_n, paged)  # a run-time flag: both contracts run the same binary
     o_h = o + i_hv * s_oh
     if slot < 0:
         o_v = i_vb * BV + tl.arange(0, NSUB * BV)
