@@ -176,18 +176,7 @@ class Timer:
         finally:
             torch.cuda.set_sync_debug_mode(prev)
         torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = capture_graph([fn], warmup_rounds=2)
         try:
             return self.bench(graph.replay)
         finally:
@@ -195,13 +184,15 @@ class Timer:
             torch.cuda.synchronize()
 
 
-def capture_graph(calls) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `calls` in order, captured after one warm-up round on a side stream, replayed once."""
+def capture_graph(calls, warmup_rounds: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` in order, captured after `warmup_rounds` rounds on a side stream, replayed
+    once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for f in calls:
-            f()
+        for _ in range(warmup_rounds):
+            for f in calls:
+                f()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
