@@ -208,11 +208,9 @@ step_accuracy() {
     return "$rc"
 }
 
-# The development switches (docs/perf_notes.md): the tests that reach each switched path, run with it on
-# (KDA_DEVTESTS overrides the list: "ENV=VALUE[,ENV=VALUE]:pytest targets and -k filter;...")
-DEVTESTS_DEFAULT="KDA_DEV_DECODE_NSUB=4:tests/test_fused_recurrent.py tests/test_gpu.py -k decode or fused or one_token;\
-KDA_DEV_DECODE_NSUB=1:tests/test_fused_recurrent.py tests/test_gpu.py -k decode or fused or one_token;\
-KDA_DEV_INTRA_DIAG=batched,KDA_DEV_INTRA_BK=16:tests/test_chunk.py tests/test_gpu.py -k not fused and not decode"
+# The development switches: the tests that reach each switched path, run with it on (KDA_DEVTESTS gives the
+# list: "ENV=VALUE[,ENV=VALUE]:pytest targets and -k filter;..."). None at the moment.
+DEVTESTS_DEFAULT=""
 step_devtests() {
     local t=$1 rc=0 entry envs targets filter r
     : >"$OUT/devtests.txt"

@@ -1,7 +1,6 @@
 """Per-kernel GPU time of chunk_kda (torch.profiler): every stage for Kimi's bounded gate, with the
-bounded intra kernel's variants (K slice 32 or 16, diagonal blocks per row block or batched) and with the
-pairwise one (what an unbounded gate runs), and the state walk plain (with its launch swept at 1x16384 H=32)
-and segmented. Development aid:
+bounded intra kernel at num_stages 1, 2, 3 and with the pairwise one (what an unbounded gate runs), and the
+state walk plain (its launch at BV 32 with 8 and 4 warps) and segmented. Development aid:
 `python scripts/profile_chunk.py`."""
 
 import torch
@@ -43,34 +42,25 @@ def fmt(rows):
 
 if __name__ == "__main__":
     bounded = chunk_ops.bounded_gate
-    default = (chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED)
     for B, T, H in [(1, 4096, 12), (1, 16384, 32), (1, 8192, 96)]:
         args, kw = inputs(B, T, H)
-        # the bounded intra kernel's dev variants (KDA_DEV_INTRA_BK, KDA_DEV_INTRA_DIAG), then the pairwise one
-        for bk, diag in ((32, False), (16, False), (32, True), (16, True)):
-            chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED = bk, diag
-            print(f"{B}x{T} H={H} bounded BK={bk} diag={'batched' if diag else 'per-block'}: "
-                  f"{fmt(kernel_times(args, kw))}", flush=True)
-        if (B, T, H) == (1, 16384, 32):  # pipelined K-slice loads (num_stages 2, 3)
-            for bk, diag, warps, stages in ((32, False, 8, 2), (16, True, 8, 2), (16, True, 8, 3)):
-                chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED = bk, diag
-                chunk_ops._BOUNDED_LAUNCH = {"num_warps": warps, "num_stages": stages}
-                print(f"{B}x{T} H={H} bounded BK={bk} diag={'batched' if diag else 'per-block'} "
-                      f"{warps} warps {stages} stages: {fmt(kernel_times(args, kw))}", flush=True)
+        print(f"{B}x{T} H={H} bounded: {fmt(kernel_times(args, kw))}", flush=True)
+        if (B, T, H) != (1, 4096, 12):  # pipelined K-slice loads (_BOUNDED_LAUNCH num_stages 2, 3)
+            for stages in (2, 3):
+                chunk_ops._BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": stages}
+                print(f"{B}x{T} H={H} bounded {stages} stages: {fmt(kernel_times(args, kw))}", flush=True)
             chunk_ops._BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": 1}
-        chunk_ops._BOUNDED_BK, chunk_ops._DIAG_BATCHED = default
         chunk_ops.bounded_gate = lambda call: False  # the intra kernel of an unbounded gate
         print(f"{B}x{T} H={H} pairwise: {fmt(kernel_times(args, kw))}", flush=True)
         chunk_ops.bounded_gate = bounded
-    for B, T, H in [(1, 16384, 12), (1, 16384, 32), (1, 65536, 12)]:
+    for B, T, H in [(1, 16384, 12), (1, 16384, 32), (4, 4096, 32), (1, 8192, 96), (1, 65536, 12)]:
         args, kw = inputs(B, T, H)
         for mode in ("never", "always"):
             walk_ops.SEGMENT_MODE = mode
             print(f"{B}x{T} H={H} segments {mode:6s}: {fmt(kernel_times(args, kw))}", flush=True)
-        if (B, T, H) == (1, 16384, 32):  # the plain walk's launch (walk_ops._WALK_LAUNCH)
-            walk_ops.SEGMENT_MODE = "never"
-            for bv, warps in ((16, 8), (16, 4), (32, 4)):
-                walk_ops._WALK_LAUNCH = {"BV": bv, "num_warps": warps}
-                print(f"{B}x{T} H={H} plain walk BV={bv} {warps} warps: {fmt(kernel_times(args, kw))}", flush=True)
-            walk_ops._WALK_LAUNCH = {"BV": None, "num_warps": 8}
+        walk_ops.SEGMENT_MODE = "never"  # the plain walk's launch (walk_ops._WALK_LAUNCH)
+        for bv, warps in ((32, 4),):
+            walk_ops._WALK_LAUNCH = {"BV": bv, "num_warps": warps}
+            print(f"{B}x{T} H={H} plain walk BV={bv} {warps} warps: {fmt(kernel_times(args, kw))}", flush=True)
+        walk_ops._WALK_LAUNCH = {"BV": None, "num_warps": 8}
     walk_ops.SEGMENT_MODE = "auto"

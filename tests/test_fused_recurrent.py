@@ -429,8 +429,9 @@ def test_stochastic_rounding_needs_narrow_state():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v_first", [True, False])
 def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
-    """`_fused_recurrent_one_token_kernel` (dense q [N, 1, ...]: decode; behind KDA_DEV_DECODE_NSUB until
-    timed), V not a multiple of its NSUB blocks (masked rows), K not a power of two, a padding sequence.
+    """`_fused_recurrent_one_token_kernel` (dense q [N, 1, ...]: decode; the default for V-first pools, forced
+    here for both layouts and every NSUB), V not a multiple of its NSUB blocks (masked rows), K not a power
+    of two, a padding sequence.
     (1) A padded pool whose stride is a multiple of 16 elements, every slot read: paged == dense (the
     gathered planes) bit for bit, because the kernel takes `paged` at run time and both contracts run one
     binary (on a GPU too: same flags, same alignment). (2) A poisoned pool (stride plane + 3) with an
@@ -445,7 +446,7 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
     idx = torch.tensor([7, -1, 2, 9, 4], dtype=torch.int32, device=DEVICE)  # sequence 1 is padding
     keep, used = [0, 2, 3, 4], [7, 2, 9, 4]
     kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
-    monkeypatch.setattr(fr, "_DEV_NSUB", nsub)
+    monkeypatch.setattr(fr, "_NSUB_OVERRIDE", nsub)
 
     # (1) paged == dense, bit for bit
     wide, pool = make_pool(slots, HV, K, V, v_first, dtype, pad=16)
@@ -468,7 +469,7 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
     paged = dict(state_indices=idx, has_initial_state=torch.tensor(read, device=DEVICE), **kw)
     results = {}
     for mode in (0, nsub):
-        monkeypatch.setattr(fr, "_DEV_NSUB", mode)
+        monkeypatch.setattr(fr, "_NSUB_OVERRIDE", mode)
         wide.copy_(before)
         out = torch.full((N, 1, HV, V), float("nan"), device=DEVICE)
         kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, out=out, **paged)

@@ -38,8 +38,6 @@ needed.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -234,27 +232,26 @@ def _chunk_intra_bounded_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, A_PREC: tl.constexpr,
-    DIAG_BATCHED: tl.constexpr = False,
 ):
     """The intra stage for a bounded gate (`bounded_gate`: in-kernel lower-bound gate, q/k l2norm in the
     kernel), one program per (chunk, value head) instead of one per (chunk, 16-row block, value head):
     the gate, its fp64 cumsum and the q/k loads are done once per K slice for all BT rows, not once per
-    row block. Per K slice and row block r (anchor a_r = b of r's first row), A_kk and A_qk gain
-    (rows of block r of X * 2^(b - a_r)) (K * 2^(a_r - b))^T over the columns up to r's last row: the row
-    factors are <= 1, the column factors <= 1 for earlier blocks and <= 2^112 inside block r (the gate's
-    bound), so every block below and on the diagonal goes through a tensor-core dot; the other row blocks'
-    rows are zeroed in the left operand (the dots are 4x larger than needed, and cheap). Writes what
-    `_chunk_intra_kernel` writes: A_kk (strictly lower) and A_qk (lower) with zeros above, Kd, Qd, Kr, gt.
-    A_PREC, the precision of the A_qk dots: "tf32x3" where DOT_PREC is "tf32" (`intra_dot_precision`): the
-    diagonal blocks hold most of A_qk's weight under a strong decay, and the pairwise path computes them
-    in fp32; plain tf32 there raised the bf16-input output error from 2.00e-3 to 2.43e-3 on the H200
-    (full accuracy preset at c42b4d6, T = 1024, strong regime; bf16 floor 1.66e-3). A_kk stays at
+    row block. Per K slice, with the anchor a_r = b of row block r's first row, X's rows scaled by
+    2^(b - a_r) (<= 1) and K's columns by 2^(a_r - b):
+    - the diagonal 16 x 16 blocks of A_kk and A_qk come from one batched dot [NB, BC, BK] x [NB, BK, BC]
+      (column factors <= 2^112 inside block r: the gate's bound), so they go through the tensor cores too;
+    - the earlier blocks' columns (factors <= 1) from a dot of row block r = 1 .. NB - 1 against the
+      columns before it (the other row blocks' rows zeroed in the left operand; row block 0 has none).
+    Writes what `_chunk_intra_kernel` writes: A_kk (strictly lower) and A_qk (lower) with zeros above, Kd,
+    Qd, Kr, gt. Precision: A_qk's diagonal blocks at A_PREC, "tf32x3" where DOT_PREC is "tf32"
+    (`intra_dot_precision`), everything else at DOT_PREC. This is the pairwise kernel's split (its
+    diagonal blocks are fp32): under a strong decay the diagonal blocks hold most of A_qk's weight, and
+    plain tf32 there raised the bf16-input output error from 2.00e-3 to 2.43e-3 on the H200 (full
+    accuracy preset at c42b4d6, T = 1024, strong regime; bf16 floor 1.66e-3). A_kk's diagonal stays at
     DOT_PREC: the final-state error did not move with it (8.16e-4 both ways).
-    DIAG_BATCHED (behind KDA_DEV_INTRA_DIAG=batched until timed): the diagonal 16 x 16 blocks of both
-    matrices come from one batched dot [NB, BC, BK] x [NB, BK, BC] per K slice (A_qk's at A_PREC, A_kk's
-    at DOT_PREC) and the earlier blocks from DOT_PREC dots of row blocks 1 .. NB - 1 against the columns
-    before them: A_PREC's extra passes then cover the diagonal blocks only (a quarter of the columns, no
-    zeroed rows), and row block 0's off-diagonal dot (empty) is skipped."""
+    Measured on the H200 at 1x16384 H=32 (scripts/profile_chunk.py, benchmarks/results/
+    2026-11-29-h200-session4.md): 2.96 ms, against 3.71 ms when every row block's dot also covered its
+    diagonal block (A_qk's all in tf32x3) and 3.34 ms at a 16-wide K slice."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -300,31 +297,20 @@ def _chunk_intra_bounded_kernel(
         e_row = tl.exp2((b - row_anchor).to(tl.float32))  # <= 1
         ke_row = kx * e_row
         qe_row = qx * e_row
-        if DIAG_BATCHED:
-            # the diagonal blocks, all at once: column factors 2^(a_r - b_j) inside block r (<= 2^112)
-            kd3 = tl.reshape(kx, [NB, BC, BK]) * tl.exp2((anchors[:, None, :] - b3).to(tl.float32))
-            kd3 = tl.permute(kd3, (0, 2, 1))
-            dg_kk += tl.dot(tl.reshape(ke_row, [NB, BC, BK]), kd3, input_precision=DOT_PREC)
-            dg_qk += tl.dot(tl.reshape(qe_row, [NB, BC, BK]), kd3, input_precision=A_PREC)
-            for r in tl.static_range(1, NB):
-                # row block r against the columns of the earlier blocks (factors <= 1)
-                a_r = tl.sum(tl.where(o_blk[:, None] == r, anchors, 0.0), 0)  # [BK]
-                mc = ((o_t < r * BC) & row_ok)[:, None] & col_ok[None, :]
-                kc = kx * tl.exp2(tl.where(mc, a_r[None, :] - b, 0.0).to(tl.float32))
-                kc = tl.trans(tl.where(mc, kc, 0.0))
-                in_r = (blk == r)[:, None]
-                acc_kk += tl.dot(tl.where(in_r, ke_row, 0.0), kc, input_precision=DOT_PREC)
-                acc_qk += tl.dot(tl.where(in_r, qe_row, 0.0), kc, input_precision=DOT_PREC)
-        else:
-            for r in tl.static_range(BT // BC):
-                a_r = tl.sum(tl.where(o_blk[:, None] == r, anchors, 0.0), 0)  # [BK]
-                upto_r = (o_t < (r + 1) * BC) & row_ok
-                mc = upto_r[:, None] & col_ok[None, :]
-                kc = kx * tl.exp2(tl.where(mc, a_r[None, :] - b, 0.0).to(tl.float32))
-                kc = tl.trans(tl.where(mc, kc, 0.0))
-                in_r = (blk == r)[:, None]
-                acc_kk += tl.dot(tl.where(in_r, ke_row, 0.0), kc, input_precision=DOT_PREC)
-                acc_qk += tl.dot(tl.where(in_r, qe_row, 0.0), kc, input_precision=A_PREC)
+        # the diagonal blocks, all at once: column factors 2^(a_r - b_j) inside block r (<= 2^112)
+        kd3 = tl.reshape(kx, [NB, BC, BK]) * tl.exp2((anchors[:, None, :] - b3).to(tl.float32))
+        kd3 = tl.permute(kd3, (0, 2, 1))
+        dg_kk += tl.dot(tl.reshape(ke_row, [NB, BC, BK]), kd3, input_precision=DOT_PREC)
+        dg_qk += tl.dot(tl.reshape(qe_row, [NB, BC, BK]), kd3, input_precision=A_PREC)
+        for r in tl.static_range(1, NB):
+            # row block r against the columns of the earlier blocks (factors <= 1)
+            a_r = tl.sum(tl.where(o_blk[:, None] == r, anchors, 0.0), 0)  # [BK]
+            mc = ((o_t < r * BC) & row_ok)[:, None] & col_ok[None, :]
+            kc = kx * tl.exp2(tl.where(mc, a_r[None, :] - b, 0.0).to(tl.float32))
+            kc = tl.trans(tl.where(mc, kc, 0.0))
+            in_r = (blk == r)[:, None]
+            acc_kk += tl.dot(tl.where(in_r, ke_row, 0.0), kc, input_precision=DOT_PREC)
+            acc_qk += tl.dot(tl.where(in_r, qe_row, 0.0), kc, input_precision=DOT_PREC)
         _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b, b_last)
         tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
 
@@ -332,26 +318,22 @@ def _chunk_intra_bounded_kernel(
     m_a = row_ok[:, None] & row_ok[None, :]
     kk = acc_kk * (rk * b_beta)[:, None] * rk[None, :]
     qk = acc_qk * (rq * scale)[:, None] * rk[None, :]
-    if DIAG_BATCHED:
-        # acc_* hold the earlier blocks' columns only: write every column outside the diagonal blocks
-        # from them (zeros to the right), then the diagonal blocks from dg_* (the two sets are disjoint)
-        col_blk = o_t[None, :] // BC
-        m_off = m_a & (col_blk != blk[:, None])
-        tl.store(akk_ws + a_off, tl.where(col_blk < blk[:, None], kk, 0.0), mask=m_off)
-        tl.store(aqk_ws + a_off, tl.where(col_blk < blk[:, None], qk, 0.0), mask=m_off)
-        o_c = tl.arange(0, BC)
-        loc_i = o_blk[:, None, None] * BC + o_c[None, :, None]  # [NB, BC, 1]: row inside the chunk
-        loc_j = o_blk[:, None, None] * BC + o_c[None, None, :]  # [NB, 1, BC]: column inside the chunk
-        m_dg = (loc_i < n_rows) & (loc_j < n_rows)
-        rk3 = tl.reshape(rk, [NB, BC])
-        kk3 = dg_kk * tl.reshape(rk * b_beta, [NB, BC])[:, :, None] * rk3[:, None, :]
-        qk3 = dg_qk * tl.reshape(rq * scale, [NB, BC])[:, :, None] * rk3[:, None, :]
-        d_off = (t0 + loc_i) * (HV * BT) + i_hv * BT + loc_j
-        tl.store(akk_ws + d_off, tl.where(loc_j < loc_i, kk3, 0.0), mask=m_dg)
-        tl.store(aqk_ws + d_off, tl.where(loc_j <= loc_i, qk3, 0.0), mask=m_dg)
-    else:
-        tl.store(akk_ws + a_off, tl.where(o_t[None, :] < o_t[:, None], kk, 0.0), mask=m_a)
-        tl.store(aqk_ws + a_off, tl.where(o_t[None, :] <= o_t[:, None], qk, 0.0), mask=m_a)
+    # acc_* hold the earlier blocks' columns only: write every column outside the diagonal blocks
+    # from them (zeros to the right), then the diagonal blocks from dg_* (the two sets are disjoint)
+    col_blk = o_t[None, :] // BC
+    m_off = m_a & (col_blk != blk[:, None])
+    tl.store(akk_ws + a_off, tl.where(col_blk < blk[:, None], kk, 0.0), mask=m_off)
+    tl.store(aqk_ws + a_off, tl.where(col_blk < blk[:, None], qk, 0.0), mask=m_off)
+    o_c = tl.arange(0, BC)
+    loc_i = o_blk[:, None, None] * BC + o_c[None, :, None]  # [NB, BC, 1]: row inside the chunk
+    loc_j = o_blk[:, None, None] * BC + o_c[None, None, :]  # [NB, 1, BC]: column inside the chunk
+    m_dg = (loc_i < n_rows) & (loc_j < n_rows)
+    rk3 = tl.reshape(rk, [NB, BC])
+    kk3 = dg_kk * tl.reshape(rk * b_beta, [NB, BC])[:, :, None] * rk3[:, None, :]
+    qk3 = dg_qk * tl.reshape(rq * scale, [NB, BC])[:, :, None] * rk3[:, None, :]
+    d_off = (t0 + loc_i) * (HV * BT) + i_hv * BT + loc_j
+    tl.store(akk_ws + d_off, tl.where(loc_j < loc_i, kk3, 0.0), mask=m_dg)
+    tl.store(aqk_ws + d_off, tl.where(loc_j <= loc_i, qk3, 0.0), mask=m_dg)
 
 
 @triton.jit
@@ -431,13 +413,10 @@ def _chunk_solve_kernel(
                  tl.dot(Xb, v_c, input_precision=DOT_PREC), mask=m)
 
 
-# Development switch until timed on a GPU: KDA_DEV_INTRA_DIAG=batched computes the bounded intra kernel's
-# diagonal blocks with one batched dot (DIAG_BATCHED); unset, the per-row-block dots cover them.
-_DIAG_BATCHED = os.environ.get("KDA_DEV_INTRA_DIAG", "") == "batched"
-# and KDA_DEV_INTRA_BK=16 its K slice (default 32). Registers / spills on sm_90 under Triton 3.6 (8 warps,
-# fp16 workspaces; scripts/kernel_regs.py): BK 32 with A_qk in tf32 (2.77 ms at 1x16384 H=32) 255 / 200 B;
-# in tf32x3, today's default (3.70 ms) 255 / 796 B; BK 16 in tf32x3 124 B, with DIAG_BATCHED 80 B.
-_BOUNDED_BK = int(os.environ.get("KDA_DEV_INTRA_BK", "32") or 32)
+# The bounded intra kernel's K slice. Spill stores on sm_90 under Triton 3.6 (8 warps, fp16 workspaces, 255
+# registers; scripts/kernel_regs.py): 732 B at 32, 80 B at 16; yet 16 was slower on the H200 (3.34 against
+# 2.96 ms at 1x16384 H=32, benchmarks/results/2026-11-29-h200-session4.md).
+_BOUNDED_BK = 32
 # Its launch (scripts/profile_chunk.py sweeps it; one program per SM at 255 registers x 8 warps, so the
 # K-slice loop's loads are exposed at num_stages = 1: 2 and 3 compile under Triton 3.6, untimed).
 _BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": 1}
@@ -519,7 +498,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
                 T, N, NT, call.scale, lower_bound,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BK=min(_BOUNDED_BK, pow2_at_least(K)),
                 HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None,
-                A_PREC=intra_dot_precision(prec), DIAG_BATCHED=_DIAG_BATCHED, **_BOUNDED_LAUNCH, **flags,
+                A_PREC=intra_dot_precision(prec), **_BOUNDED_LAUNCH, **flags,
             )
         else:
             _chunk_intra_kernel[(n_programs, BT // BC, HV)](

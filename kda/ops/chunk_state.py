@@ -286,8 +286,8 @@ def use_segments(call: KDACall, programs: int, BT: int) -> bool:
 
 
 # The plain walk's launch: BV None is the rule below (32, or 16 for V <= 16). scripts/profile_chunk.py
-# sweeps it (untimed so far: at 1x16384 H=32 the walk is 128 programs of 8 warps, one per SM, and 4.8 us
-# per chunk step; BV 16 doubles the programs and the workspace reads).
+# sweeps it. H200 at 1x16384 H=32 (128 programs, one per SM; benchmarks/results/2026-11-29-h200-session4.md):
+# BV 32 8 warps 1228 us, BV 32 4 warps 1133, BV 16 8 warps 2241, BV 16 4 warps 1436.
 _WALK_LAUNCH = {"BV": None, "num_warps": 8}
 
 

@@ -20,7 +20,9 @@ register file bounds the programs an SM holds, so a program keeps about 64 state
 programs per head and sequence), BV = 8 for a 2-byte pool, K-first BV = 64 with 4 warps. Per token the two reductions over K
 (S'^T k and S'^T q, with S' = Diag(2^g) S) are independent: o = S'^T q~ + (k . q~) u, which equals
 S^T q~ after the update. When the tile covers the plane exactly (K = BK, BV | V) the state accesses
-carry no mask.
+carry no mask. One-token calls (dense q [N, 1]) with a V-first pool take
+`_fused_recurrent_one_token_kernel` instead: the same arithmetic, NSUB state blocks per program, all
+loaded before any is used (`_launch_config`).
 
 Layout. The tile is kept in the orientation of the caller's plane, so that the contiguous dimension of
 memory is the last (fastest) dimension of the tile and loads and stores vectorise:
@@ -60,7 +62,6 @@ bounds it, docs/contract.md states the contract).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -386,9 +387,9 @@ class LaunchConfig:
     maxnreg: int | None = None  # register cap per thread (None: the compiler's choice)
 
 
-# Development switch until timed on a GPU: KDA_DEV_DECODE_NSUB=1|2|4 sends one-token calls (dense, T = 1)
-# to `_fused_recurrent_one_token_kernel` with that NSUB; unset, every call takes the loop kernel.
-_DEV_NSUB = int(os.environ.get("KDA_DEV_DECODE_NSUB", "0") or 0)
+# Tests and scripts/tune_decode.py force the kernel here: None follows `_launch_config`'s rule, 0 the loop
+# kernel, 1, 2 or 4 the one-token kernel with that NSUB.
+_NSUB_OVERRIDE: int | None = None
 
 
 def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4, one_token: bool = False) -> LaunchConfig:
@@ -404,14 +405,24 @@ def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4, one_toke
       2026-11-29, bf16 pool at N = 256 (time / floor): BV 8 1 warp 66.4 us (1.38), 16/1 75.4 (1.56),
       32/1 67.9 (1.41), 32/2 84.0 (1.74), 64/4 70.1 (1.46); fp32 N = 256: 8/1 109.6, 16/1 108.5.
       Doubling the tile for 2-byte pools (to move as many bytes per program as fp32) was the slowest
-      choice: smaller programs, more of them in flight, win."""
+      choice: smaller programs, more of them in flight, win.
+    - One-token calls (dense q [N, 1]: decode) with a V-first pool take `_fused_recurrent_one_token_kernel`:
+      NSUB = 4 blocks of BV = 8 rows per program for a 2-byte pool (all four loaded in the storage dtype
+      before any is upcast), NSUB = 1 at BV = 16 for fp32. H200, steady state at N = 256 (benchmarks/
+      results/2026-11-29-h200-session3.md, calls 6-9): bf16 pool 58.1 us against the loop kernel's
+      62.5-68.4 (0.554x the fp32 pool instead of 0.595-0.603x), fp16 58.7; fp32 equal to the loop kernel
+      (105.3 vs 105.6 us; 28.3 vs 28.6 at N = 64). K-first pools and varlen or multi-token calls keep the
+      loop kernel (the one-token kernel is untimed K-first)."""
     BK = max(16, triton.next_power_of_2(K))
     if v_first:
         BV = 8 if (V <= 8 or state_bytes == 2) else 16
     else:
         BV = min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V)))
     num_warps = max(1, min(8, BK * BV // 2048))
-    return LaunchConfig(BK, BV, num_warps, nsub=_DEV_NSUB if one_token else 0)
+    nsub = (4 if state_bytes == 2 else 1) if (one_token and v_first) else 0
+    if _NSUB_OVERRIDE is not None and one_token:
+        nsub = _NSUB_OVERRIDE
+    return LaunchConfig(BK, BV, num_warps, nsub=nsub)
 
 
 def fused_recurrent_kda_fwd(
