@@ -1,6 +1,6 @@
 """Per-kernel GPU time of chunk_kda (torch.profiler): every stage for Kimi's bounded gate, with the
-bounded intra kernel at num_stages 1, 2, 3 and with the pairwise one (what an unbounded gate runs), and the
-state walk plain (its launch at BV 32 with 8 and 4 warps) and segmented. Development aid:
+bounded intra kernel at its default launch and at num_stages 1, 2, 4, with the pairwise one (what an
+unbounded gate runs), and the state walk plain (also at BV 32 with 8 and 2 warps) and segmented. Development aid:
 `python scripts/profile_chunk.py`."""
 
 import torch
@@ -40,27 +40,37 @@ def fmt(rows):
     return ", ".join(f"{k[:28]} {v:.0f}us" for k, v in sorted(rows.items(), key=lambda x: -x[1])[:4])
 
 
+def timed(args, kw):
+    """fmt(kernel_times(...)), or the error of a launch that does not compile (e.g. out of shared memory)."""
+    try:
+        return fmt(kernel_times(args, kw))
+    except Exception as e:  # noqa: BLE001 - a sweep point that fails is reported, the sweep goes on
+        return f"failed: {type(e).__name__}: {str(e)[:200]}"
+
+
 if __name__ == "__main__":
     bounded = chunk_ops.bounded_gate
     for B, T, H in [(1, 4096, 12), (1, 16384, 32), (1, 8192, 96)]:
         args, kw = inputs(B, T, H)
-        print(f"{B}x{T} H={H} bounded: {fmt(kernel_times(args, kw))}", flush=True)
-        if (B, T, H) != (1, 4096, 12):  # pipelined K-slice loads (_BOUNDED_LAUNCH num_stages 2, 3)
-            for stages in (2, 3):
+        print(f"{B}x{T} H={H} bounded: {timed(args, kw)}", flush=True)
+        if (B, T, H) != (1, 4096, 12):  # the K-slice loads' pipelining (_BOUNDED_LAUNCH num_stages)
+            default_launch = chunk_ops._BOUNDED_LAUNCH
+            for stages in (1, 2, 4):
                 chunk_ops._BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": stages}
-                print(f"{B}x{T} H={H} bounded {stages} stages: {fmt(kernel_times(args, kw))}", flush=True)
-            chunk_ops._BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": 1}
+                print(f"{B}x{T} H={H} bounded {stages} stages: {timed(args, kw)}", flush=True)
+            chunk_ops._BOUNDED_LAUNCH = default_launch
         chunk_ops.bounded_gate = lambda call: False  # the intra kernel of an unbounded gate
-        print(f"{B}x{T} H={H} pairwise: {fmt(kernel_times(args, kw))}", flush=True)
+        print(f"{B}x{T} H={H} pairwise: {timed(args, kw)}", flush=True)
         chunk_ops.bounded_gate = bounded
     for B, T, H in [(1, 16384, 12), (1, 16384, 32), (4, 4096, 32), (1, 8192, 96), (1, 65536, 12)]:
         args, kw = inputs(B, T, H)
         for mode in ("never", "always"):
             walk_ops.SEGMENT_MODE = mode
-            print(f"{B}x{T} H={H} segments {mode:6s}: {fmt(kernel_times(args, kw))}", flush=True)
+            print(f"{B}x{T} H={H} segments {mode:6s}: {timed(args, kw)}", flush=True)
         walk_ops.SEGMENT_MODE = "never"  # the plain walk's launch (walk_ops._WALK_LAUNCH)
-        for bv, warps in ((32, 4),):
+        default_walk = walk_ops._WALK_LAUNCH
+        for bv, warps in ((32, 8), (32, 2)):
             walk_ops._WALK_LAUNCH = {"BV": bv, "num_warps": warps}
-            print(f"{B}x{T} H={H} plain walk BV={bv} {warps} warps: {fmt(kernel_times(args, kw))}", flush=True)
-        walk_ops._WALK_LAUNCH = {"BV": None, "num_warps": 8}
+            print(f"{B}x{T} H={H} plain walk BV={bv} {warps} warps: {timed(args, kw)}", flush=True)
+        walk_ops._WALK_LAUNCH = default_walk
     walk_ops.SEGMENT_MODE = "auto"

@@ -417,9 +417,10 @@ def _chunk_solve_kernel(
 # registers; scripts/kernel_regs.py): 732 B at 32, 80 B at 16; yet 16 was slower on the H200 (3.34 against
 # 2.96 ms at 1x16384 H=32, benchmarks/results/2026-11-29-h200-session4.md).
 _BOUNDED_BK = 32
-# Its launch (scripts/profile_chunk.py sweeps it; one program per SM at 255 registers x 8 warps, so the
-# K-slice loop's loads are exposed at num_stages = 1: 2 and 3 compile under Triton 3.6, untimed).
-_BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": 1}
+# Its launch: one program per SM (255 registers x 8 warps), so the K-slice loop's loads are exposed unless
+# pipelined. H200 (scripts/profile_chunk.py, benchmarks/results/2026-11-29-h200-session4.md), num_stages
+# 1 / 2 / 3: 2959 / 2910 / 2813 us at 1x16384 H=32, 4459 / 4348 / 4215 us at 1x8192 H=96.
+_BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": 3}
 # A bounded gate's largest log2 decay over the 15 steps inside a 16-row block (see _chunk_intra_bounded_kernel)
 BOUNDED_GATE_MAX_LOG2_SPAN = 112.0
 

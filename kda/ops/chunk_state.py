@@ -286,9 +286,10 @@ def use_segments(call: KDACall, programs: int, BT: int) -> bool:
 
 
 # The plain walk's launch: BV None is the rule below (32, or 16 for V <= 16). scripts/profile_chunk.py
-# sweeps it. H200 at 1x16384 H=32 (128 programs, one per SM; benchmarks/results/2026-11-29-h200-session4.md):
-# BV 32 8 warps 1228 us, BV 32 4 warps 1133, BV 16 8 warps 2241, BV 16 4 warps 1436.
-_WALK_LAUNCH = {"BV": None, "num_warps": 8}
+# sweeps it. H200 (benchmarks/results/2026-11-29-h200-session4.md), BV 32 at 8 / 4 warps: 1230 / 1159 us
+# at 1x16384 H=32, 1234 / 810 at 4x4096 H=32, 1901 / 1435 at 1x8192 H=96, 1229 / 1080 at 1x16384 H=12,
+# 4909 / 4327 at 1x65536 H=12; BV 16 at 8 / 4 warps: 2241 / 1436 at 1x16384 H=32.
+_WALK_LAUNCH = {"BV": None, "num_warps": 4}
 
 
 def state_walk(call: KDACall, st: StatePlan, o: torch.Tensor, ws: dict, BT: int, NT: int, prec: str,
