@@ -62,11 +62,13 @@ bounds it, docs/contract.md states the contract).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..contract import KDACall, interpreting
 from .common import (
@@ -321,7 +323,7 @@ def _fused_recurrent_one_token_kernel(
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
+    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Exactly one token per sequence (dense q of shape [N, 1, H, K]: decode). One program per (group of
     NSUB V blocks of BV rows, sequence, value head): the NSUB state blocks are all loaded first, in their
@@ -332,7 +334,12 @@ def _fused_recurrent_one_token_kernel(
     `paged` is a run-time argument (not specialised), so that a paged call and the dense call on the same
     planes run one compiled binary: with PAGED as a constexpr the two compilations ordered the arithmetic
     differently, and the compiler's mul+add contractions with it (the H200 showed their final states
-    differing in the last bits)."""
+    differing in the last bits).
+    PDL (launched with programmatic dependent launch): every program waits for the previous kernel in the
+    stream to complete (`gdc_wait`) before its first memory access, and allows the next kernel to launch
+    once its state loads are issued, so that the next kernel's programs are resident when this one drains."""
+    if PDL:
+        gdc_wait()
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -358,6 +365,8 @@ def _fused_recurrent_one_token_kernel(
                           V_FIRST, FULL_TILE)
         S3 = _first_state(src_plane, has_initial_state, i_n, i_vb + 3, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
                           V_FIRST, FULL_TILE)
+    if PDL:
+        gdc_launch_dependents()
 
     a, bias = _head_gate(A_log, dt_bias, i_hv, K, BK, HAS_A_LOG, HAS_DT_BIAS)
     q_t, k_t, g_t, beta_t = _token_inputs(q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt,
@@ -390,6 +399,9 @@ class LaunchConfig:
 # Tests and scripts/tune_decode.py force the kernel here: None follows `_launch_config`'s rule, 0 the loop
 # kernel, 1, 2 or 4 the one-token kernel with that NSUB.
 _NSUB_OVERRIDE: int | None = None
+# Development switch until timed on a GPU: KDA_DEV_DECODE_PDL=1 launches the one-token kernel with
+# programmatic dependent launch (its PDL docstring).
+_PDL = os.environ.get("KDA_DEV_DECODE_PDL", "0") not in ("", "0")
 
 
 def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4, one_token: bool = False) -> LaunchConfig:
@@ -465,9 +477,11 @@ def fused_recurrent_kda_fwd(
         flags["maxnreg"] = cfg.maxnreg
     if one_token and cfg.nsub > 0:
         rows = BV * cfg.nsub
+        pdl = dict(PDL=True, launch_pdl=True) if (_PDL and not interpreting()) else {}
         _fused_recurrent_one_token_kernel[(triton.cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *pointers, *strides, call.scale, lower_bound, seed,
             int(call.state_mode == "paged"), NSUB=cfg.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
+            **pdl,
         )
     else:
         _fused_recurrent_kda_kernel[(triton.cdiv(V, BV), N, HV)](
