@@ -323,7 +323,7 @@ def _fused_recurrent_one_token_kernel(
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, PDL: tl.constexpr = False,
+    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Exactly one token per sequence (dense q of shape [N, 1, H, K]: decode). One program per (group of
     NSUB V blocks of BV rows, sequence, value head): the NSUB state blocks are all loaded first, in their
@@ -335,11 +335,14 @@ def _fused_recurrent_one_token_kernel(
     planes run one compiled binary: with PAGED as a constexpr the two compilations ordered the arithmetic
     differently, and the compiler's mul+add contractions with it (the H200 showed their final states
     differing in the last bits).
-    PDL (launched with programmatic dependent launch): every program waits for the previous kernel in the
-    stream to complete (`gdc_wait`) before its first memory access, and allows the next kernel to launch
-    once its state loads are issued, so that the next kernel's programs are resident when this one drains."""
-    if PDL:
+    PDL > 0 (launched with programmatic dependent launch): every program waits for the previous kernel in
+    the stream to complete (`gdc_wait`) before its first memory access, and allows the next kernel to
+    launch (so that its programs are resident when this one drains) once its state loads are issued
+    (PDL 1), at its start (2), or not before it exits (3)."""
+    if PDL > 0:
         gdc_wait()
+    if PDL == 2:
+        gdc_launch_dependents()
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -365,7 +368,7 @@ def _fused_recurrent_one_token_kernel(
                           V_FIRST, FULL_TILE)
         S3 = _first_state(src_plane, has_initial_state, i_n, i_vb + 3, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
                           V_FIRST, FULL_TILE)
-    if PDL:
+    if PDL == 1:
         gdc_launch_dependents()
 
     a, bias = _head_gate(A_log, dt_bias, i_hv, K, BK, HAS_A_LOG, HAS_DT_BIAS)
@@ -399,9 +402,9 @@ class LaunchConfig:
 # Tests and scripts/tune_decode.py force the kernel here: None follows `_launch_config`'s rule, 0 the loop
 # kernel, 1, 2 or 4 the one-token kernel with that NSUB.
 _NSUB_OVERRIDE: int | None = None
-# Development switch until timed on a GPU: KDA_DEV_DECODE_PDL=1 launches the one-token kernel with
+# Development switch until timed on a GPU: KDA_DEV_DECODE_PDL=1|2|3 launches the one-token kernel with
 # programmatic dependent launch (its PDL docstring).
-_PDL = os.environ.get("KDA_DEV_DECODE_PDL", "0") not in ("", "0")
+_PDL = int(os.environ.get("KDA_DEV_DECODE_PDL", "0") or 0)
 
 
 def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4, one_token: bool = False) -> LaunchConfig:
@@ -477,7 +480,7 @@ def fused_recurrent_kda_fwd(
         flags["maxnreg"] = cfg.maxnreg
     if one_token and cfg.nsub > 0:
         rows = BV * cfg.nsub
-        pdl = dict(PDL=True, launch_pdl=True) if (_PDL and not interpreting()) else {}
+        pdl = dict(PDL=_PDL, launch_pdl=True) if (_PDL > 0 and not interpreting()) else {}
         _fused_recurrent_one_token_kernel[(triton.cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *pointers, *strides, call.scale, lower_bound, seed,
             int(call.state_mode == "paged"), NSUB=cfg.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
