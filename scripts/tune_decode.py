@@ -1,10 +1,9 @@
 """Sweep the decode kernel's tile (BV, num_warps) on the GPU: the issue-4 shapes, graph replay.
 
-    python scripts/tune_decode.py [--rep MS] [--configs BV:warps[:nsub[:maxnreg[:pdl]]],...]
-                                  [--filter 'bf16|fp16'] [--steady] [--no-copy]
+    python scripts/tune_decode.py [--rep MS] [--configs BV:warps[:nsub[:maxnreg]],...] [--filter 'bf16|fp16']
+                                  [--steady] [--no-copy]
 
-nsub > 0 runs the one-token kernel (`_fused_recurrent_one_token_kernel`) with nsub V blocks per program;
-pdl > 0 launches it with programmatic dependent launch (its PDL; maxnreg 0: the compiler's choice).
+nsub > 0 runs the one-token kernel (`_fused_recurrent_one_token_kernel`) with nsub V blocks per program.
 
 Times `kda.fused_recurrent_kda` through `kda.bench`'s own cases and timer, with
 `kda.ops.fused_recurrent._launch_config` replaced by each candidate, and prints time / floor per shape.
@@ -53,13 +52,11 @@ def main() -> int:
         t = timer.bench(lambda d=dst, x=src: d.copy_(x))
         floor_us = bench.floor_bytes(cases[name]) / bw * 1e6
         print(f"same-bytes copy for {name}: {t:.1f} us ({t / floor_us:.2f} x floor)")
-    print("| BV, warps, nsub, maxnreg, pdl | " + " | ".join(wanted) + " |")
+    print("| BV, warps, nsub, maxnreg | " + " | ".join(wanted) + " |")
     print("|---" * (len(wanted) + 1) + "|")
     for BV, warps, *extra in candidates:
         nsub = extra[0] if extra else 0
-        maxnreg = (extra[1] or None) if len(extra) > 1 else None
-        pdl = extra[2] if len(extra) > 2 else 0
-        fr._PDL = pdl
+        maxnreg = extra[1] if len(extra) > 1 else None
         cells = []
         for name in wanted:
             case = cases[name]
@@ -78,7 +75,7 @@ def main() -> int:
             finally:
                 fr._launch_config = original
             torch.cuda.synchronize()
-        print(f"| {BV}, {warps}, {nsub}, {maxnreg}, pdl {pdl} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {BV}, {warps}, {nsub}, {maxnreg} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 

@@ -62,13 +62,11 @@ bounds it, docs/contract.md states the contract).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..contract import KDACall, interpreting
 from .common import (
@@ -323,7 +321,7 @@ def _fused_recurrent_one_token_kernel(
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, PDL: tl.constexpr = 0,
+    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
 ):
     """Exactly one token per sequence (dense q of shape [N, 1, H, K]: decode). One program per (group of
     NSUB V blocks of BV rows, sequence, value head): the NSUB state blocks are all loaded first, in their
@@ -334,15 +332,7 @@ def _fused_recurrent_one_token_kernel(
     `paged` is a run-time argument (not specialised), so that a paged call and the dense call on the same
     planes run one compiled binary: with PAGED as a constexpr the two compilations ordered the arithmetic
     differently, and the compiler's mul+add contractions with it (the H200 showed their final states
-    differing in the last bits).
-    PDL > 0 (launched with programmatic dependent launch): every program waits for the previous kernel in
-    the stream to complete (`gdc_wait`) before its first memory access, and allows the next kernel to
-    launch (so that its programs are resident when this one drains) once its state loads are issued
-    (PDL 1), at its start (2), or not before it exits (3)."""
-    if PDL > 0:
-        gdc_wait()
-    if PDL == 2:
-        gdc_launch_dependents()
+    differing in the last bits)."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -368,8 +358,6 @@ def _fused_recurrent_one_token_kernel(
                           V_FIRST, FULL_TILE)
         S3 = _first_state(src_plane, has_initial_state, i_n, i_vb + 3, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
                           V_FIRST, FULL_TILE)
-    if PDL == 1:
-        gdc_launch_dependents()
 
     a, bias = _head_gate(A_log, dt_bias, i_hv, K, BK, HAS_A_LOG, HAS_DT_BIAS)
     q_t, k_t, g_t, beta_t = _token_inputs(q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt,
@@ -402,9 +390,6 @@ class LaunchConfig:
 # Tests and scripts/tune_decode.py force the kernel here: None follows `_launch_config`'s rule, 0 the loop
 # kernel, 1, 2 or 4 the one-token kernel with that NSUB.
 _NSUB_OVERRIDE: int | None = None
-# Development switch until timed on a GPU: KDA_DEV_DECODE_PDL=1|2|3 launches the one-token kernel with
-# programmatic dependent launch (its PDL docstring).
-_PDL = int(os.environ.get("KDA_DEV_DECODE_PDL", "0") or 0)
 
 
 def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4, one_token: bool = False) -> LaunchConfig:
@@ -480,11 +465,9 @@ def fused_recurrent_kda_fwd(
         flags["maxnreg"] = cfg.maxnreg
     if one_token and cfg.nsub > 0:
         rows = BV * cfg.nsub
-        pdl = dict(PDL=_PDL, launch_pdl=True) if (_PDL > 0 and not interpreting()) else {}
         _fused_recurrent_one_token_kernel[(triton.cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *pointers, *strides, call.scale, lower_bound, seed,
             int(call.state_mode == "paged"), NSUB=cfg.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
-            **pdl,
         )
     else:
         _fused_recurrent_kda_kernel[(triton.cdiv(V, BV), N, HV)](
