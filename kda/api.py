@@ -96,7 +96,10 @@ def fused_recurrent_kda(
     """Kimi Delta Attention token by token (decode and short sequences): the same function, signature and
     state contracts as `chunk_kda` (see there), one launch per call. Must equal
     `kda_reference.recurrent_kda`. Differences: `has_initial_state` is optional for the paged contract
-    (default: every non-padding slot is read).
+    (default: every non-padding slot is read). A varlen decode batch (every sequence one token) takes the
+    faster one-token kernel when `cu_seqlens_cpu` is given and equals 0, 1, ..., N (checked on the host);
+    without the host copy the kernel cannot know the lengths without a sync and runs the general loop
+    kernel (same results to rounding, slower for 2-byte pools).
 
     `stochastic_rounding=True` (fp16/bf16 storage only; off by default) rounds the stored state
     stochastically instead of to nearest even, with noise drawn from `seed` and the element's position:

@@ -18,7 +18,8 @@ Decisions where the contract is silent (also in `docs/contract.md`):
 - `A_log`, `dt_bias` or `lower_bound` without `use_gate_in_kernel=True` raise for the same reason.
 - `cu_seqlens_cpu` is trusted and is never needed: the kernels map chunks to sequences on the device, so
   no call reads `cu_seqlens` back to the host. When given, it is checked against `T` and its shape
-  (host-only checks); under `KDA_DEBUG=1` it is also compared with the device copy.
+  (host-only checks); under `KDA_DEBUG=1` it is also compared with the device copy. One use: bounds
+  0, 1, ..., N (a decode batch) let `fused_recurrent_kda` take its one-token kernel.
 - `KDA_DEBUG=1` adds the checks that need a device-to-host read (a sync): `cu_seqlens` values, slot
   indices in range and unique among non-padding sequences.
 """
@@ -84,6 +85,9 @@ class KDACall:
     A_log: torch.Tensor | None
     dt_bias: torch.Tensor | None
     lower_bound: float | None
+    # every sequence holds exactly one token, known without reading the device: dense with T == 1, or
+    # varlen whose host copy of the bounds (cu_seqlens_cpu) is 0, 1, ..., N (a decode batch)
+    one_token_per_seq: bool = False
 
     @property
     def state_plane_shape(self) -> tuple[int, int, int]:
@@ -282,6 +286,9 @@ def check_call(
             if len(host) != N + 1:
                 raise ValueError(f"cu_seqlens_cpu has {len(host)} entries, cu_seqlens has {N + 1}")
             _check_bounds("cu_seqlens_cpu", host, T)
+            one_token_per_seq = host == list(range(N + 1))
+        else:
+            one_token_per_seq = False
         if debug_enabled():
             dev = cu_seqlens.tolist()
             _check_bounds("cu_seqlens", dev, T)
@@ -291,6 +298,7 @@ def check_call(
         if cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
         N = B
+        one_token_per_seq = T == 1
 
     # --- state ----------------------------------------------------------------------------------------
     if initial_state is not None and state_cache is not None:
@@ -359,6 +367,7 @@ def check_call(
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
         use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
         use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        one_token_per_seq=one_token_per_seq,
     )
 
 

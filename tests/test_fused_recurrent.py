@@ -487,3 +487,71 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
         o_ref, _ = ref.recurrent_kda(q, k, v, g, beta, state_cache=pool_ref, **paged)
         assert rel(o1[keep], o_ref[keep]) <= FP32_TOL
         assert rel(s1, pool_ref[used]) <= FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_decode_batch_with_host_bounds(dtype, monkeypatch):
+    """A varlen decode batch, q [1, N, ...] with cu_seqlens 0, 1, ..., N: with the host copy
+    (`cu_seqlens_cpu`) it runs the one-token kernel and equals the dense [N, 1] call bit for bit (same
+    binary, same strides), paged pool with a padding index; without the host copy it runs the loop
+    kernel, within rounding of it; both within 1e-5 of the oracle (fp32 pool). Host bounds that are not
+    0, 1, ..., N (an empty and a two-token sequence, same T) keep the loop kernel and match the oracle."""
+    import kda.ops.fused_recurrent as fr
+
+    chosen = []
+    original = fr._launch_config
+
+    def spy(*args, **kwargs):
+        cfg = original(*args, **kwargs)
+        chosen.append(cfg.nsub > 0)
+        return cfg
+
+    monkeypatch.setattr(fr, "_launch_config", spy)
+    N, H, HV, K, V = 4, 1, 2, 16, 24
+    q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=12)
+    kw = dict(state_v_first=True, use_qk_l2norm_in_kernel=True, **opts)
+    idx = torch.tensor([5, 1, -1, 3], dtype=torch.int32, device=DEVICE)
+    used, keep = [5, 1, 3], [0, 1, 3]
+    wide, pool = make_pool(7, HV, K, V, True, dtype, pad=16)
+    pool.copy_(random_planes(7, HV, K, V, True, seed=40).to(dtype))
+    start = wide.clone()
+
+    def run(varlen, host):
+        wide.copy_(start)
+        args = [x.transpose(0, 1) if varlen else x for x in (q, k, v, g, beta)]  # [1, N, ...] views
+        extra = {}
+        if varlen:
+            cu = torch.arange(N + 1, dtype=torch.int32)
+            extra = dict(cu_seqlens=cu.to(DEVICE), cu_seqlens_cpu=cu if host else None)
+        o, _ = kda.fused_recurrent_kda(*args, state_cache=pool, state_indices=idx, **extra, **kw)
+        return (o.transpose(0, 1) if varlen else o).clone(), wide.clone()
+
+    o_d, w_d = run(False, False)
+    o_h, w_h = run(True, True)
+    o_l, w_l = run(True, False)
+    assert chosen == [True, True, False]
+    assert same_bits(o_h, o_d) and same_bits(w_h, w_d)
+    u = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8
+    assert rel(o_l[keep], o_h[keep]) <= 2 * 2.0 ** -24 + 1e-6
+    plane = HV * K * V
+    assert rel(w_l[used, :plane].float(), w_h[used, :plane].float()) <= 2 * u + 1e-6
+    assert torch.equal(o_h[2], torch.zeros_like(o_h[2]))
+    untouched = [s for s in range(7) if s not in used]
+    assert same_bits(w_h[untouched], start[untouched]) and same_bits(w_h[used, plane:], start[used, plane:])
+    if dtype == torch.float32:
+        pool_ref = start.clone()[:, : HV * K * V].unflatten(1, pool.shape[1:])
+        o_ref, _ = ref.recurrent_kda(q, k, v, g, beta, state_cache=pool_ref, state_indices=idx, **kw)
+        assert rel(o_h[keep], o_ref[keep]) <= FP32_TOL
+        assert rel(w_h[used, :plane], pool_ref[used].flatten(1)) <= FP32_TOL
+
+    # host bounds with an empty and a two-token sequence (T = N still): the loop kernel, right answer
+    chosen.clear()
+    bounds = torch.tensor([0, 1, 1, 3, 4], dtype=torch.int32)
+    args = [x.transpose(0, 1) for x in (q, k, v, g, beta)]
+    dense_init = random_planes(N, HV, K, V, True, seed=41)
+    o, s = kda.fused_recurrent_kda(*args, cu_seqlens=bounds.to(DEVICE), cu_seqlens_cpu=bounds,
+                                   initial_state=dense_init, output_final_state=True, **kw)
+    o_ref, s_ref = ref.recurrent_kda(*args, cu_seqlens=bounds.to(DEVICE), initial_state=dense_init,
+                                     output_final_state=True, **kw)
+    assert chosen == [False]
+    assert rel(o, o_ref) <= FP32_TOL and rel(s, s_ref) <= FP32_TOL

@@ -20,8 +20,8 @@ register file bounds the programs an SM holds, so a program keeps about 64 state
 programs per head and sequence), BV = 8 for a 2-byte pool, K-first BV = 64 with 4 warps. Per token the two reductions over K
 (S'^T k and S'^T q, with S' = Diag(2^g) S) are independent: o = S'^T q~ + (k . q~) u, which equals
 S^T q~ after the update. When the tile covers the plane exactly (K = BK, BV | V) the state accesses
-carry no mask. One-token calls (dense q [N, 1]) with a V-first pool take
-`_fused_recurrent_one_token_kernel` instead: the same arithmetic, NSUB state blocks per program, all
+carry no mask. One-token calls (dense q [N, 1], or varlen whose host bounds `cu_seqlens_cpu` are
+0, 1, ..., N) with a V-first pool take `_fused_recurrent_one_token_kernel` instead: the same arithmetic, NSUB state blocks per program, all
 loaded before any is used (`_launch_config`).
 
 Layout. The tile is kept in the orientation of the caller's plane, so that the contiguous dimension of
@@ -323,7 +323,9 @@ def _fused_recurrent_one_token_kernel(
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
 ):
-    """Exactly one token per sequence (dense q of shape [N, 1, H, K]: decode). One program per (group of
+    """Exactly one token per sequence, token n for sequence n (`KDACall.one_token_per_seq`: dense q of shape
+    [N, 1, H, K], or varlen [1, N, H, K] with host bounds 0, 1, ..., N; the flattened token axis is the
+    same, so both run the same binary when their strides agree). One program per (group of
     NSUB V blocks of BV rows, sequence, value head): the NSUB state blocks are all loaded first, in their
     storage dtype, then worked on one after the other, so that a program keeps NSUB blocks of state
     reads in flight while only one block is held in fp32 (a 2-byte pool's loads take half the registers
@@ -406,13 +408,15 @@ def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4, one_toke
       32/1 67.9 (1.41), 32/2 84.0 (1.74), 64/4 70.1 (1.46); fp32 N = 256: 8/1 109.6, 16/1 108.5.
       Doubling the tile for 2-byte pools (to move as many bytes per program as fp32) was the slowest
       choice: smaller programs, more of them in flight, win.
-    - One-token calls (dense q [N, 1]: decode) with a V-first pool take `_fused_recurrent_one_token_kernel`:
+    - One-token calls (`KDACall.one_token_per_seq`: decode) with a V-first pool take
+      `_fused_recurrent_one_token_kernel`:
       NSUB = 4 blocks of BV = 8 rows per program for a 2-byte pool (all four loaded in the storage dtype
       before any is upcast), NSUB = 1 at BV = 16 for fp32. H200, steady state at N = 256 (benchmarks/
       results/2026-11-29-h200-session3.md, calls 6-9): bf16 pool 58.1 us against the loop kernel's
       62.5-68.4 (0.554x the fp32 pool instead of 0.595-0.603x), fp16 58.7; fp32 equal to the loop kernel
-      (105.3 vs 105.6 us; 28.3 vs 28.6 at N = 64). K-first pools and varlen or multi-token calls keep the
-      loop kernel (the one-token kernel is untimed K-first)."""
+      (105.3 vs 105.6 us; 28.3 vs 28.6 at N = 64). K-first pools, multi-token calls and varlen calls
+      without a host copy of the bounds keep the loop kernel (the one-token kernel is untimed K-first;
+      reading the bounds back to find out would sync the host)."""
     BK = max(16, triton.next_power_of_2(K))
     if v_first:
         BV = 8 if (V <= 8 or state_bytes == 2) else 16
@@ -442,7 +446,9 @@ def fused_recurrent_kda_fwd(
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     A_log, dt_bias, lower_bound = gate_params(call)
     dummy = q  # pointer for absent tensors (never dereferenced: the matching constexpr flag is off)
-    one_token = not varlen and T == 1
+    # one token per sequence at token n (dense [N, 1], or varlen whose host bounds are 0, 1, ..., N: the
+    # flattened token axis is then the same): the one-token kernel; otherwise the loop kernel
+    one_token = call.one_token_per_seq
     cfg = _launch_config(K, V, call.state_v_first, call.state_dtype.itemsize, one_token)
     BK, BV = cfg.BK, cfg.BV
     pointers = (st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
