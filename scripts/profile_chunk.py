@@ -1,6 +1,7 @@
 """Per-kernel GPU time of chunk_kda (torch.profiler): every stage for Kimi's bounded gate, with the
-bounded intra kernel at its default launch and at num_stages 1, 2, 4, with the pairwise one (what an
-unbounded gate runs), and the state walk plain (also at BV 32 with 8 and 2 warps) and segmented. Development aid:
+bounded intra kernel and the solve at their default launches and swept around them, with the pairwise
+one (what an unbounded gate runs), and the state walk plain (also at BV 32 with 8 and 2 warps) and
+segmented. Development aid:
 `python scripts/profile_chunk.py`."""
 
 import torch
@@ -55,10 +56,15 @@ if __name__ == "__main__":
         print(f"{B}x{T} H={H} bounded: {timed(args, kw)}", flush=True)
         if (B, T, H) != (1, 4096, 12):  # the K-slice loads' pipelining (_BOUNDED_LAUNCH num_stages)
             default_launch = chunk_ops._BOUNDED_LAUNCH
-            for stages in (1, 2, 4):
-                chunk_ops._BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": stages}
-                print(f"{B}x{T} H={H} bounded {stages} stages: {timed(args, kw)}", flush=True)
+            for warps, stages in ((8, 1), (8, 2), (8, 4), (4, 3)):
+                chunk_ops._BOUNDED_LAUNCH = {"num_warps": warps, "num_stages": stages}
+                print(f"{B}x{T} H={H} bounded {warps} warps {stages} stages: {timed(args, kw)}", flush=True)
             chunk_ops._BOUNDED_LAUNCH = default_launch
+            default_solve = chunk_ops._SOLVE_LAUNCH  # the solve's launch (_SOLVE_LAUNCH)
+            for warps, stages in ((8, 1), (4, 2), (2, 1)):
+                chunk_ops._SOLVE_LAUNCH = {"num_warps": warps, "num_stages": stages}
+                print(f"{B}x{T} H={H} solve {warps} warps {stages} stages: {timed(args, kw)}", flush=True)
+            chunk_ops._SOLVE_LAUNCH = default_solve
         chunk_ops.bounded_gate = lambda call: False  # the intra kernel of an unbounded gate
         print(f"{B}x{T} H={H} pairwise: {timed(args, kw)}", flush=True)
         chunk_ops.bounded_gate = bounded

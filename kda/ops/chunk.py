@@ -421,6 +421,9 @@ _BOUNDED_BK = 32
 # pipelined. H200 (scripts/profile_chunk.py, benchmarks/results/2026-11-29-h200-session4.md), num_stages
 # 1 / 2 / 3: 2959 / 2910 / 2813 us at 1x16384 H=32, 4459 / 4348 / 4215 us at 1x8192 H=96.
 _BOUNDED_LAUNCH = {"num_warps": 8, "num_stages": 3}
+# The solve's launch (scripts/profile_chunk.py sweeps it; 0.91 ms at 1x16384 H=32 on the H200, 255 registers
+# and 132 B spilled under Triton 3.6 at 4 warps; other launches untimed).
+_SOLVE_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # A bounded gate's largest log2 decay over the 15 steps inside a 16-row block (see _chunk_intra_bounded_kernel)
 BOUNDED_GATE_MAX_LOG2_SPAN = 112.0
 
@@ -514,8 +517,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
             v, beta, cu, akk_ws, kd_ws, w_ws, u_ws,
             token_stride(v, T), v.stride(2), token_stride(beta, T), beta.stride(2),
             T, N, NT,
-            HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(32, pow2_at_least(K)), BV=BVp,
-            num_warps=4, num_stages=1, **flags,
+            HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(32, pow2_at_least(K)), BV=BVp, **_SOLVE_LAUNCH, **flags,
         )
     ws = dict(aqk=aqk_ws, w=w_ws, u=u_ws, qd=qd_ws, kr=kr_ws, gt=gt_ws)
     state_walk(call, st, o, ws, BT, NT, prec, _state_stages(ws_dtype))
