@@ -209,8 +209,8 @@ step_accuracy() {
 }
 
 # The development switches: the tests that reach each switched path, run with it on (KDA_DEVTESTS gives the
-# list: "ENV=VALUE[,ENV=VALUE]:pytest targets and -k filter;..."). None at the moment.
-DEVTESTS_DEFAULT=""
+# list: "ENV=VALUE[,ENV=VALUE]:pytest targets and -k filter;...").
+DEVTESTS_DEFAULT="KDA_DEV_INTRA_FORM=rowbatched:tests/test_chunk.py tests/test_gpu.py -k not fused and not decode"
 step_devtests() {
     local t=$1 rc=0 entry envs targets filter r
     : >"$OUT/devtests.txt"

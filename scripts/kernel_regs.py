@@ -87,8 +87,11 @@ def main() -> None:
     print(f"intra, any gate ({a.warps} warps, 1 stage): {ptxas_report(k)}", flush=True)
     bconsts = dict(H=12, HV=12, K=a.K, BT=64, BC=16, BK=min(32, triton.next_power_of_2(a.K)), IS_VARLEN=False,
                    HAS_A_LOG=True, HAS_DT_BIAS=True, A_PREC="tf32x3", **flags)
-    k = compile_for_sm90(chunk_ops._chunk_intra_bounded_kernel, bconsts, 8, 1, a.maxnreg, a.ws)
-    print(f"bounded intra, one program per chunk (8 warps, 1 stage): {ptxas_report(k)}", flush=True)
+    for row_batched in (False, True):
+        k = compile_for_sm90(chunk_ops._chunk_intra_bounded_kernel, dict(bconsts, ROW_BATCHED=row_batched), 8, 1,
+                             a.maxnreg, a.ws)
+        print(f"bounded intra, one program per chunk, ROW_BATCHED={row_batched} (8 warps, 1 stage): "
+              f"{ptxas_report(k)}", flush=True)
     consts = dict(HV=12, K=a.K, V=a.V, BT=64, BC=16, BK=min(32, triton.next_power_of_2(a.K)),
                   BV=min(64, triton.next_power_of_2(a.V)), IS_VARLEN=False, INV_PREC=a.inv_prec, **flags)
     k = compile_for_sm90(chunk_ops._chunk_solve_kernel, consts, a.solve_warps, 1, a.maxnreg, a.ws)

@@ -54,6 +54,9 @@ if __name__ == "__main__":
     for B, T, H in [(1, 4096, 12), (1, 16384, 32), (1, 8192, 96)]:
         args, kw = inputs(B, T, H)
         print(f"{B}x{T} H={H} bounded: {timed(args, kw)}", flush=True)
+        chunk_ops._ROW_BATCHED = not chunk_ops._ROW_BATCHED  # the other form (KDA_DEV_INTRA_FORM)
+        print(f"{B}x{T} H={H} bounded, ROW_BATCHED={chunk_ops._ROW_BATCHED}: {timed(args, kw)}", flush=True)
+        chunk_ops._ROW_BATCHED = not chunk_ops._ROW_BATCHED
         if (B, T, H) != (1, 4096, 12):  # the K-slice loads' pipelining (_BOUNDED_LAUNCH num_stages)
             default_launch = chunk_ops._BOUNDED_LAUNCH
             for warps, stages in ((8, 1), (8, 2), (8, 4), (4, 3)):

@@ -96,20 +96,23 @@ def test_strong_decay_and_correlated_keys(device):
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
 
 
+@pytest.mark.parametrize("form", [False, True], ids=["split-diagonal", "row-batched"])
 @pytest.mark.parametrize("bk", [32, 16], ids=["one-k-slice", "two-k-slices"])
 @pytest.mark.parametrize("lower_bound", [-5.0, -5.2])
 @pytest.mark.parametrize("keys", ["random", "correlated"])
-def test_bounded_gate_anchored_diagonal(bk, lower_bound, keys, device, monkeypatch):
+def test_bounded_gate_anchored_diagonal(form, bk, lower_bound, keys, device, monkeypatch):
     """The lower-bound gate saturated at lb (a 16-row block spans 15 lb log2(e) log2 units: 108 at -5,
     inside `_chunk_intra_bounded_kernel`'s 2^112; 112.5 at -5.2, past it, so that call keeps
     `_chunk_intra_kernel` and its pairwise diagonal), with random or correlated keys and beta near 1: both
     paths within 1e-5 of the oracle, and equal to each other to rounding. `bk`: the bounded kernel's K
-    slice (K = 32 here: one slice, or two accumulated)."""
+    slice (K = 32 here: one slice, or two accumulated); `form`: its ROW_BATCHED switch
+    (KDA_DEV_INTRA_FORM=rowbatched)."""
     from types import SimpleNamespace
 
     import kda.ops.chunk as chunk_ops
 
     monkeypatch.setattr(chunk_ops, "_BOUNDED_BK", bk)
+    monkeypatch.setattr(chunk_ops, "_ROW_BATCHED", form)
 
     B, T, H, HV, K, V = 1, 90, 1, 1, 32, 8
     q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, gate="lower_bound", device=device, seed=9)

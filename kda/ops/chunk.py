@@ -38,6 +38,8 @@ needed.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -232,6 +234,7 @@ def _chunk_intra_bounded_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, A_PREC: tl.constexpr,
+    ROW_BATCHED: tl.constexpr = False,
 ):
     """The intra stage for a bounded gate (`bounded_gate`: in-kernel lower-bound gate, q/k l2norm in the
     kernel), one program per (chunk, value head) instead of one per (chunk, 16-row block, value head):
@@ -251,7 +254,13 @@ def _chunk_intra_bounded_kernel(
     DOT_PREC: the final-state error did not move with it (8.16e-4 both ways).
     Measured on the H200 at 1x16384 H=32 (scripts/profile_chunk.py, benchmarks/results/
     2026-11-29-h200-session4.md): 2.96 ms, against 3.71 ms when every row block's dot also covered its
-    diagonal block (A_qk's all in tf32x3) and 3.34 ms at a 16-wide K slice."""
+    diagonal block (A_qk's all in tf32x3) and 3.34 ms at a 16-wide K slice.
+    ROW_BATCHED (behind KDA_DEV_INTRA_FORM=rowbatched until timed): one batched dot per matrix and K slice,
+    [NB, BC, BK] x [NB, BK, BT]: row block r against every column up to its last row, all anchored at a_r
+    (column factors <= 1 before block r, <= 2^112 inside it). No zeroed rows: 3x fewer multiply-adds
+    than the per-row-block dots over the earlier blocks, and A_qk entirely at A_PREC (as at 9c15198,
+    output error 2.00e-3) for fewer passes than today's split; the price is an [NB, BT, BK] fp64
+    exponent tile."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -277,6 +286,8 @@ def _chunk_intra_bounded_kernel(
     acc_qk = tl.zeros([BT, BT], dtype=tl.float32)
     dg_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
     dg_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    rb_kk = tl.zeros([NB, BC, BT], dtype=tl.float32)  # ROW_BATCHED's accumulators
+    rb_qk = tl.zeros([NB, BC, BT], dtype=tl.float32)
     ws = rows[:, None] * (HV * K) + i_hv * K
     o_blk = tl.arange(0, BT // BC)
     first = (o_t % BC) == 0
@@ -297,43 +308,62 @@ def _chunk_intra_bounded_kernel(
         e_row = tl.exp2((b - row_anchor).to(tl.float32))  # <= 1
         ke_row = kx * e_row
         qe_row = qx * e_row
-        # the diagonal blocks, all at once: column factors 2^(a_r - b_j) inside block r (<= 2^112)
-        kd3 = tl.reshape(kx, [NB, BC, BK]) * tl.exp2((anchors[:, None, :] - b3).to(tl.float32))
-        kd3 = tl.permute(kd3, (0, 2, 1))
-        dg_kk += tl.dot(tl.reshape(ke_row, [NB, BC, BK]), kd3, input_precision=DOT_PREC)
-        dg_qk += tl.dot(tl.reshape(qe_row, [NB, BC, BK]), kd3, input_precision=A_PREC)
-        for r in tl.static_range(1, NB):
-            # row block r against the columns of the earlier blocks (factors <= 1)
-            a_r = tl.sum(tl.where(o_blk[:, None] == r, anchors, 0.0), 0)  # [BK]
-            mc = ((o_t < r * BC) & row_ok)[:, None] & col_ok[None, :]
-            kc = kx * tl.exp2(tl.where(mc, a_r[None, :] - b, 0.0).to(tl.float32))
-            kc = tl.trans(tl.where(mc, kc, 0.0))
-            in_r = (blk == r)[:, None]
-            acc_kk += tl.dot(tl.where(in_r, ke_row, 0.0), kc, input_precision=DOT_PREC)
-            acc_qk += tl.dot(tl.where(in_r, qe_row, 0.0), kc, input_precision=DOT_PREC)
+        if ROW_BATCHED:
+            # row block r (dim 0) against the columns j up to its last row (dim 1), anchored at a_r
+            # (built one row block at a time: an [NB, BT, BK] fp64 exponent tile spilled 1.3 KB)
+            kc3 = tl.zeros([NB, BT, BK], dtype=tl.float32)
+            for r in tl.static_range(NB):
+                a_r = tl.sum(tl.where(o_blk[:, None] == r, anchors, 0.0), 0)  # [BK]
+                mc = ((o_t < (r + 1) * BC) & row_ok)[:, None] & col_ok[None, :]
+                kc = tl.where(mc, kx * tl.exp2(tl.where(mc, a_r[None, :] - b, 0.0).to(tl.float32)), 0.0)
+                kc3 = tl.where((o_blk == r)[:, None, None], kc[None, :, :], kc3)
+            kc3 = tl.permute(kc3, (0, 2, 1))  # [NB, BK, BT]
+            rb_kk += tl.dot(tl.reshape(ke_row, [NB, BC, BK]), kc3, input_precision=DOT_PREC)
+            rb_qk += tl.dot(tl.reshape(qe_row, [NB, BC, BK]), kc3, input_precision=A_PREC)
+        else:
+            # the diagonal blocks, all at once: column factors 2^(a_r - b_j) inside block r (<= 2^112)
+            kd3 = tl.reshape(kx, [NB, BC, BK]) * tl.exp2((anchors[:, None, :] - b3).to(tl.float32))
+            kd3 = tl.permute(kd3, (0, 2, 1))
+            dg_kk += tl.dot(tl.reshape(ke_row, [NB, BC, BK]), kd3, input_precision=DOT_PREC)
+            dg_qk += tl.dot(tl.reshape(qe_row, [NB, BC, BK]), kd3, input_precision=A_PREC)
+            for r in tl.static_range(1, NB):
+                # row block r against the columns of the earlier blocks (factors <= 1)
+                a_r = tl.sum(tl.where(o_blk[:, None] == r, anchors, 0.0), 0)  # [BK]
+                mc = ((o_t < r * BC) & row_ok)[:, None] & col_ok[None, :]
+                kc = kx * tl.exp2(tl.where(mc, a_r[None, :] - b, 0.0).to(tl.float32))
+                kc = tl.trans(tl.where(mc, kc, 0.0))
+                in_r = (blk == r)[:, None]
+                acc_kk += tl.dot(tl.where(in_r, ke_row, 0.0), kc, input_precision=DOT_PREC)
+                acc_qk += tl.dot(tl.where(in_r, qe_row, 0.0), kc, input_precision=DOT_PREC)
         _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b, b_last)
         tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
 
     a_off = rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
     m_a = row_ok[:, None] & row_ok[None, :]
-    kk = acc_kk * (rk * b_beta)[:, None] * rk[None, :]
-    qk = acc_qk * (rq * scale)[:, None] * rk[None, :]
-    # acc_* hold the earlier blocks' columns only: write every column outside the diagonal blocks
-    # from them (zeros to the right), then the diagonal blocks from dg_* (the two sets are disjoint)
-    col_blk = o_t[None, :] // BC
-    m_off = m_a & (col_blk != blk[:, None])
-    tl.store(akk_ws + a_off, tl.where(col_blk < blk[:, None], kk, 0.0), mask=m_off)
-    tl.store(aqk_ws + a_off, tl.where(col_blk < blk[:, None], qk, 0.0), mask=m_off)
-    o_c = tl.arange(0, BC)
-    loc_i = o_blk[:, None, None] * BC + o_c[None, :, None]  # [NB, BC, 1]: row inside the chunk
-    loc_j = o_blk[:, None, None] * BC + o_c[None, None, :]  # [NB, 1, BC]: column inside the chunk
-    m_dg = (loc_i < n_rows) & (loc_j < n_rows)
-    rk3 = tl.reshape(rk, [NB, BC])
-    kk3 = dg_kk * tl.reshape(rk * b_beta, [NB, BC])[:, :, None] * rk3[:, None, :]
-    qk3 = dg_qk * tl.reshape(rq * scale, [NB, BC])[:, :, None] * rk3[:, None, :]
-    d_off = (t0 + loc_i) * (HV * BT) + i_hv * BT + loc_j
-    tl.store(akk_ws + d_off, tl.where(loc_j < loc_i, kk3, 0.0), mask=m_dg)
-    tl.store(aqk_ws + d_off, tl.where(loc_j <= loc_i, qk3, 0.0), mask=m_dg)
+    if ROW_BATCHED:
+        kk = tl.reshape(rb_kk, [BT, BT]) * (rk * b_beta)[:, None] * rk[None, :]
+        qk = tl.reshape(rb_qk, [BT, BT]) * (rq * scale)[:, None] * rk[None, :]
+        tl.store(akk_ws + a_off, tl.where(o_t[None, :] < o_t[:, None], kk, 0.0), mask=m_a)
+        tl.store(aqk_ws + a_off, tl.where(o_t[None, :] <= o_t[:, None], qk, 0.0), mask=m_a)
+    else:
+        kk = acc_kk * (rk * b_beta)[:, None] * rk[None, :]
+        qk = acc_qk * (rq * scale)[:, None] * rk[None, :]
+        # acc_* hold the earlier blocks' columns only: write every column outside the diagonal blocks
+        # from them (zeros to the right), then the diagonal blocks from dg_* (the two sets are disjoint)
+        col_blk = o_t[None, :] // BC
+        m_off = m_a & (col_blk != blk[:, None])
+        tl.store(akk_ws + a_off, tl.where(col_blk < blk[:, None], kk, 0.0), mask=m_off)
+        tl.store(aqk_ws + a_off, tl.where(col_blk < blk[:, None], qk, 0.0), mask=m_off)
+        o_c = tl.arange(0, BC)
+        loc_i = o_blk[:, None, None] * BC + o_c[None, :, None]  # [NB, BC, 1]: row inside the chunk
+        loc_j = o_blk[:, None, None] * BC + o_c[None, None, :]  # [NB, 1, BC]: column inside the chunk
+        m_dg = (loc_i < n_rows) & (loc_j < n_rows)
+        rk3 = tl.reshape(rk, [NB, BC])
+        kk3 = dg_kk * tl.reshape(rk * b_beta, [NB, BC])[:, :, None] * rk3[:, None, :]
+        qk3 = dg_qk * tl.reshape(rq * scale, [NB, BC])[:, :, None] * rk3[:, None, :]
+        d_off = (t0 + loc_i) * (HV * BT) + i_hv * BT + loc_j
+        tl.store(akk_ws + d_off, tl.where(loc_j < loc_i, kk3, 0.0), mask=m_dg)
+        tl.store(aqk_ws + d_off, tl.where(loc_j <= loc_i, qk3, 0.0), mask=m_dg)
 
 
 @triton.jit
@@ -417,6 +447,9 @@ def _chunk_solve_kernel(
 # registers; scripts/kernel_regs.py): 732 B at 32, 80 B at 16; yet 16 was slower on the H200 (3.34 against
 # 2.96 ms at 1x16384 H=32, benchmarks/results/2026-11-29-h200-session4.md).
 _BOUNDED_BK = 32
+# Development switch until timed on a GPU: KDA_DEV_INTRA_FORM=rowbatched runs the bounded intra kernel's
+# ROW_BATCHED form (its docstring).
+_ROW_BATCHED = os.environ.get("KDA_DEV_INTRA_FORM", "") == "rowbatched"
 # Its launch: one program per SM (255 registers x 8 warps), so the K-slice loop's loads are exposed unless
 # pipelined. H200 (scripts/profile_chunk.py, benchmarks/results/2026-11-29-h200-session4.md), num_stages
 # 1 / 2 / 3: 2959 / 2910 / 2813 us at 1x16384 H=32, 4459 / 4348 / 4215 us at 1x8192 H=96.
@@ -502,7 +535,7 @@ def chunk_kda_fwd(call: KDACall) -> tuple[torch.Tensor, torch.Tensor | None]:
                 T, N, NT, call.scale, lower_bound,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BK=min(_BOUNDED_BK, pow2_at_least(K)),
                 HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None,
-                A_PREC=intra_dot_precision(prec), **_BOUNDED_LAUNCH, **flags,
+                A_PREC=intra_dot_precision(prec), ROW_BATCHED=_ROW_BATCHED, **_BOUNDED_LAUNCH, **flags,
             )
         else:
             _chunk_intra_kernel[(n_programs, BT // BC, HV)](
