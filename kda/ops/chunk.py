@@ -48,7 +48,9 @@ from ..contract import KDACall
 from .chunk_state import state_walk
 from .common import (
     LOG2E,
+    decay_rate,
     dot_precision,
+    dt_bias_slice,
     gate_params,
     kda_gate_log2,
     locate_block,
@@ -85,24 +87,6 @@ def _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID: tl.conste
     if USE_BETA_SIGMOID:
         b = tl.sigmoid(b)
     return tl.where(row_ok, b, 0.0)
-
-
-@triton.jit
-def _decay_rate(A_log, i_hv, HAS_A_LOG: tl.constexpr):
-    """a = exp(A_log) of value head i_hv for the in-kernel gate, or 1."""
-    a = 1.0
-    if HAS_A_LOG:
-        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    return a
-
-
-@triton.jit
-def _dt_bias_slice(dt_bias, i_hv, cols, K: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """dt_bias of value head i_hv at channels `cols` (0 past K, or without dt_bias)."""
-    if HAS_DT_BIAS:
-        return tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-    else:
-        return tl.zeros([cols.shape[0]], dtype=tl.float32)
 
 
 @triton.jit
@@ -170,7 +154,7 @@ def _chunk_intra_kernel(
     rq_r = _qk_inv_norm(q_h, rows_r, ok_r, s_qt, K, BK, USE_L2NORM)
     rk_r = _qk_inv_norm(k_h, rows_r, ok_r, s_kt, K, BK, USE_L2NORM)
     beta_r = _load_beta(beta, rows_r, ok_r, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
-    a = _decay_rate(A_log, i_hv, HAS_A_LOG)
+    a = decay_rate(A_log, i_hv, HAS_A_LOG)
 
     lower = ((o_c[:, None] >= o_c[None, :]) & ok_r[:, None] & ok_r[None, :])[:, :, None]
     acc_off_kk = tl.zeros([BC, BT], dtype=tl.float32)
@@ -183,7 +167,7 @@ def _chunk_intra_kernel(
         col_ok = cols < K
         m_all = row_ok[:, None] & col_ok[None, :]
         m_r = ok_r[:, None] & col_ok[None, :]
-        bias = _dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
+        bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
         # the cumulative log2 decay of every row of the chunk, and of block r, in fp64
         g_all = _gate_tile(g_h, rows, cols, m_all, s_gt, a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
         b_all = tl.cumsum(g_all, axis=0)
@@ -279,7 +263,7 @@ def _chunk_intra_bounded_kernel(
     rk = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, True)
     rq = _qk_inv_norm(q_h, rows, row_ok, s_qt, K, BK, True)
     b_beta = _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
-    a = _decay_rate(A_log, i_hv, HAS_A_LOG)
+    a = decay_rate(A_log, i_hv, HAS_A_LOG)
 
     NB: tl.constexpr = BT // BC
     acc_kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -295,7 +279,7 @@ def _chunk_intra_bounded_kernel(
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         m = row_ok[:, None] & col_ok[None, :]
-        bias = _dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
+        bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
         gl = _gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, True, True)
         b = tl.cumsum(gl, axis=0)  # log2 decay from the chunk start, fp64 (differences stay exact to fp32)
         b_last = tl.sum(gl, 0)
@@ -315,8 +299,8 @@ def _chunk_intra_bounded_kernel(
             for r in tl.static_range(NB):
                 a_r = tl.sum(tl.where(o_blk[:, None] == r, anchors, 0.0), 0)  # [BK]
                 mc = ((o_t < (r + 1) * BC) & row_ok)[:, None] & col_ok[None, :]
-                kc = tl.where(mc, kx * tl.exp2(tl.where(mc, a_r[None, :] - b, 0.0).to(tl.float32)), 0.0)
-                kc3 = tl.where((o_blk == r)[:, None, None], kc[None, :, :], kc3)
+                kc_r = tl.where(mc, kx * tl.exp2(tl.where(mc, a_r[None, :] - b, 0.0).to(tl.float32)), 0.0)
+                kc3 = tl.where((o_blk == r)[:, None, None], kc_r[None, :, :], kc3)
             kc3 = tl.permute(kc3, (0, 2, 1))  # [NB, BK, BT]
             rb_kk += tl.dot(tl.reshape(ke_row, [NB, BC, BK]), kc3, input_precision=DOT_PREC)
             rb_qk += tl.dot(tl.reshape(qe_row, [NB, BC, BK]), kc3, input_precision=A_PREC)

@@ -74,6 +74,24 @@ def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def decay_rate(A_log, i_hv, HAS_A_LOG: tl.constexpr):
+    """a = exp(A_log) of value head i_hv for the in-kernel gate, or 1."""
+    a = 1.0
+    if HAS_A_LOG:
+        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    return a
+
+
+@triton.jit
+def dt_bias_slice(dt_bias, i_hv, cols, K: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """dt_bias of value head i_hv at channels `cols` (0 past K, or without dt_bias)."""
+    if HAS_DT_BIAS:
+        return tl.load(dt_bias + i_hv * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros([cols.shape[0]], dtype=tl.float32)
+
+
+@triton.jit
 def slot_of(slot_of_seq, i_n, paged):
     """Sequence i_n's pool slot (int64; < 0: a padding sequence): slot_of_seq[i_n] when `paged` (a constexpr,
     or a run-time flag where one binary must serve both contracts), else i_n (the dense contract)."""

@@ -70,6 +70,8 @@ import triton.language as tl
 
 from ..contract import KDACall, interpreting
 from .common import (
+    decay_rate,
+    dt_bias_slice,
     gate_params,
     kda_gate_log2,
     output_buffer,
@@ -173,21 +175,6 @@ def _store_state(S, plane, tile_off, tile_ok, counter, seed, SR: tl.constexpr, F
 
 
 @triton.jit
-def _head_gate(A_log, dt_bias, i_hv, K: tl.constexpr, BK: tl.constexpr, HAS_A_LOG: tl.constexpr,
-               HAS_DT_BIAS: tl.constexpr):
-    """Per-head gate parameters: a = exp(A_log) (1 without A_log) and the dt_bias row ([BK], zeros past K)."""
-    o_k = tl.arange(0, BK)
-    a = 1.0
-    if HAS_A_LOG:
-        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    if HAS_DT_BIAS:
-        bias = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros([BK], dtype=tl.float32)
-    return a, bias
-
-
-@triton.jit
 def _token_inputs(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, a, bias, scale, lower_bound,
                   K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                   USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
@@ -275,7 +262,8 @@ def _fused_recurrent_kda_kernel(
 
     S = _first_state(state_src + slot * src_stride + i_hv * (K * V), has_initial_state, i_n, i_v, BV, BK, K, V,
                      HAS_SRC, HAS_INIT_FLAGS, V_FIRST, FULL_TILE).to(tl.float32)
-    a, bias = _head_gate(A_log, dt_bias, i_hv, K, BK, HAS_A_LOG, HAS_DT_BIAS)
+    a = decay_rate(A_log, i_hv, HAS_A_LOG)
+    bias = dt_bias_slice(dt_bias, i_hv, tl.arange(0, BK), K, HAS_DT_BIAS)
 
     q_h = q + i_h * s_qh
     k_h = k + i_h * s_kh
@@ -361,7 +349,8 @@ def _fused_recurrent_one_token_kernel(
         S3 = _first_state(src_plane, has_initial_state, i_n, i_vb + 3, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
                           V_FIRST, FULL_TILE)
 
-    a, bias = _head_gate(A_log, dt_bias, i_hv, K, BK, HAS_A_LOG, HAS_DT_BIAS)
+    a = decay_rate(A_log, i_hv, HAS_A_LOG)
+    bias = dt_bias_slice(dt_bias, i_hv, tl.arange(0, BK), K, HAS_DT_BIAS)
     q_t, k_t, g_t, beta_t = _token_inputs(q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt,
                                           g + i_hv * s_gh + t * s_gt, beta + i_hv * s_bh + t * s_bt,
                                           a, bias, scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND,
@@ -446,10 +435,9 @@ def fused_recurrent_kda_fwd(
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     A_log, dt_bias, lower_bound = gate_params(call)
     dummy = q  # pointer for absent tensors (never dereferenced: the matching constexpr flag is off)
-    # one token per sequence at token n (dense [N, 1], or varlen whose host bounds are 0, 1, ..., N: the
-    # flattened token axis is then the same): the one-token kernel; otherwise the loop kernel
-    one_token = call.one_token_per_seq
-    cfg = _launch_config(K, V, call.state_v_first, call.state_dtype.itemsize, one_token)
+    # nsub > 0 (only for one token per sequence at token n: dense [N, 1], or varlen whose host bounds are
+    # 0, 1, ..., N, the same flattened token axis): the one-token kernel; otherwise the loop kernel
+    cfg = _launch_config(K, V, call.state_v_first, call.state_dtype.itemsize, call.one_token_per_seq)
     BK, BV = cfg.BK, cfg.BV
     pointers = (st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
                 st.slot_of_seq if st.slot_of_seq is not None else dummy,
@@ -469,7 +457,7 @@ def fused_recurrent_kda_fwd(
     )
     if cfg.maxnreg is not None and not interpreting():
         flags["maxnreg"] = cfg.maxnreg
-    if one_token and cfg.nsub > 0:
+    if cfg.nsub > 0:
         rows = BV * cfg.nsub
         _fused_recurrent_one_token_kernel[(triton.cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *pointers, *strides, call.scale, lower_bound, seed,
