@@ -6,19 +6,24 @@ and the 11-bit intermediates: NARROW_STATE_TOL below)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from helpers import bits, make_inputs, on_cpu, poison_pool, rel_err, rounding_floor
 
 import kda
 import kda_reference as ref
+from kda.contract import check_call
+from kda.ops.chunk import chunk_kda_fwd
+from kda.plan import chunk_plan
 from kda.accuracy.config import KERNEL_FP32_TERM, KERNEL_NARROW_TERM
 from kda.accuracy.prefill import kernel_bound
 
 FP32_TOL = 1e-5
 # With bf16/fp16 inputs (and q, k normalised in the kernel) the intermediates keep an 11-bit significand:
-# the GPU's tf32 dots (kda.ops.common.dot_precision) and, on every device, the fp16 workspaces
-# (kda.ops.chunk.workspace_dtype); unit roundoff 2^-11, carried through a few chained products. The
+# the GPU's tf32 dots (kda.plan.dot_precision) and, on every device, the fp16 workspaces
+# (kda.plan.workspace_dtype); unit roundoff 2^-11, carried through a few chained products. The
 # accuracy harness's kernel bound is this same criterion (kda/accuracy/config.py).
 NARROW_STATE_TOL = KERNEL_NARROW_TERM
 assert FP32_TOL == KERNEL_FP32_TERM
@@ -96,25 +101,25 @@ def test_strong_decay_and_correlated_keys(device):
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
 
 
-@pytest.mark.parametrize("form", [False, True], ids=["split-diagonal", "row-batched"])
-@pytest.mark.parametrize("bk", [32, 16], ids=["one-k-slice", "two-k-slices"])
+def _planned(kwargs, q, k, v, g, beta, **overrides):
+    """chunk_kda through a plan built with `overrides` (kda.plan.chunk_plan), and that plan."""
+    params = list(inspect.signature(kda.chunk_kda).parameters.values())[5:]
+    kw = {p.name: kwargs.get(p.name, p.default) for p in params}
+    scale, h0, final = kw.pop("scale"), kw.pop("initial_state"), kw.pop("output_final_state")
+    call = check_call("chunk_kda", q, k, v, g, beta, scale, h0, final, require_has_initial_state=True, **kw)
+    plan = chunk_plan(call, **overrides)
+    return (*chunk_kda_fwd(call, plan), plan, chunk_plan(call))
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, -5.2])
 @pytest.mark.parametrize("keys", ["random", "correlated"])
-def test_bounded_gate_anchored_diagonal(form, bk, lower_bound, keys, device, monkeypatch):
-    """The lower-bound gate saturated at lb (a 16-row block spans 15 lb log2(e) log2 units: 108 at -5,
-    inside `_chunk_intra_bounded_kernel`'s 2^112; 112.5 at -5.2, past it, so that call keeps
-    `_chunk_intra_kernel` and its pairwise diagonal), with random or correlated keys and beta near 1: both
-    paths within 1e-5 of the oracle, and equal to each other to rounding. `bk`: the bounded kernel's K
-    slice (K = 32 here: one slice, or two accumulated); `form`: its ROW_BATCHED switch
-    (KDA_DEV_INTRA_FORM=rowbatched)."""
-    from types import SimpleNamespace
-
-    import kda.ops.chunk as chunk_ops
-
-    monkeypatch.setattr(chunk_ops, "_BOUNDED_BK", bk)
-    monkeypatch.setattr(chunk_ops, "_ROW_BATCHED", form)
-
-    B, T, H, HV, K, V = 1, 90, 1, 1, 32, 8
+@pytest.mark.parametrize("K", [32, 100])
+def test_bounded_gate_prepare_forms(lower_bound, keys, K, device):
+    """The lower-bound gate saturated at lb, where each 32-row half of a chunk spans 16 lb log2(e) log2 units
+    around its anchor: 115.4 at lb = -5, inside the fused prepare's 2^118, so it is the default; 120 at
+    -5.2, past it, so the split prepare (pairwise diagonal) is. Random or correlated keys with beta near 1;
+    K = 100 takes two K slices of the fused kernel. Both forms within 1e-5 of the oracle and of each other."""
+    B, T, H, HV, V = 1, 90, 1, 1, 8
     q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, gate="lower_bound", device=device, seed=9)
     kw.update(lower_bound=lower_bound, use_qk_l2norm_in_kernel=True, output_final_state=True)
     g = g + 12.0  # sigmoid(a (x + dt_bias)) ~ 1: every token decays by about lb
@@ -123,14 +128,17 @@ def test_bounded_gate_anchored_diagonal(form, bk, lower_bound, keys, device, mon
         base = torch.randn(K, generator=gen)
         k = (base + 0.01 * torch.randn(B, T, H, K, generator=gen)).to(device)
         beta = torch.full((B, T, HV), 0.99, device=device)
-    flags = SimpleNamespace(use_gate_in_kernel=True, lower_bound=lower_bound, use_qk_l2norm_in_kernel=True)
-    assert chunk_ops.bounded_gate(flags) == (lower_bound == -5.0)
-    o, s, ro, rs = _both(kw, q, k, v, g, beta)
-    assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
-    monkeypatch.setattr(chunk_ops, "bounded_gate", lambda call: False)  # the pairwise diagonal
-    o2, s2 = kda.chunk_kda(q, k, v, g, beta, **kw)
-    assert rel_err(o2, o) < FP32_TOL and rel_err(s2, s) < FP32_TOL
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kw))
+    runs = {}
+    for form in ("fused", "split"):
+        o, s, plan, default = _planned(kw, q, k, v, g, beta, prepare=form)
+        assert plan.prepare == form
+        assert default.prepare == ("fused" if lower_bound == -5.0 else "split")
+        assert torch.isfinite(o).all() and torch.isfinite(s).all()
+        assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
+        runs[form] = (o, s)
+    assert rel_err(runs["fused"][0], runs["split"][0]) < FP32_TOL
+    assert rel_err(runs["fused"][1], runs["split"][1]) < FP32_TOL
 
 
 @pytest.mark.parametrize("v_first", [False, True])
@@ -265,12 +273,9 @@ def test_prepare_with_varlen_gva_and_odd_sizes(device):
 
 
 @pytest.mark.parametrize("layout", ["dense", "varlen-paged"])
-def test_segmented_walk_equals_the_plain_one(layout, device, monkeypatch):
+def test_segmented_walk_equals_the_plain_one(layout, device):
     """The segmented state walk (affine segment summaries, a scan, then the outputs) against the oracle
     and against the plain walk, with 2-chunk segments so that every sequence has several."""
-    import kda.ops.chunk_state as walk
-
-    monkeypatch.setattr(walk, "SEGMENT_CHUNKS", 2)
     H, HV, K, V = 1, 2, 24, 40
     if layout == "dense":
         B, T = 2, 300
@@ -287,16 +292,16 @@ def test_segmented_walk_equals_the_plain_one(layout, device, monkeypatch):
                 pool[slot] = torch.randn(HV, K, V).to(device)
         has = torch.tensor([True, True, True, False, True, True], device=device)
         kw.update(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device), state_cache=pool,
-                  state_indices=idx, has_initial_state=has)
+                  state_indices=idx, has_initial_state=has, state_v_first=False)
     runs = {}
-    for mode in ("never", "always"):
-        monkeypatch.setattr(walk, "SEGMENT_MODE", mode)
+    for walk in ("plain", "segmented"):
         kw_run = dict(kw)
         if "state_cache" in kw:
             kw_run["state_cache"] = kw["state_cache"].clone()
-        o, s = kda.chunk_kda(q, k, v, g, beta, **kw_run)
-        runs[mode] = (o, s if s is not None else kw_run["state_cache"])
-    (o1, s1), (o2, s2) = runs["never"], runs["always"]
+        o, s, plan, _ = _planned(kw_run, q, k, v, g, beta, walk=walk, segment_chunks=2)
+        assert plan.walk == walk
+        runs[walk] = (o, s if s is not None else kw_run["state_cache"])
+    (o1, s1), (o2, s2) = runs["plain"], runs["segmented"]
     assert rel_err(o2, o1) < FP32_TOL and rel_err(torch.nan_to_num(s2), torch.nan_to_num(s1)) < FP32_TOL
     assert torch.equal(torch.isnan(s1), torch.isnan(s2))  # the same slots untouched (NaN-poisoned ones)
     if layout == "dense":

@@ -1,5 +1,5 @@
-"""Pieces shared by the chunked and the recurrent kernels: the in-kernel gate, sequence bounds, the state
-pool description, and the host-side allocation of the outputs.
+"""Device functions shared by the chunked and the recurrent kernels: the in-kernel gate, rounding, sequence
+bounds and pool slots.
 
 State is always addressed as a pool of dense planes (`KDACall` explains why): the dense contract is a pool
 whose slot `n` is sequence `n`; the paged contract is the caller's pool with `state_indices`. A kernel
@@ -9,16 +9,11 @@ reads the plane of `slot_of_seq[n]` from `state_src` and writes it to the same s
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
 
-from ..contract import KDACall, interpreting
+from ..contract import interpreting
 
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -59,6 +54,17 @@ def round_to(x, dtype: tl.constexpr):
         return y.to(tl.bfloat16)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def tf32_round(x, PREC: tl.constexpr):
+    """fp32 `x` rounded to nearest at tf32's 10-bit significand when the dots run in tf32 (the tensor cores
+    drop an fp32 operand's 13 low bits: truncation, a bias that a long dot accumulates); else `x`."""
+    if PREC == "tf32":
+        b = x.to(tl.int32, bitcast=True)
+        return ((b + 0x1000) & -8192).to(tl.float32, bitcast=True)
+    else:
+        return x
 
 
 @triton.jit
@@ -128,69 +134,7 @@ def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.cons
     return i_n, bos, t0, eos
 
 
-@dataclass
-class StatePlan:
-    """Where a kernel reads and writes state. `src`/`dst` are pools of dense planes (or None)."""
-
-    src: torch.Tensor | None
-    dst: torch.Tensor | None
-    slot_of_seq: torch.Tensor | None  # int32 [N], None: sequence n is slot n
-    has_initial_state: torch.Tensor | None  # bool [N], None: every non-padding slot is read
-    final_state: torch.Tensor | None  # what the call returns
-
-    @property
-    def src_stride(self) -> int:
-        return self.src.stride(0) if self.src is not None else 0
-
-    @property
-    def dst_stride(self) -> int:
-        return self.dst.stride(0) if self.dst is not None else 0
-
-
-def plan_state(call: KDACall) -> StatePlan:
-    """Allocate the dense final state (if asked) and describe the source and destination pools."""
-    if call.state_mode == "paged":
-        return StatePlan(call.state_in, call.state_in, call.state_indices, call.has_initial_state, None)
-    final = None
-    if call.output_final_state:
-        final = torch.empty((call.N, *call.state_plane_shape), dtype=call.state_dtype, device=call.q.device)
-    return StatePlan(call.state_in, final, None, None, final)
-
-
-def output_buffer(call: KDACall) -> torch.Tensor:
-    """The caller's `out`, or a new `[B, T, HV, V]` tensor in v's dtype."""
-    if call.out is not None:
-        return call.out
-    return torch.empty((call.B, call.T, call.HV, call.V), dtype=call.v.dtype, device=call.v.device)
-
-
-def gate_params(call: KDACall) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Pointers for the in-kernel gate (a dummy tensor where a parameter is absent) and the lower bound."""
-    dummy = call.g
-    return (call.A_log if call.A_log is not None else dummy,
-            call.dt_bias if call.dt_bias is not None else dummy,
-            call.lower_bound if call.lower_bound is not None else 0.0)
-
-
-def dot_precision(input_dtype: torch.dtype) -> str:
-    """Precision of the fp32 dots. The interpreter computes exact fp32 ("ieee"). On the GPU: fp32 inputs
-    get exact fp32 dots (a caller passing fp32 asks for fp32 accuracy); bf16/fp16 inputs get tf32, whose
-    rounding (2^-11) stays below the inputs' own. `KDA_DOT_PRECISION` (ieee, tf32, tf32x3) overrides."""
-    if interpreting():
-        return "ieee"
-    if _DOT_PRECISION_OVERRIDE:
-        return _DOT_PRECISION_OVERRIDE
-    return "ieee" if input_dtype == torch.float32 else "tf32"
-
-
-_DOT_PRECISION_OVERRIDE = os.environ.get("KDA_DOT_PRECISION", "")
-
-
-def token_stride(x: torch.Tensor, T: int) -> int:
+def token_stride(x, T: int) -> int:
     """The one stride of the flattened [B*T] token axis: stride(1), or stride(0) when T == 1 (the
     contract then leaves stride(1) free, e.g. a [B, 1, ...] slice of a longer buffer)."""
     return x.stride(1) if T > 1 else x.stride(0)
-
-
-def pow2_at_least(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(x))

@@ -62,30 +62,16 @@ bounds it, docs/contract.md states the contract).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from ..contract import KDACall, interpreting
-from .common import (
-    decay_rate,
-    dt_bias_slice,
-    gate_params,
-    kda_gate_log2,
-    output_buffer,
-    plan_state,
-    round_to,
-    seq_bounds,
-    slot_of,
-    token_stride,
-)
+from ..contract import KDACall
+from ..plan import DecodePlan, decode_plan, gate_args, output_buffer, state_plan
+from .common import decay_rate, dt_bias_slice, kda_gate_log2, round_to, seq_bounds, slot_of, token_stride
 
-# store modes of the state (constexpr SR): plain cast (round to nearest even), stochastic bf16 / fp16
-_ROUND_NEAREST = 0
-_SR_BF16 = 1
-_SR_FP16 = 2
+# store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
+# 1 stochastic bf16, 2 stochastic fp16
 
 
 @triton.jit
@@ -369,79 +355,22 @@ def _fused_recurrent_one_token_kernel(
                         s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    BK: int
-    BV: int
-    num_warps: int
-    nsub: int = 0  # 0: `_fused_recurrent_kda_kernel`; 1, 2, 4: `_fused_recurrent_one_token_kernel`, NSUB
-    maxnreg: int | None = None  # register cap per thread (None: the compiler's choice)
-
-
-# Tests and scripts/tune_decode.py force the kernel here: None follows `_launch_config`'s rule, 0 the loop
-# kernel, 1, 2 or 4 the one-token kernel with that NSUB.
-_NSUB_OVERRIDE: int | None = None
-
-
-def _launch_config(K: int, V: int, v_first: bool, state_bytes: int = 4, one_token: bool = False) -> LaunchConfig:
-    """The launch (BK, BV, num_warps; nsub and maxnreg for experiments), chosen by measurement on an H200
-    at K = V = 128 (paged fp32 pool, one token per sequence); other K, V follow the same rule, unmeasured.
-    BK covers K. About 64 fp32 state elements per thread: the register file bounds how many programs an
-    SM keeps in flight, and with it how much state is being read at once.
-    - V-first [V, K]: BV = 16 rows of K contiguous elements, one warp at K <= 128 (2 and 4 warps were
-      1.3-1.5x slower); many small programs keep the memory busy at small batch.
-    - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (narrower tiles were slower
-      here: the K reduction then crosses warps).
-    - A 2-byte pool (V-first): BV = 8, one warp (32 elements per thread). scripts/tune_decode.py,
-      2026-11-29, bf16 pool at N = 256 (time / floor): BV 8 1 warp 66.4 us (1.38), 16/1 75.4 (1.56),
-      32/1 67.9 (1.41), 32/2 84.0 (1.74), 64/4 70.1 (1.46); fp32 N = 256: 8/1 109.6, 16/1 108.5.
-      Doubling the tile for 2-byte pools (to move as many bytes per program as fp32) was the slowest
-      choice: smaller programs, more of them in flight, win.
-    - One-token calls (`KDACall.one_token_per_seq`: decode) with a V-first pool take
-      `_fused_recurrent_one_token_kernel`:
-      NSUB = 4 blocks of BV = 8 rows per program for a 2-byte pool (all four loaded in the storage dtype
-      before any is upcast), NSUB = 1 at BV = 16 for fp32. H200, steady state at N = 256 (benchmarks/
-      results/2026-11-29-h200-session3.md, calls 6-9): bf16 pool 58.1 us against the loop kernel's
-      62.5-68.4 (0.554x the fp32 pool instead of 0.595-0.603x), fp16 58.7; fp32 equal to the loop kernel
-      (105.3 vs 105.6 us; 28.3 vs 28.6 at N = 64). K-first pools, multi-token calls and varlen calls
-      without a host copy of the bounds keep the loop kernel (the one-token kernel is untimed K-first;
-      reading the bounds back to find out would sync the host)."""
-    BK = max(16, triton.next_power_of_2(K))
-    if v_first:
-        BV = 8 if (V <= 8 or state_bytes == 2) else 16
-    else:
-        BV = min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V)))
-    num_warps = max(1, min(8, BK * BV // 2048))
-    nsub = (4 if state_bytes == 2 else 1) if (one_token and v_first) else 0
-    if _NSUB_OVERRIDE is not None and one_token:
-        nsub = _NSUB_OVERRIDE
-    return LaunchConfig(BK, BV, num_warps, nsub=nsub)
-
-
 def fused_recurrent_kda_fwd(
-    call: KDACall, *, stochastic_rounding: bool = False, seed: int = 0
+    call: KDACall, plan: DecodePlan | None = None, *, stochastic_rounding: bool = False, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the token-by-token kernel for a validated call (see the module docstring). Returns
-    (o, final_state); final_state is None for the paged contract (the pool is written in place) and
-    when no final state was asked for."""
+    """Run a validated call (`kda.contract.check_call`) as planned (`kda.plan.decode_plan`). Returns
+    (o, final_state); final_state is None for the paged contract (the pool is written in place) and when no
+    final state was asked for."""
+    plan = plan or decode_plan(call, stochastic_rounding)
     T, H, HV, K, V, N = call.T, call.H, call.HV, call.K, call.V, call.N
-    # api.fused_recurrent_kda has checked that stochastic rounding comes with fp16/bf16 storage
-    sr = {torch.bfloat16: _SR_BF16, torch.float16: _SR_FP16}[call.state_dtype] if stochastic_rounding else _ROUND_NEAREST
     o = output_buffer(call)
-    st = plan_state(call)
+    st = state_plan(call)
     if N == 0:
         return o, st.final_state
     varlen = call.cu_seqlens is not None
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    A_log, dt_bias, lower_bound = gate_params(call)
-    dummy = q  # pointer for absent tensors (never dereferenced: the matching constexpr flag is off)
-    # nsub > 0 (only for one token per sequence at token n: dense [N, 1], or varlen whose host bounds are
-    # 0, 1, ..., N, the same flattened token axis): the one-token kernel; otherwise the loop kernel
-    cfg = _launch_config(K, V, call.state_v_first, call.state_dtype.itemsize, call.one_token_per_seq)
-    BK, BV = cfg.BK, cfg.BV
-    pointers = (st.src if st.src is not None else dummy, st.dst if st.dst is not None else dummy,
-                st.slot_of_seq if st.slot_of_seq is not None else dummy,
-                st.has_initial_state if st.has_initial_state is not None else dummy)
+    A_log, dt_bias, lower_bound = gate_args(call)
+    BK, BV = plan.BK, plan.BV
     strides = (token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
                token_stride(v, T), v.stride(2), token_stride(g, T), g.stride(2),
                token_stride(beta, T), beta.stride(2), token_stride(o, T), o.stride(2),
@@ -452,21 +381,19 @@ def fused_recurrent_kda_fwd(
         HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
         USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
         HAS_SRC=st.src is not None, HAS_DST=st.dst is not None,
-        HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first, SR=sr,
-        num_warps=1 if interpreting() else cfg.num_warps,
+        HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first, SR=plan.sr,
+        num_warps=plan.num_warps,
     )
-    if cfg.maxnreg is not None and not interpreting():
-        flags["maxnreg"] = cfg.maxnreg
-    if cfg.nsub > 0:
-        rows = BV * cfg.nsub
+    if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
+        rows = BV * plan.nsub
         _fused_recurrent_one_token_kernel[(triton.cdiv(V, rows), N, HV)](
-            q, k, v, g, beta, o, A_log, dt_bias, *pointers, *strides, call.scale, lower_bound, seed,
-            int(call.state_mode == "paged"), NSUB=cfg.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
+            q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, call.scale, lower_bound, seed,
+            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
         )
     else:
         _fused_recurrent_kda_kernel[(triton.cdiv(V, BV), N, HV)](
-            q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else dummy, *pointers, *strides,
+            q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
             T, call.scale, lower_bound, seed,
-            IS_VARLEN=varlen, PAGED=call.state_mode == "paged", FULL_TILE=(K == BK and V % BV == 0), **flags,
+            IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags,
         )
     return o, st.final_state

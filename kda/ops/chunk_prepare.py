@@ -1,0 +1,410 @@
+"""The prepare stage of `chunk_kda`: every chunk of BT tokens and value head in parallel, before the serial
+state walk (`kda.ops.chunk_walk`). Equals the per-chunk quantities of `kda_reference.chunk.chunk_kda`.
+
+Per chunk, with b = cumsum of the log2 decay inside the chunk (b <= 0, non-increasing per channel; the
+oracle's `G` is the same cumsum in natural log: b = G log2(e)) and q~, k~ the (l2-normalised) rows:
+
+    A_kk[i, j] = beta_i sum_c k~_ic k~_jc 2^(b_ic - b_jc)     j < i     (the oracle's `A`, strictly lower)
+    A_qk[i, j] = scale  sum_c q~_ic k~_jc 2^(b_ic - b_jc)     j <= i    (the oracle's `Aqk`)
+    X  = (I + A_kk)^-1                                                  (the oracle's `INV`)
+    W  = X diag(beta) Kd,   U0 = X diag(beta) V,   Kd = 2^b k~           (`W`, `U`)
+    Qd = scale 2^b q~,      Kr = 2^(b_last - b) k~,  gt = 2^b_last        (what the walk reads)
+
+Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
+- `_chunk_prepare_kernel`, for a bounded gate (`kda.plan.bounded_gate`: Kimi's lower-bound gate with
+  q, k l2-normalised in the kernel): one program per (chunk, value head) does everything, every product a
+  tensor-core dot. The exponents it evaluates stay inside fp32's range because a bounded gate costs at
+  most |lb| log2(e) log2 units per token: each 32-row half of A is anchored at its middle row (at most 16
+  tokens away: 2^115 at lb = -5), the block of second-half rows against first-half columns at the first
+  row of the second half (both factors <= 1). The inverse: forward substitution inside the 16 x 16
+  diagonal blocks, then two block merges as dots.
+- `_chunk_intra_kernel` + `_chunk_solve_kernel`, for any gate (a raw log-decay may be -1000 per token):
+  the diagonal 16 x 16 blocks take 2^(b_i - b_j) pairwise (every exponent <= 0), the cumsum in fp64.
+
+The cumulative decay b is summed in float64 in both: kernels use differences b_i - b_j of tokens up to a
+chunk apart, and b reaches -460 within a chunk at lb = -5, where fp32 keeps 3e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import decay_rate, dt_bias_slice, kda_gate_log2, locate_block, tf32_round
+
+@triton.jit
+def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """1 / sqrt(sum x^2 + 1e-6) per row (l2norm), or ones."""
+    if USE_L2NORM:
+        ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            m = row_mask[:, None] & (cols < K)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            ssq += tl.sum(x * x, 1)
+        return 1.0 / tl.sqrt(ssq + 1e-6)
+    else:
+        return tl.full([rows.shape[0]], 1.0, dtype=tl.float32)
+
+
+@triton.jit
+def _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID: tl.constexpr):
+    """beta of `rows` for value head i_hv in fp32 (sigmoid applied in the kernel if asked), 0 past the
+    sequence."""
+    b = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        b = tl.sigmoid(b)
+    return tl.where(row_ok, b, 0.0)
+
+
+@triton.jit
+def _gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, USE_GATE: tl.constexpr,
+               USE_LOWER_BOUND: tl.constexpr):
+    """The log2 decay of the [rows, cols] tile in fp64 (the cumsums are taken in fp64), 0 outside `m`."""
+    gl = kda_gate_log2(tl.load(g_h + rows[:, None] * s_gt + cols[None, :], mask=m, other=0.0),
+                       a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
+    return tl.where(m, gl, 0.0).to(tl.float64)
+
+
+@triton.jit
+def _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b, b_last):
+    """What the solve and the state walk read, for the rows of `b` (log2 decay from the chunk start):
+    Kd = 2^b k~, Qd = scale 2^b q~, Kr = 2^(b_last - b) k~, with k~ = rk k and q~ = rq q (l2norm), at row
+    offsets `ws` and channels `cols`."""
+    d = tl.exp2(b.to(tl.float32))
+    kn = kx * rk[:, None]
+    tl.store(kd_ws + ws + cols[None, :], kn * d, mask=m)
+    tl.store(qd_ws + ws + cols[None, :], qx * (rq * scale)[:, None] * d, mask=m)
+    tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b_last[None, :] - b).to(tl.float32)), mask=m)
+
+
+
+@triton.jit
+def _row_of(x, o_t, r):
+    """Row r of the tile x ([BT, C], rows o_t) as a [C] vector."""
+    return tl.sum(tl.where(o_t[:, None] == r, x, 0.0), 0)
+
+
+@triton.jit
+def _halves(x, HALF: tl.constexpr, C: tl.constexpr):
+    """Rows [0, HALF) and [HALF, 2 HALF) of a [2 HALF, C] tile."""
+    return tl.split(tl.permute(tl.reshape(x, [2, HALF, C]), (1, 2, 0)))
+
+
+@triton.jit
+def _quadrants(a00, a01, a10, a11, HALF: tl.constexpr):
+    """The [2 HALF, 2 HALF] tile [[a00, a01], [a10, a11]] from four [HALF, HALF] ones."""
+    top = tl.reshape(tl.permute(tl.join(a00, a01), (0, 2, 1)), [HALF, 2 * HALF])
+    bottom = tl.reshape(tl.permute(tl.join(a10, a11), (0, 2, 1)), [HALF, 2 * HALF])
+    return tl.reshape(tl.permute(tl.join(top, bottom), (2, 0, 1)), [2 * HALF, 2 * HALF])
+
+
+@triton.jit
+def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """X = (I + L)^-1 for a strictly lower [BT, BT] tile L (the oracle's `INV`). Inside the BC x BC
+    diagonal blocks by forward substitution in fp32 (X_i = e_i - sum_{j<i} L_ij X_j, all blocks at once),
+    then one merge per doubling of the block width: for M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1),
+    M^-1 = D - D E D with E = [[0, 0], [C, 0]] (block forward substitution written as two dots)."""
+    NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
+    o_b = tl.arange(0, NB)
+    same_blk = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]
+    L3 = tl.sum(tl.where(same_blk, tl.reshape(L, [NB, BC, NB, BC]), 0.0), 2)  # the diagonal blocks
+    o_i = tl.arange(0, BC)[None, :, None]
+    o_j = tl.arange(0, BC)[None, None, :]
+    eye3 = tl.where(o_i == o_j, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    X3 = eye3
+    for i in tl.static_range(1, BC):
+        l_i = tl.sum(tl.where(o_i == i, L3, 0.0), 1)  # [NB, BC]: row i of every block
+        x_i = tl.sum(l_i[:, :, None] * X3, 1)
+        X3 = tl.where(o_i == i, eye3 - x_i[:, None, :], X3)
+    X = tl.reshape(tl.where(same_blk, tl.reshape(X3, [NB, BC, 1, BC]), 0.0), [BT, BT])
+    rb = o_t[:, None] // BC
+    cb = o_t[None, :] // BC
+    for lvl in tl.static_range(0, 4):
+        if (1 << lvl) < NB:
+            # blocks of width BC 2^lvl: E holds L's blocks just below the diagonal of every pair
+            w = 1 << lvl
+            E = tl.where(((rb // w) == (cb // w) + 1) & ((rb // w) % 2 == 1), L, 0.0)
+            Xr = tf32_round(X, PREC)
+            ED = tl.dot(tf32_round(E, PREC), Xr, input_precision=PREC)
+            X = X - tl.dot(Xr, tf32_round(ED, PREC), input_precision=PREC)
+    return X
+
+
+@triton.jit
+def _chunk_prepare_kernel(
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
+    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
+    T, N, NT, scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
+    Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
+    dot, the lower-left quadrant as another), Qd, Kr, gt stored, and Kd parked where W will go. Then X,
+    then pass 2: W = X diag(beta) Kd over W's own rows, U0 = X diag(beta) V."""
+    i_p = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if t0 >= eos:
+        return
+    n_rows = tl.minimum(eos - t0, BT)
+    o_t = tl.arange(0, BT)
+    row_ok = o_t < n_rows
+    rows = t0 + o_t
+    q_h = q + i_h * s_qh
+    k_h = k + i_h * s_kh
+    g_h = g + i_hv * s_gh
+    HALF: tl.constexpr = BT // 2
+    rk = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, True)
+    rq = _qk_inv_norm(q_h, rows, row_ok, s_qt, K, BK, True) * scale
+    b_beta = _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
+    a = decay_rate(A_log, i_hv, HAS_A_LOG)
+    first_half = (o_t < HALF)[:, None]
+
+    dg_kk = tl.zeros([2, HALF, HALF], dtype=tl.float32)  # the two diagonal halves
+    dg_qk = tl.zeros([2, HALF, HALF], dtype=tl.float32)
+    lo_kk = tl.zeros([HALF, HALF], dtype=tl.float32)  # second-half rows, first-half columns
+    lo_qk = tl.zeros([HALF, HALF], dtype=tl.float32)
+    ws = rows[:, None] * (HV * K) + i_hv * K
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        m = row_ok[:, None] & col_ok[None, :]
+        bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
+        b = tl.cumsum(_gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, True, True), axis=0)
+        b_last = _row_of(b, o_t, BT - 1)  # rows past the sequence add 0
+        kn = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        qn = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+        # each half anchored at its middle row: 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j), each factor <= 2^115
+        anc = tl.where(first_half, _row_of(b, o_t, HALF // 2)[None, :], _row_of(b, o_t, HALF + HALF // 2)[None, :])
+        e_row = tl.exp2((b - anc).to(tl.float32))
+        kc = tl.permute(tl.reshape(tf32_round(kn * tl.exp2((anc - b).to(tl.float32)), DOT_PREC), [2, HALF, BK]),
+                        (0, 2, 1))
+        dg_kk += tl.dot(tl.reshape(tf32_round(kn * e_row, DOT_PREC), [2, HALF, BK]), kc, input_precision=DOT_PREC)
+        dg_qk += tl.dot(tl.reshape(tf32_round(qn * e_row, DOT_PREC), [2, HALF, BK]), kc, input_precision=DOT_PREC)
+        # the lower-left quadrant, anchored at the second half's first row: both factors <= 1
+        a_mid = _row_of(b, o_t, HALF)[None, :]
+        b_lo, b_hi = _halves(b, HALF, BK)
+        k_lo, k_hi = _halves(kn, HALF, BK)
+        q_lo, q_hi = _halves(qn, HALF, BK)
+        e_hi = tl.exp2((b_hi - a_mid).to(tl.float32))
+        kx = tl.trans(tf32_round(k_lo * tl.exp2((a_mid - b_lo).to(tl.float32)), DOT_PREC))
+        lo_kk += tl.dot(tf32_round(k_hi * e_hi, DOT_PREC), kx, input_precision=DOT_PREC)
+        lo_qk += tl.dot(tf32_round(q_hi * e_hi, DOT_PREC), kx, input_precision=DOT_PREC)
+        # what the walk reads, and Kd parked in W's rows until X is known
+        d = tl.exp2(b.to(tl.float32))
+        tl.store(qd_ws + ws + cols[None, :], qn * d, mask=m)
+        tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b_last[None, :] - b).to(tl.float32)), mask=m)
+        tl.store(w_ws + ws + cols[None, :], kn * d, mask=m)
+        tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
+
+    zero = tl.zeros([HALF, HALF], dtype=tl.float32)
+    kk0, kk1 = tl.split(tl.permute(dg_kk, (1, 2, 0)))
+    qk0, qk1 = tl.split(tl.permute(dg_qk, (1, 2, 0)))
+    A_kk = _quadrants(kk0, zero, lo_kk, kk1, HALF)
+    A_qk = _quadrants(qk0, zero, lo_qk, qk1, HALF)
+    valid = row_ok[:, None] & row_ok[None, :]
+    L = tl.where(valid & (o_t[None, :] < o_t[:, None]), A_kk * b_beta[:, None], 0.0)
+    A_qk = tl.where(valid & (o_t[None, :] <= o_t[:, None]), A_qk, 0.0)
+    tl.store(aqk_ws + rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], A_qk, mask=row_ok[:, None])
+
+    Xb = tf32_round(_unit_lower_inverse(L, BT, BC, DOT_PREC) * b_beta[None, :], DOT_PREC)
+    tl.debug_barrier()  # Kd parked in W's rows by every thread before it is read back
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = row_ok[:, None] & (cols < K)[None, :]
+        kd = tf32_round(tl.load(w_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
+        tl.debug_barrier()  # read by every thread before it is overwritten
+        tl.store(w_ws + ws + cols[None, :], tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        m = row_ok[:, None] & (cols < V)[None, :]
+        v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :],
+                 tl.dot(Xb, tf32_round(v_c, DOT_PREC), input_precision=DOT_PREC), mask=m)
+
+
+@triton.jit
+def _chunk_intra_kernel(
+    q, k, g, beta, A_log, dt_bias, cu_seqlens,
+    akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws,
+    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
+    T, N, NT, scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Split prepare, part 1: one program per (chunk, row block r of BC rows, value head). Walks K in
+    BK-wide slices; per slice it recomputes the gate of the whole chunk and its fp64 cumsum in registers
+    (no scratch), then adds to row block r's strip of A_kk / A_qk: columns of earlier blocks through one
+    dot anchored on the first row of block r, the diagonal block pairwise. Also writes block r's rows of
+    Kd = 2^b k, Qd = scale 2^b q, Kr = 2^(b_last - b) k (l2-normalised) and, for r = 0, gt = 2^b_last.
+    This is the path of any gate; a bounded one takes `_chunk_intra_bounded_kernel`."""
+    i_p = tl.program_id(0)
+    i_r = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if t0 >= eos:
+        return
+    n_rows = tl.minimum(eos - t0, BT)
+    r0 = i_r * BC
+    if r0 >= n_rows:
+        return
+    o_t = tl.arange(0, BT)
+    row_ok = o_t < n_rows
+    before = o_t < r0  # rows of the earlier blocks (all valid)
+    rows = t0 + o_t
+    o_c = tl.arange(0, BC)
+    ok_r = (r0 + o_c) < n_rows
+    rows_r = t0 + r0 + o_c
+    q_h = q + i_h * s_qh
+    k_h = k + i_h * s_kh
+    g_h = g + i_hv * s_gh
+
+    rk_all = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, USE_L2NORM)
+    rq_r = _qk_inv_norm(q_h, rows_r, ok_r, s_qt, K, BK, USE_L2NORM)
+    rk_r = _qk_inv_norm(k_h, rows_r, ok_r, s_kt, K, BK, USE_L2NORM)
+    beta_r = _load_beta(beta, rows_r, ok_r, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
+    a = decay_rate(A_log, i_hv, HAS_A_LOG)
+
+    lower = ((o_c[:, None] >= o_c[None, :]) & ok_r[:, None] & ok_r[None, :])[:, :, None]
+    acc_off_kk = tl.zeros([BC, BT], dtype=tl.float32)
+    acc_off_qk = tl.zeros([BC, BT], dtype=tl.float32)
+    acc_dg_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    acc_dg_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    ws_r = rows_r[:, None] * (HV * K) + i_hv * K
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        m_all = row_ok[:, None] & col_ok[None, :]
+        m_r = ok_r[:, None] & col_ok[None, :]
+        bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
+        # the cumulative log2 decay of every row of the chunk, and of block r, in fp64
+        g_all = _gate_tile(g_h, rows, cols, m_all, s_gt, a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
+        b_all = tl.cumsum(g_all, axis=0)
+        b_last = tl.sum(g_all, 0)
+        prefix = tl.sum(tl.where(before[:, None], g_all, 0.0), 0)
+        g_r = _gate_tile(g_h, rows_r, cols, m_r, s_gt, a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
+        b_r = prefix[None, :] + tl.cumsum(g_r, axis=0)
+        anchor = prefix + tl.sum(tl.where(o_c[:, None] == 0, g_r, 0.0), 0)
+        q_r = tl.load(q_h + rows_r[:, None] * s_qt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+        k_r = tl.load(k_h + rows_r[:, None] * s_kt + cols[None, :], mask=m_r, other=0.0).to(tl.float32)
+        # earlier blocks: 2^(b_i - b_j) = 2^(b_i - anchor) 2^(anchor - b_j), both factors <= 1
+        m_before = before[:, None] & col_ok[None, :]
+        k_all = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m_before, other=0.0).to(tl.float32)
+        ke_all = k_all * tl.exp2(tl.where(m_before, anchor[None, :] - b_all, 0.0).to(tl.float32))
+        e_r = tl.exp2(tl.where(m_r, b_r - anchor[None, :], 0.0).to(tl.float32))
+        ke_t = tl.trans(ke_all)
+        acc_off_kk += tl.dot(k_r * e_r, ke_t, input_precision=DOT_PREC)
+        acc_off_qk += tl.dot(q_r * e_r, ke_t, input_precision=DOT_PREC)
+        # the diagonal block: 2^(b_i - b_j) for i >= j, pairwise
+        e = tl.exp2(tl.where(lower, b_r[:, None, :] - b_r[None, :, :], float("-inf")).to(tl.float32))
+        ke = k_r[None, :, :] * e
+        acc_dg_kk += tl.sum(k_r[:, None, :] * ke, 2)
+        acc_dg_qk += tl.sum(q_r[:, None, :] * ke, 2)
+        _store_decayed(kd_ws, qd_ws, kr_ws, ws_r, cols, m_r, k_r, q_r, rk_r, rq_r, scale, b_r, b_last)
+        if i_r == 0:
+            tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
+
+    a_off = rows_r[:, None] * (HV * BT) + i_hv * BT
+    kk = acc_off_kk * (rk_r * beta_r)[:, None] * rk_all[None, :]
+    qk = acc_off_qk * (rq_r * scale)[:, None] * rk_all[None, :]
+    m_off = ok_r[:, None] & before[None, :]
+    tl.store(akk_ws + a_off + o_t[None, :], kk, mask=m_off)
+    tl.store(aqk_ws + a_off + o_t[None, :], qk, mask=m_off)
+    kk = tl.where(o_c[:, None] > o_c[None, :], acc_dg_kk, 0.0) * (rk_r * beta_r)[:, None] * rk_r[None, :]
+    qk = tl.where(o_c[:, None] >= o_c[None, :], acc_dg_qk, 0.0) * (rq_r * scale)[:, None] * rk_r[None, :]
+    m_dg = ok_r[:, None] & ok_r[None, :]
+    tl.store(akk_ws + a_off + r0 + o_c[None, :], kk, mask=m_dg)
+    tl.store(aqk_ws + a_off + r0 + o_c[None, :], qk, mask=m_dg)
+
+
+
+@triton.jit
+def _chunk_solve_kernel(
+    v, beta, cu_seqlens, akk_ws, kd_ws, w_ws, u_ws,
+    s_vt, s_vh, s_bt, s_bh,
+    T, N, NT,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
+):
+    """Split prepare, part 2: one program per (chunk, value head). X = (I + A_kk)^-1, written over A_kk:
+    the NC diagonal BC x BC blocks by forward substitution, all blocks at once in an [NC, BC, BC] tile
+    (X_i = e_i - sum_{j<i} L_ij X_j), then block row by block row X[r, :r] = -X_rr (L[r, :r] X[:r, :r])
+    (block forward substitution; the rows above r are final by then). fp32 throughout ("ieee" dots).
+    Then W = X diag(beta) Kd, U0 = X diag(beta) V."""
+    i_p = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if t0 >= eos:
+        return
+    n_rows = tl.minimum(eos - t0, BT)
+    o_t = tl.arange(0, BT)
+    row_ok = o_t < n_rows
+    rows = t0 + o_t
+    a_h = akk_ws + i_hv * BT
+    b_beta = _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
+
+    NC: tl.constexpr = BT // BC
+    o_b = tl.arange(0, NC)[:, None, None]
+    o_i = tl.arange(0, BC)[None, :, None]
+    o_j = tl.arange(0, BC)[None, None, :]
+    addr3 = (t0 + o_b * BC + o_i) * (HV * BT) + o_b * BC + o_j
+    ok3 = ((o_b * BC + o_i) < n_rows) & ((o_b * BC + o_j) < n_rows)
+    L3 = tl.load(a_h + addr3, mask=ok3 & (o_j < o_i), other=0.0)
+    eye3 = tl.where(o_i == o_j, 1.0, 0.0) + tl.zeros([NC, BC, BC], dtype=tl.float32)
+    X3 = eye3
+    for i in tl.static_range(1, BC):
+        l_i = tl.sum(tl.where(o_i == i, L3, 0.0), 1)  # [NC, BC]: row i of every block
+        x_i = tl.sum(l_i[:, :, None] * X3, 1)
+        X3 = tl.where(o_i == i, eye3 - x_i[:, None, :], X3)
+    tl.debug_barrier()  # every thread has read its part of A_kk before the diagonal blocks are overwritten
+    tl.store(a_h + addr3, X3, mask=ok3)
+    tl.debug_barrier()
+    # block rows r = 1..: X[r, :r] = -X_rr (L[r, :r] X[:r, :r]); rows above r are final, in place of A_kk
+    o_c = tl.arange(0, BC)
+    for r in tl.static_range(1, NC):
+        if r * BC < n_rows:
+            ok_r = (r * BC + o_c) < n_rows
+            row_off = (t0 + r * BC + o_c)[:, None] * (HV * BT)
+            left = o_t[None, :] < r * BC
+            L_r = tl.load(a_h + row_off + o_t[None, :], mask=ok_r[:, None] & left, other=0.0)
+            X_up = tl.load(a_h + rows[:, None] * (HV * BT) + o_t[None, :],
+                           mask=(o_t[:, None] < r * BC) & (o_t[None, :] <= o_t[:, None]), other=0.0)
+            X_rr = tl.load(a_h + row_off + r * BC + o_c[None, :],
+                           mask=ok_r[:, None] & (o_c[None, :] <= o_c[:, None]), other=0.0)
+            X_r = -tl.dot(X_rr, tl.dot(L_r, X_up, input_precision=INV_PREC), input_precision=INV_PREC)
+            tl.debug_barrier()  # L_r read by every thread before it is overwritten
+            tl.store(a_h + row_off + o_t[None, :], X_r, mask=ok_r[:, None] & left)
+            tl.debug_barrier()
+    X = tl.load(a_h + rows[:, None] * (HV * BT) + o_t[None, :],
+                mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
+
+    Xb = X * b_beta[None, :]
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = row_ok[:, None] & (cols < K)[None, :]
+        off = rows[:, None] * (HV * K) + i_hv * K + cols[None, :]
+        kd = tl.load(kd_ws + off, mask=m, other=0.0).to(tl.float32)
+        tl.store(w_ws + off, tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        m = row_ok[:, None] & (cols < V)[None, :]
+        v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :],
+                 tl.dot(Xb, v_c, input_precision=DOT_PREC), mask=m)
+
+
+# The bounded intra kernel's K slice. Spill stores on sm_90 under Triton 3.6 (8 warps, fp16 workspaces, 255
+# registers; scripts/kernel_regs.py): 732 B at 32, 80 B at 16; yet 16 was slower on the H200 (3.34 against

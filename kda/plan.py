@@ -1,0 +1,198 @@
+"""What one validated call launches: the host-side plan.
+
+`chunk_plan(call)` and `decode_plan(call)` turn a `kda.contract.KDACall` into everything the kernel modules
+need and nothing else: which kernels run (the fused bounded-gate prepare or the split one, the plain or the
+segmented walk; the one-token decode kernel or the loop kernel), their tiles, warps and stages, the dot
+precision and workspace dtype, and where state is read and written (`StatePlan`). The kernel modules
+(`kda.ops.chunk`, `kda.ops.fused_recurrent`) only launch what the plan says. Tests pick a path by building
+a plan with its keyword overrides (`chunk_plan(call, walk="segmented")`), never by rewriting globals.
+
+The numbers behind each default are in docs/performance.md. No environment variable chooses a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+from .contract import KDACall, interpreting
+
+LOG2E = 1.4426950408889634
+CHUNK = 64  # BT: tokens per chunk of the prepare stage and the walk
+SUB = 16  # BC: rows of the diagonal blocks inverted by forward substitution
+SEGMENT_CHUNKS = 16  # G: chunks per segment of the segmented walk
+# The fused prepare anchors each 32-row half of a chunk at its middle row: a factor 2^(b_i - a) spans at most
+# 16 tokens of the gate, |lb| log2(e) each, and must stay below fp32's 2^128 with K terms summed.
+BOUNDED_GATE_MAX_LOG2_SPAN = 118.0
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """Where the kernels read and write state: pools of dense planes (`KDACall` explains why)."""
+
+    src: torch.Tensor | None  # the pool read (dense initial_state or the paged state_cache)
+    dst: torch.Tensor | None  # the pool written (the dense final state, or state_cache itself: in place)
+    slot_of_seq: torch.Tensor | None  # int32 [N]; None: sequence n is slot n
+    has_initial_state: torch.Tensor | None  # bool [N]; None: every non-padding slot is read
+    final_state: torch.Tensor | None  # what the call returns
+    paged: bool
+
+    @property
+    def src_stride(self) -> int:
+        return self.src.stride(0) if self.src is not None else 0
+
+    @property
+    def dst_stride(self) -> int:
+        return self.dst.stride(0) if self.dst is not None else 0
+
+    def pointers(self, stand_in: torch.Tensor) -> tuple:
+        """(src, dst, slot_of_seq, has_initial_state) with `stand_in` for the absent ones (never read: the
+        kernels' matching constexpr flags are off)."""
+        return tuple(x if x is not None else stand_in
+                     for x in (self.src, self.dst, self.slot_of_seq, self.has_initial_state))
+
+    def flags(self, v_first: bool) -> dict:
+        return dict(HAS_SRC=self.src is not None, HAS_DST=self.dst is not None, PAGED=self.paged,
+                    HAS_INIT_FLAGS=self.has_initial_state is not None, V_FIRST=v_first)
+
+
+def state_plan(call: KDACall) -> StatePlan:
+    """Allocate the dense final state (if asked) and describe the source and destination pools."""
+    if call.state_mode == "paged":
+        return StatePlan(call.state_in, call.state_in, call.state_indices, call.has_initial_state, None, True)
+    final = None
+    if call.output_final_state:
+        final = torch.empty((call.N, *call.state_plane_shape), dtype=call.state_dtype, device=call.q.device)
+    return StatePlan(call.state_in, final, None, None, final, False)
+
+
+def output_buffer(call: KDACall) -> torch.Tensor:
+    """The caller's `out`, or a new `[B, T, HV, V]` tensor in v's dtype."""
+    if call.out is not None:
+        return call.out
+    return torch.empty((call.B, call.T, call.HV, call.V), dtype=call.v.dtype, device=call.v.device)
+
+
+def gate_args(call: KDACall) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A_log and dt_bias (g as the stand-in where absent) and the lower bound (0 where absent)."""
+    return (call.A_log if call.A_log is not None else call.g,
+            call.dt_bias if call.dt_bias is not None else call.g,
+            call.lower_bound if call.lower_bound is not None else 0.0)
+
+
+def dot_precision(input_dtype: torch.dtype) -> str:
+    """Precision of the fp32 dots: exact ("ieee") for fp32 inputs and in the interpreter (a caller passing
+    fp32 asks for fp32 accuracy); tf32 for bf16/fp16 inputs, with every fp32 operand rounded to nearest
+    tf32 before the dot (`kda.ops.common.tf32_round`), so its 2^-11 rounding stays below the inputs' own."""
+    if interpreting() or input_dtype == torch.float32:
+        return "ieee"
+    return "tf32"
+
+
+def bounded_gate(call: KDACall) -> bool:
+    """Whether the fused prepare kernel may run: the in-kernel lower-bound gate g = lb sigmoid(.) costs at most
+    |lb| log2(e) log2 units per token, so 16 tokens stay within 2^118 for |lb| <= 5.11 (Kimi's -5 gives
+    2^115.4); and q, k are l2-normalised in the kernel, so a dot of K such terms stays below 2^128. Other
+    gates (a raw log-decay may be -1000 per token) take the split prepare with its pairwise diagonal."""
+    return (call.use_gate_in_kernel and call.lower_bound is not None and call.use_qk_l2norm_in_kernel
+            and -call.lower_bound * LOG2E * 16 <= BOUNDED_GATE_MAX_LOG2_SPAN)
+
+
+def workspace_dtype(call: KDACall) -> torch.dtype:
+    """Storage of Qd, Kr, W and A_qk, the bulk of what the walk reads per chunk. fp16 when the inputs are
+    16-bit and q, k are l2-normalised in the kernel: then |Qd| <= scale, |Kd|, |Kr| <= 1, |A_qk| <= scale,
+    W = X diag(beta) Kd stays within fp16's range, and fp16's 11-bit significand is what the tf32 dots
+    that consume them keep. Otherwise fp32 (raw q, k have no bound; fp32 inputs ask for fp32 accuracy)."""
+    if call.q.dtype != torch.float32 and call.use_qk_l2norm_in_kernel:
+        return torch.float16
+    return torch.float32
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """What `kda.ops.chunk.chunk_kda_fwd` launches for one call."""
+
+    prepare: str  # "fused" (`_chunk_prepare_kernel`) or "split" (`_chunk_intra_kernel` + `_chunk_solve_kernel`)
+    walk: str  # "plain" (`_chunk_state_kernel`) or "segmented" (summary, scan, output)
+    dot_prec: str  # input_precision of the fp32 dots
+    ws_dtype: torch.dtype  # Qd, Kr, W (and A_qk after the fused prepare)
+    BT: int = CHUNK
+    BC: int = SUB
+    prepare_BK: int = 64  # K slice of the fused prepare
+    prepare_warps: int = 8
+    walk_BV: int = 32
+    walk_warps: int = 4
+    walk_stages: int = 2
+    segment_chunks: int = SEGMENT_CHUNKS
+
+
+def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
+    """The plan of a `chunk_kda` call (module docstring); `overrides` replace any field (tests)."""
+    BT = CHUNK
+    prec = dot_precision(call.q.dtype)
+    ws_dtype = workspace_dtype(call)
+    BK = max(16, triton.next_power_of_2(call.K))
+    # the walk: fp16 workspaces leave room in shared memory for one more stage of prefetched loads
+    stages = 3 if ws_dtype == torch.float16 else 1
+    walk_BV = 32 if call.V > 16 else 16
+    programs = call.N * call.HV * triton.cdiv(call.V, walk_BV)
+    plan = ChunkPlan(
+        prepare="fused" if bounded_gate(call) else "split",
+        walk="segmented" if _segment(call, programs, BT) else "plain",
+        dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(64, BK), walk_BV=walk_BV, walk_stages=stages,
+    )
+    return replace(plan, **overrides) if overrides else plan
+
+
+def _segment(call: KDACall, programs: int, BT: int) -> bool:
+    """Segment the walk when the plain walk leaves most of the GPU idle (at most half as many programs as
+    SMs) and the sequences are long (on average at least 4 segments), from shapes alone: no sync."""
+    if interpreting() or call.q.device.type != "cuda":
+        return False
+    avg_chunks = (call.B * call.T) / max(call.N, 1) / BT
+    return 2 * programs <= _sm_count(call.q.device.index or 0) and avg_chunks >= 4 * SEGMENT_CHUNKS
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What `kda.ops.fused_recurrent.fused_recurrent_kda_fwd` launches for one call."""
+
+    BK: int
+    BV: int
+    num_warps: int
+    nsub: int = 0  # 0: `_fused_recurrent_kda_kernel` (the loop); 1, 2, 4: `_fused_recurrent_one_token_kernel`
+    sr: int = 0  # store rounding: 0 nearest even, 1 stochastic bf16, 2 stochastic fp16
+
+
+SR_MODES = {torch.bfloat16: 1, torch.float16: 2}
+
+
+def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -> DecodePlan:
+    """The launch of a `fused_recurrent_kda` call at K, V (measured at K = V = 128; docs/performance.md).
+    BK covers K; about 64 fp32 state elements per thread.
+    - V-first [V, K]: BV = 16 rows of K contiguous elements, one warp (many small programs keep the memory
+      busy at small batch); a 2-byte pool BV = 8.
+    - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (the K reduction stays in a warp).
+    - One token per sequence (`KDACall.one_token_per_seq`) with a V-first pool: the one-token kernel, NSUB 4
+      blocks of BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32.
+    `overrides` replace any field (tests)."""
+    K, V, v_first = call.K, call.V, call.state_v_first
+    state_bytes = call.state_dtype.itemsize
+    BK = max(16, triton.next_power_of_2(K))
+    if v_first:
+        BV = 8 if (V <= 8 or state_bytes == 2) else 16
+    else:
+        BV = min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V)))
+    num_warps = 1 if interpreting() else max(1, min(8, BK * BV // 2048))
+    nsub = (4 if state_bytes == 2 else 1) if (call.one_token_per_seq and v_first) else 0
+    sr = SR_MODES[call.state_dtype] if stochastic_rounding else 0
+    plan = DecodePlan(BK, BV, num_warps, nsub, sr)
+    return replace(plan, **overrides) if overrides else plan
