@@ -122,7 +122,7 @@ class ChunkPlan:
 
     prepare: str  # "fused" (`_chunk_prepare_kernel`) or "split" (`_chunk_intra_kernel` + `_chunk_solve_kernel`)
     walk: str  # "plain" (`_chunk_state_kernel`) or "segmented" (summary, scan, output)
-    dot_prec: str  # input_precision of the fp32 dots
+    dot_prec: str  # the walk's dot operands: "ieee" / "tf32" (fp32, see `dot_precision`), "bf16", "bf16x2"
     ws_dtype: torch.dtype  # Qd, Kr, W (and A_qk after the fused prepare)
     BT: int = CHUNK
     BC: int = SUB
@@ -147,9 +147,14 @@ def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
     plan = ChunkPlan(
         prepare="fused" if bounded_gate(call) else "split",
         walk="segmented" if _segment(call, programs, BT) else "plain",
-        dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(64, BK), walk_BV=walk_BV, walk_stages=stages,
+        dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), walk_BV=walk_BV, walk_stages=stages,
     )
-    return replace(plan, **overrides) if overrides else plan
+    if overrides:
+        plan = replace(plan, **overrides)
+        if plan.dot_prec.startswith("bf16"):  # bf16 walk operands: after the fused prepare, on a GPU
+            assert plan.prepare == "fused" and not interpreting()
+            plan = replace(plan, ws_dtype=torch.bfloat16)
+    return plan
 
 
 def _segment(call: KDACall, programs: int, BT: int) -> bool:

@@ -135,7 +135,7 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
 @triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws,
+    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, kd_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     T, N, NT, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -145,8 +145,9 @@ def _chunk_prepare_kernel(
 ):
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
-    dot, the lower-left quadrant as another), Qd, Kr, gt stored, and Kd parked where W will go. Then X,
-    then pass 2: W = X diag(beta) Kd over W's own rows, U0 = X diag(beta) V."""
+    dot, the lower-left quadrant as another), Qd, Kr, gt stored, and Kd parked in `kd_ws` (W's own rows, or
+    an fp16 scratch when W is stored in bf16). Then X, then pass 2: W = X diag(beta) Kd, U0 = X diag(beta) V.
+    DOT_PREC is the precision of this kernel's dots (ieee or tf32; the workspaces may be bf16 for the walk)."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -201,7 +202,7 @@ def _chunk_prepare_kernel(
         d = tl.exp2(b.to(tl.float32))
         tl.store(qd_ws + ws + cols[None, :], qn * d, mask=m)
         tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b_last[None, :] - b).to(tl.float32)), mask=m)
-        tl.store(w_ws + ws + cols[None, :], kn * d, mask=m)
+        tl.store(kd_ws + ws + cols[None, :], kn * d, mask=m)
         tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
 
     zero = tl.zeros([HALF, HALF], dtype=tl.float32)
@@ -219,7 +220,7 @@ def _chunk_prepare_kernel(
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         m = row_ok[:, None] & (cols < K)[None, :]
-        kd = tf32_round(tl.load(w_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
+        kd = tf32_round(tl.load(kd_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
         tl.debug_barrier()  # read by every thread before it is overwritten
         tl.store(w_ws + ws + cols[None, :], tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
     for v0 in range(0, V, BV):
