@@ -122,12 +122,13 @@ class ChunkPlan:
 
     prepare: str  # "fused" (`_chunk_prepare_kernel`) or "split" (`_chunk_intra_kernel` + `_chunk_solve_kernel`)
     walk: str  # "plain" (`_chunk_state_kernel`) or "segmented" (summary, scan, output)
-    dot_prec: str  # the walk's dot operands: "ieee" / "tf32" (fp32, see `dot_precision`), "bf16", "bf16x2"
+    dot_prec: str  # input_precision of the fp32 dots (`dot_precision`)
     ws_dtype: torch.dtype  # Qd, Kr, W (and A_qk after the fused prepare)
     BT: int = CHUNK
     BC: int = SUB
-    prepare_BK: int = 64  # K slice of the fused prepare
-    prepare_warps: int = 8
+    prepare_BK: int = 32  # K slice of the fused prepare
+    prepare_warps: int = 4
+    cumsum_fp64: bool = True  # the fused prepare's cumulative decay in fp64 (fp32 inputs) or fp32
     walk_BV: int = 32
     walk_warps: int = 4
     walk_stages: int = 2
@@ -140,21 +141,17 @@ def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
     prec = dot_precision(call.q.dtype)
     ws_dtype = workspace_dtype(call)
     BK = max(16, triton.next_power_of_2(call.K))
-    # the walk: fp16 workspaces leave room in shared memory for one more stage of prefetched loads
-    stages = 3 if ws_dtype == torch.float16 else 1
+    # the walk: fp16 workspaces leave room in shared memory for a second stage of prefetched loads
+    stages = 2 if ws_dtype == torch.float16 else 1
     walk_BV = 32 if call.V > 16 else 16
     programs = call.N * call.HV * triton.cdiv(call.V, walk_BV)
     plan = ChunkPlan(
         prepare="fused" if bounded_gate(call) else "split",
         walk="segmented" if _segment(call, programs, BT) else "plain",
-        dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), walk_BV=walk_BV, walk_stages=stages,
+        dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
+        walk_BV=walk_BV, walk_stages=stages,
     )
-    if overrides:
-        plan = replace(plan, **overrides)
-        if plan.dot_prec.startswith("bf16"):  # bf16 walk operands: after the fused prepare, on a GPU
-            assert plan.prepare == "fused" and not interpreting()
-            plan = replace(plan, ws_dtype=torch.bfloat16)
-    return plan
+    return replace(plan, **overrides) if overrides else plan
 
 
 def _segment(call: KDACall, programs: int, BT: int) -> bool:

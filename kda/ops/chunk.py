@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from ..contract import KDACall
 from ..plan import ChunkPlan, chunk_plan, gate_args, output_buffer, state_plan
@@ -39,7 +40,6 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     n_chunks = (T // BT + N) if varlen else B * NT  # prepare programs (`locate_block`)
     cu = call.cu_seqlens if varlen else call.q  # stand-in when dense
     ws_dtype, prec = plan.ws_dtype, plan.dot_prec
-    prep_prec = "tf32" if prec.startswith("bf16") else prec  # bf16 operands are the walk's alone
     fused = plan.prepare == "fused"
     w_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     u_ws = torch.empty((total, HV, V), dtype=torch.float32, device=dev)
@@ -55,14 +55,14 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         g_beta = (token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2))
         BK = max(16, triton.next_power_of_2(K))
         BV = min(64, max(16, triton.next_power_of_2(V)))
-        common = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prep_prec)
+        common = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
         if fused:
-            kd_ws = w_ws if ws_dtype != torch.bfloat16 else torch.empty_like(w_ws, dtype=torch.float16)
             _chunk_prepare_kernel[(n_chunks, HV)](
-                q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, kd_ws,
+                q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws,
                 *strides, token_stride(v, T), v.stride(2), *g_beta, T, N, NT, call.scale, lower_bound,
                 H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV,
                 HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None,
+                CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32,
                 num_warps=plan.prepare_warps, num_stages=1, **common,
             )
         else:
@@ -110,7 +110,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
     _segment_scan_kernel[(n_vb, N, HV)](
-        cu, a_seg, b_seg, h_seg, *pools, st.src_stride, st.dst_stride, T, NSEG, **shape, **flags, SCAN_PREC=prep_prec,
+        cu, a_seg, b_seg, h_seg, *pools, st.src_stride, st.dst_stride, T, NSEG, **shape, **flags,
         num_warps=8, num_stages=1,
     )
     if n_seg > 0:

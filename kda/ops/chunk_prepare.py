@@ -135,19 +135,21 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
 @triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, kd_ws,
+    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     T, N, NT, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, CUMSUM_DTYPE: tl.constexpr,
 ):
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
-    dot, the lower-left quadrant as another), Qd, Kr, gt stored, and Kd parked in `kd_ws` (W's own rows, or
-    an fp16 scratch when W is stored in bf16). Then X, then pass 2: W = X diag(beta) Kd, U0 = X diag(beta) V.
-    DOT_PREC is the precision of this kernel's dots (ieee or tf32; the workspaces may be bf16 for the walk)."""
+    dot, the lower-left quadrant as another), Qd, Kr, gt stored, and Kd parked in W's rows until X is known.
+    Then X, then pass 2: W = X diag(beta) Kd over W's own rows, U0 = X diag(beta) V.
+    DOT_PREC is the precision of this kernel's dots (ieee or tf32); CUMSUM_DTYPE that of b (fp64 with fp32
+    inputs; fp32 with 16-bit ones, where its 1e-4 relative error in the decay factors is far below the
+    inputs' rounding and fp64 tiles doubled the registers and spills)."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -178,7 +180,7 @@ def _chunk_prepare_kernel(
         col_ok = cols < K
         m = row_ok[:, None] & col_ok[None, :]
         bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
-        b = tl.cumsum(_gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, True, True), axis=0)
+        b = tl.cumsum(_gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, True, True).to(CUMSUM_DTYPE), axis=0)
         b_last = _row_of(b, o_t, BT - 1)  # rows past the sequence add 0
         kn = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
         qn = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
@@ -202,7 +204,7 @@ def _chunk_prepare_kernel(
         d = tl.exp2(b.to(tl.float32))
         tl.store(qd_ws + ws + cols[None, :], qn * d, mask=m)
         tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b_last[None, :] - b).to(tl.float32)), mask=m)
-        tl.store(kd_ws + ws + cols[None, :], kn * d, mask=m)
+        tl.store(w_ws + ws + cols[None, :], kn * d, mask=m)
         tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
 
     zero = tl.zeros([HALF, HALF], dtype=tl.float32)
@@ -220,7 +222,7 @@ def _chunk_prepare_kernel(
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         m = row_ok[:, None] & (cols < K)[None, :]
-        kd = tf32_round(tl.load(kd_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
+        kd = tf32_round(tl.load(w_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
         tl.debug_barrier()  # read by every thread before it is overwritten
         tl.store(w_ws + ws + cols[None, :], tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
     for v0 in range(0, V, BV):

@@ -31,38 +31,12 @@ from .common import locate_block, round_to, seq_bounds, slot_of, tf32_round
 
 
 @triton.jit
-def _bf16_operands(PREC: tl.constexpr):
-    return PREC == "bf16" or PREC == "bf16x2"
-
-
-@triton.jit
-def _operand(x, PREC: tl.constexpr):
-    """An fp32 tile (S, U) as a dot operand: bf16 (rounded to nearest), or fp32 rounded to nearest tf32."""
-    if _bf16_operands(PREC):
-        return x.to(tl.bfloat16)
-    else:
-        return tf32_round(x, PREC)
-
-
-@triton.jit
 def _ws_operand(x, PREC: tl.constexpr):
-    """A loaded workspace tile as a dot operand: bf16 workspaces as they are; fp16 ones upcast (exact in
-    tf32); fp32 ones rounded to nearest tf32."""
-    if _bf16_operands(PREC):
-        return x
-    elif x.dtype == tl.float32:
+    """A loaded workspace tile as an fp32 dot operand: fp16 ones are exact in tf32, fp32 ones are rounded."""
+    if x.dtype == tl.float32:
         return tf32_round(x, PREC)
     else:
         return x.to(tl.float32)
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr):
-    """a @ b accumulated in fp32: bf16 operands, or fp32 ones at input_precision PREC (ieee or tf32)."""
-    if _bf16_operands(PREC):
-        return tl.dot(a, b)
-    else:
-        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -81,26 +55,21 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
         m_k = row_ok[:, None] & k_ok[None, :]
         m_c = row_ok[:, None] & c_ok[None, :]
         ws_k = rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-        Sh = _operand(S, DOT_PREC)
+        Sr = tf32_round(S, DOT_PREC)
         w = _ws_operand(tl.load(w_ws + ws_k, mask=m_k, other=0.0), DOT_PREC)
-        U = -_dot(w, Sh, DOT_PREC)
-        if DOT_PREC == "bf16x2":
-            Sl = (S - Sh.to(tl.float32)).to(tl.bfloat16)
-            U -= _dot(w, Sl, DOT_PREC)
+        U = -tl.dot(w, Sr, input_precision=DOT_PREC)
         if HAS_U0:
             U += tl.load(u_ws + rows[:, None] * (HV * V) + i_hv * V + o_c[None, :], mask=m_c, other=0.0)
-        Uh = _operand(U, DOT_PREC)
+        Ur = tf32_round(U, DOT_PREC)
         if WRITE_O:
             qd = _ws_operand(tl.load(qd_ws + ws_k, mask=m_k, other=0.0), DOT_PREC)
             aqk = _ws_operand(tl.load(aqk_ws + rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :],
                                       mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0), DOT_PREC)
-            out = _dot(qd, Sh, DOT_PREC) + _dot(aqk, Uh, DOT_PREC)
-            if DOT_PREC == "bf16x2":
-                out += _dot(qd, Sl, DOT_PREC)
+            out = tl.dot(qd, Sr, input_precision=DOT_PREC) + tl.dot(aqk, Ur, input_precision=DOT_PREC)
             tl.store(o_h + rows[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty), mask=m_c)
         kr = _ws_operand(tl.load(kr_ws + ws_k, mask=m_k, other=0.0), DOT_PREC)
         gt = tl.load(gt_ws + ((p_first + (t0 - t_begin) // BT) * HV + i_hv) * K + o_k, mask=k_ok, other=0.0)
-        S = S * gt[:, None] + _dot(tl.trans(kr), Uh, DOT_PREC)
+        S = S * gt[:, None] + tl.dot(tl.trans(kr), Ur, input_precision=DOT_PREC)
     return S
 
 
@@ -239,7 +208,7 @@ def _segment_scan_kernel(
     BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, SCAN_PREC: tl.constexpr,
+    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """One program per (V block, sequence, value head): h_0 = the initial state, h_{s+1} = A_s h_s + b_s
     (fp32 dots: ieee, or tf32 with operands rounded to nearest)
@@ -262,7 +231,7 @@ def _segment_scan_kernel(
             A = tl.load(a_seg + (base + o_k[:, None]) * K + o_k[None, :], mask=k_ok[:, None] & k_ok[None, :],
                         other=0.0)
             b = tl.load(b_seg + (base + o_k[:, None]) * V + o_v[None, :], mask=kv_ok, other=0.0)
-            S = tl.dot(tf32_round(A, SCAN_PREC), tf32_round(S, SCAN_PREC), input_precision=SCAN_PREC) + b
+            S = tl.dot(tf32_round(A, DOT_PREC), tf32_round(S, DOT_PREC), input_precision=DOT_PREC) + b
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
