@@ -170,10 +170,8 @@ def _chunk_prepare_kernel(
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
     first_half = (o_t < HALF)[:, None]
 
-    dg_kk = tl.zeros([2, HALF, HALF], dtype=tl.float32)  # the two diagonal halves
-    dg_qk = tl.zeros([2, HALF, HALF], dtype=tl.float32)
-    lo_kk = tl.zeros([HALF, HALF], dtype=tl.float32)  # second-half rows, first-half columns
-    lo_qk = tl.zeros([HALF, HALF], dtype=tl.float32)
+    A_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    A_qk = tl.zeros([BT, BT], dtype=tl.float32)
     ws = rows[:, None] * (HV * K) + i_hv * K
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -184,22 +182,28 @@ def _chunk_prepare_kernel(
         b_last = _row_of(b, o_t, BT - 1)  # rows past the sequence add 0
         kn = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
         qn = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
-        # each half anchored at its middle row: 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j), each factor <= 2^115
+        # 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j): each half against itself anchored at its middle row (each
+        # factor <= 2^115), second-half rows against first-half columns at the second half's first row (<= 1);
+        # one dot per quadrant, its operands zero outside it
         anc = tl.where(first_half, _row_of(b, o_t, HALF // 2)[None, :], _row_of(b, o_t, HALF + HALF // 2)[None, :])
         e_row = tl.exp2((b - anc).to(tl.float32))
-        kc = tl.permute(tl.reshape(tf32_round(kn * tl.exp2((anc - b).to(tl.float32)), DOT_PREC), [2, HALF, BK]),
-                        (0, 2, 1))
-        dg_kk += tl.dot(tl.reshape(tf32_round(kn * e_row, DOT_PREC), [2, HALF, BK]), kc, input_precision=DOT_PREC)
-        dg_qk += tl.dot(tl.reshape(tf32_round(qn * e_row, DOT_PREC), [2, HALF, BK]), kc, input_precision=DOT_PREC)
-        # the lower-left quadrant, anchored at the second half's first row: both factors <= 1
+        e_col = tl.exp2((anc - b).to(tl.float32))
         a_mid = _row_of(b, o_t, HALF)[None, :]
-        b_lo, b_hi = _halves(b, HALF, BK)
-        k_lo, k_hi = _halves(kn, HALF, BK)
-        q_lo, q_hi = _halves(qn, HALF, BK)
-        e_hi = tl.exp2((b_hi - a_mid).to(tl.float32))
-        kx = tl.trans(tf32_round(k_lo * tl.exp2((a_mid - b_lo).to(tl.float32)), DOT_PREC))
-        lo_kk += tl.dot(tf32_round(k_hi * e_hi, DOT_PREC), kx, input_precision=DOT_PREC)
-        lo_qk += tl.dot(tf32_round(q_hi * e_hi, DOT_PREC), kx, input_precision=DOT_PREC)
+        x_row = tl.where(first_half, 0.0, tl.exp2((b - a_mid).to(tl.float32)))
+        x_col = tl.where(first_half, tl.exp2((a_mid - b).to(tl.float32)), 0.0)
+        for quadrant in tl.static_range(3):
+            if quadrant == 0:
+                r = tl.where(first_half, e_row, 0.0)
+                c = tl.where(first_half, e_col, 0.0)
+            elif quadrant == 1:
+                r = tl.where(first_half, 0.0, e_row)
+                c = tl.where(first_half, 0.0, e_col)
+            else:
+                r = x_row
+                c = x_col
+            kc = tl.trans(tf32_round(kn * c, DOT_PREC))
+            A_kk += tl.dot(tf32_round(kn * r, DOT_PREC), kc, input_precision=DOT_PREC)
+            A_qk += tl.dot(tf32_round(qn * r, DOT_PREC), kc, input_precision=DOT_PREC)
         # what the walk reads, and Kd parked in W's rows until X is known
         d = tl.exp2(b.to(tl.float32))
         tl.store(qd_ws + ws + cols[None, :], qn * d, mask=m)
@@ -207,11 +211,6 @@ def _chunk_prepare_kernel(
         tl.store(w_ws + ws + cols[None, :], kn * d, mask=m)
         tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
 
-    zero = tl.zeros([HALF, HALF], dtype=tl.float32)
-    kk0, kk1 = tl.split(tl.permute(dg_kk, (1, 2, 0)))
-    qk0, qk1 = tl.split(tl.permute(dg_qk, (1, 2, 0)))
-    A_kk = _quadrants(kk0, zero, lo_kk, kk1, HALF)
-    A_qk = _quadrants(qk0, zero, lo_qk, qk1, HALF)
     valid = row_ok[:, None] & row_ok[None, :]
     L = tl.where(valid & (o_t[None, :] < o_t[:, None]), A_kk * b_beta[:, None], 0.0)
     A_qk = tl.where(valid & (o_t[None, :] <= o_t[:, None]), A_qk, 0.0)
