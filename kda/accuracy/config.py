@@ -36,7 +36,7 @@ class Regime:
 REGIMES = {
     "strong": Regime("strong", 0.0, 0.0, "about exp(-2.5) per token (Kimi-like)", "Kimi-like strong decay"),
     "weak": Regime("weak", -6.0, 0.0, "about exp(-0.012) per token (memory ~80 tokens)",
-                   "weak-decay heads (memory ~80 tokens)"),
+                   "weak-decay heads with ~80-token memory"),
     "long": Regime("long", -12.0, -4.0, "about exp(-3e-5) per token, beta ~ 0.02 (long memory)",
                    "long-memory heads"),
 }

@@ -472,13 +472,13 @@ def _adversarial_md(report: dict) -> list[str]:
           "`/ floor`: the error over the rounding floor of the same result (output: exact output rounded to the "
           "input dtype; state: exact final state rounded to the storage dtype); `bound`: the bound that applies to "
           f"the row ({BOUND_TEXT}); `within`: both errors within their bound.", "",
-          "Reading `state / floor`: a large ratio is not a failure by itself. The floor of an **fp32** state is "
-          "about 3e-8, while `chunk_kda` with **bf16 or fp16 inputs** computes its intermediates with an 11-bit "
-          "significand (tf32 dots on a GPU, fp16 workspaces everywhere): its fp32-stored state then carries 1e-4 "
-          "to 1e-3 of error, thousands of fp32 floors, and the bound of those rows is floor + "
-          f"{KERNEL_NARROW_TERM:.3g}, which it meets (`within: yes`). `fused_recurrent_kda` keeps fp32 "
-          "intermediates: its ratios stay small. With fp32 inputs, ratios of 3-30 are fp32 arithmetic on "
-          f"ill-conditioned inputs against a floor of ~3e-8, inside the bound 2 x floor + {KERNEL_FP32_TERM:g}.", ""]
+          "Reading `state / floor`: a large ratio is not a failure by itself; `within` is the column to read. "
+          "The floor of an **fp32** state is about 3e-8, while `chunk_kda` with **bf16 or fp16 inputs** computes "
+          "its intermediates with an 11-bit significand (tf32 dots on a GPU, fp16 workspaces everywhere): its "
+          "fp32-stored state then carries about 1e-4 to 1e-3 of error, thousands of fp32 floors, and the bound "
+          f"of those rows is floor + {KERNEL_NARROW_TERM:.3g} (4 x 2^-11). `fused_recurrent_kda` keeps fp32 "
+          "intermediates, hence its small ratios. With fp32 inputs the bound, 2 x floor + "
+          f"{KERNEL_FP32_TERM:g}, leaves fp32 arithmetic on these ill-conditioned inputs hundreds of floors.", ""]
     rows = [[x["params"]["case"], x["params"]["kernel"], x["params"]["input"], x["params"]["state"],
              e(x["metrics"]["out_rel"]), r(x["info"]["out_over_floor"]), e(x["metrics"]["state_rel"]),
              r(x["info"]["state_over_floor"]), _bounds(x), e(x["checks"]["finite"]),

@@ -72,8 +72,8 @@ def decode_verdicts(entries: list[dict], target_steps: int | None = None) -> tup
 WIDTH = {"bf16": 0, "fp16": 1, "fp32": 2}  # narrowest first (bf16 has fp16's exponent range, fewer bits)
 
 
-def _join(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+def _join(items: list[str], conj: str = "or") -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" {conj} " + items[-1]
 
 
 def advice(entries: list[dict], per_regime: list[dict], preset) -> list[dict]:
@@ -95,12 +95,12 @@ def advice(entries: list[dict], per_regime: list[dict], preset) -> list[dict]:
     out = []
     for state, vs in by_state.items():
         steps = vs[0]["steps"]
-        heads = lambda rs: _join([f"{REGIMES[v['regime']].heads} (`{v['regime']}`)" for v in rs])
+        heads = lambda rs, conj="or": _join([f"{REGIMES[v['regime']].heads} (`{v['regime']}`)" for v in rs], conj)
         ok = [v for v in vs if v["passes"]]
         bad = [v for v in vs if not v["passes"]]
         parts = []
         if ok:
-            scope = "in every measured regime" if not bad else "for " + heads(ok)
+            scope = "in every measured regime" if not bad else "for " + heads(ok, "and")
             parts.append(f"**{state} pools are safe {scope} up to {steps} decode steps**")
         if bad:
             worst = max(bad, key=lambda v: v["out_over_floor"] or 0)
@@ -111,12 +111,16 @@ def advice(entries: list[dict], per_regime: list[dict], preset) -> list[dict]:
                 wider.append(min(alt, key=lambda d: WIDTH.get(d, 9)) if alt else None)
             text = (f"not for {heads(bad)}" if ok else f"**{state} pools are not safe in any measured regime**")
             text += (f" (output error up to {worst['out_over_floor']:.3g}x the bf16 output floor at {steps} steps)")
-            if all(wider):
-                text += f": keep those heads in {_join(sorted(set(wider), key=lambda d: WIDTH[d]))}"
+            if all(wider) and len(set(wider)) == 1:
+                text += f": keep those heads in {wider[0]}"
+            elif all(wider):
+                text += ": keep " + _join([f"{REGIMES[v['regime']].heads} in {w}" for v, w in zip(bad, wider)],
+                                          "and")
             parts.append(text)
         growing = [v for v in ok if v["growing"]]
         if growing:
-            fits = ", ".join(f"`{v['regime']}` {v['fit_out']['slope']:.2f}" for v in growing)
+            fits = ", ".join((f"`{v['regime']}` " if len(growing) > 1 else "") + f"{v['fit_out']['slope']:.2f}"
+                             for v in growing)
             parts.append(f"in {heads(growing)} its error still grows (exponent {fits}): beyond {steps} steps "
                          "the verdict is not measured")
         kernel = [v for v in vs if any("emulation" in r for r in v["reasons"])]
