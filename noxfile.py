@@ -37,7 +37,7 @@ def tests(session):
 
 @nox.session
 def accuracy(session):
-    """The accuracy harness, quick preset on CPU (~QUICK_TIME on 2 cores); `-- --preset full --device cuda` on a GPU.
+    """The accuracy harness, quick preset on CPU (3-7 min on 2 cores); `-- --preset full --device cuda` on a GPU.
 
     Writes accuracy_reports/<preset>-<device>/ (docs/accuracy.md)."""
     _install(session, "test,reports")
