@@ -109,7 +109,7 @@ def environment(device: str, seed: int) -> dict:
 
 def run_metadata() -> dict:
     """The volatile part of a run (meta.json, and the one delimited block of report.md): git commit and
-    whether the tree had changes, date, host. Taken when the run starts."""
+    whether the tree had changes, date, host and its load average. Taken when the run starts."""
     # KDA_COMMIT when set: the GPU machine's copy of the tree may carry a stale .git (scripts/gpu_suite.sh)
     commit, status = os.environ.get("KDA_COMMIT"), None
     if not commit:
@@ -118,4 +118,6 @@ def run_metadata() -> dict:
         git_commit=commit, git_dirty=None if status is None else bool(status),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         host=f"{platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        # what else kept the cores busy when the run started: the run time means little without it
+        load_average=round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None,
     )

@@ -174,7 +174,7 @@ def _run_md(run_meta: dict) -> list[str]:
     tree = "unknown" if dirty is None else ("with uncommitted changes" if dirty else "clean")
     seconds = ", ".join(f"{k} {v:.0f}" for k, v in run_meta.get("section_s", {}).items())
     rows = [["commit", f"`{run_meta.get('git_commit')}` ({tree})"], ["date", run_meta.get("date")],
-            ["host", run_meta.get("host")],
+            ["host", f"{run_meta.get('host')}; load average {run_meta.get('load_average')} at the start"],
             ["run time", f"{run_meta.get('elapsed_s', 0):.0f} s wall, {run_meta.get('jobs')} parallel job(s); "
                          f"seconds of work per section: {seconds}"]]
     return [META_BEGIN, "## Run", "", *_table(["", ""], rows), META_END, ""]
