@@ -27,8 +27,9 @@ def _interpreter_env(session) -> dict:
 
 @nox.session
 def tests(session):
-    """The test suite (CPU: the Triton kernels run in the interpreter). `reports` too: the harness tests
-    write the plots."""
+    """The test suite (on CPU the Triton kernels run in the interpreter), about 6 min on 2 cores.
+
+    Installs the `reports` extra too: the harness tests write the plots."""
     _install(session, "test,reports")
     workers = os.environ.get("KDA_TEST_WORKERS", "auto")
     session.run("pytest", "-n", workers, "-q", *session.posargs, env=_interpreter_env(session))
@@ -36,7 +37,9 @@ def tests(session):
 
 @nox.session
 def accuracy(session):
-    """The accuracy harness: `nox -s accuracy` (quick preset, CPU); `-- --preset full --device cuda`."""
+    """The accuracy harness, quick preset on CPU (3-7 min on 2 cores); `-- --preset full --device cuda` on a GPU.
+
+    Writes accuracy_reports/<preset>-<device>/ (docs/accuracy.md)."""
     _install(session, "test,reports")
     session.run("python", "-m", "kda.accuracy", *session.posargs, env=_interpreter_env(session))
 
@@ -50,5 +53,6 @@ def bench(session):
 
 @nox.session
 def lint(session):
+    """ruff check over the repository (the rules are in pyproject.toml)."""
     session.install("ruff")
     session.run("ruff", "check", ".")

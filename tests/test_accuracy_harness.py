@@ -1,28 +1,37 @@
 """The accuracy harness (`python -m kda.accuracy`): its report, its `--check`, and its statistics.
 
 Properties that cannot pass by accident: the tiny preset writes every file with finite numbers and
-bit-exact contract checks; `--check` passes against a fresh run of itself and fails on a kernel whose
-stored state is deliberately truncated; the growth-exponent fit recovers a known exponent; the
-vectorised float64 recurrence of the decode study equals `kda_reference.recurrent_kda`."""
+bit-exact contract checks; a rerun with the same seed writes the same bytes but for the run-metadata block;
+`--check` passes against a fresh run of itself and fails on a kernel whose stored state is deliberately
+truncated; without matplotlib the harness stops at once with the install command; the growth-exponent fit
+recovers a known exponent; the vectorised float64 recurrence of the decode study equals
+`kda_reference.recurrent_kda`; the quick preset on this tree stays within `--check` of the committed
+(`git show HEAD:`) quick-cpu report."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
-from kda.accuracy import check, kernels
-from kda.accuracy.cli import main
+from kda.accuracy import check, kernels, report
+from kda.accuracy.cli import INSTALL_HINT, main
 from kda.accuracy.config import CHECK_FACTOR, CHECK_SLACK, REGIMES
 from kda.accuracy.inputs import Inputs, generator, regime_inputs
 from kda.accuracy.measure import fit_exponent
 from kda.accuracy.oracle import selfcheck
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PLOTS = ("decode_output_error.png", "decode_state_error.png", "length_error.png", "chunked_prefill.png")
+PLOTS = report.PLOT_FILES
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(out_dir, *extra, jobs=1) -> int:
@@ -50,7 +59,7 @@ def _numbers(x):
 
 
 def test_tiny_preset_writes_the_report(baseline):
-    for name in ("report.md", "report.json", *PLOTS):
+    for name in ("report.md", "report.json", "meta.json", *PLOTS):
         assert (baseline / name).stat().st_size > 0, name
     rep = json.loads((baseline / "report.json").read_text())
     numbers = list(_numbers(rep))
@@ -59,6 +68,13 @@ def test_tiny_preset_writes_the_report(baseline):
     assert sections == {"decode", "length", "dtype_matrix", "chunked_prefill", "varlen", "paged", "adversarial"}
     env = rep["meta"]["environment"]
     assert env["seed"] == 0 and env["torch"] and env["triton"] and env["device"] == DEVICE
+    # the volatile metadata is in meta.json and in report.md's one delimited block, never in report.json
+    run_meta = json.loads((baseline / "meta.json").read_text())
+    assert run_meta["date"] and run_meta["host"] and "git_commit" in run_meta and run_meta["elapsed_s"] > 0
+    assert not {"date", "git_commit", "host", "elapsed_s"} & set(json.dumps(rep).split('"')[1::2])
+    # every measured number at 3 significant digits
+    assert all(x == float(f"{x:.3g}") for x in _numbers({k: v for k, v in rep.items() if k != "meta"})
+               if isinstance(x, float))
     # every error is a number and the fits have their intervals
     for e in rep["entries"]:
         for v in e["metrics"].values():
@@ -71,16 +87,46 @@ def test_tiny_preset_writes_the_report(baseline):
             bitwise = {n: ok for n, ok in e["checks"].items() if "bits" in n or "zero" in n}
             assert bitwise and all(bitwise.values()), (e["id"], bitwise)
     md = (baseline / "report.md").read_text()
-    assert "## Verdict per state storage dtype" in md and "git_commit" in md
+    assert "## Verdict per state storage dtype" in md and "### What to do" in md
+    assert md.count(report.META_BEGIN) == 1 and md.count(report.META_END) == 1
+    block = md[md.index(report.META_BEGIN):md.index(report.META_END)]
+    assert run_meta["date"] in block and run_meta["date"] not in report.strip_run_metadata(md)
     assert {v["state"] for v in rep["verdicts"]} == {"fp32", "bf16"}
+    assert {a["state"] for a in rep["advice"]} == {"fp32", "bf16"}
+    # fp32 rows show no kernel/emulation ratio against the 1.5x threshold, which applies to fp16/bf16 only
+    fp32_rows = [line for line in md.splitlines() if line.startswith("| fp32 | strong |")]
+    assert fp32_rows and all("n/a (fp32: no storage rounding)" in line for line in fp32_rows)
 
 
-def test_check_passes_against_a_fresh_baseline(baseline, tmp_path, capsys):
-    """A fresh run, this time split over two worker processes, reproduces the baseline exactly."""
+def test_rerun_is_reproducible_and_passes_check(baseline, tmp_path, capsys):
+    """A second run with the same seed, this time split over two worker processes, writes the same bytes:
+    report.json and the plots whole, report.md but for its run-metadata block; and `--check` passes."""
     assert _run(tmp_path, "--check", str(baseline / "report.json"), jobs=2) == 0
     assert "passed" in capsys.readouterr().out
-    fresh = json.loads((tmp_path / "report.json").read_text())
-    assert fresh["entries"] == json.loads((baseline / "report.json").read_text())["entries"]
+    assert (tmp_path / "report.json").read_bytes() == (baseline / "report.json").read_bytes()
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes() == (baseline / name).read_bytes(), name
+    md, md0 = (tmp_path / "report.md").read_text(), (baseline / "report.md").read_text()
+    assert md != md0  # the metadata block differs (run time, date, jobs) ...
+    assert report.strip_run_metadata(md) == report.strip_run_metadata(md0)  # ... and nothing else
+
+
+def test_missing_matplotlib_fails_fast_with_the_install_hint(tmp_path):
+    """`python -m kda.accuracy` without matplotlib stops before measuring anything (and before importing
+    torch), names what is missing and the install command, and writes nothing."""
+    out = tmp_path / "out"
+    code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+            f"sys.argv = ['kda.accuracy', '--preset', 'tiny', '--out-dir', {str(out)!r}]; "
+            "runpy.run_module('kda.accuracy', run_name='__main__', alter_sys=True)")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ))
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout
+    assert "matplotlib" in proc.stderr and INSTALL_HINT in proc.stderr, proc.stderr
+    assert 'pip install "kda[reports]"' in proc.stderr
+    assert elapsed < 5, f"took {elapsed:.1f} s"
+    assert not out.exists()
 
 
 def _truncate_(x: torch.Tensor) -> None:
@@ -160,11 +206,13 @@ def test_vectorised_recurrence_equals_the_oracle():
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the committed quick report is the CPU (interpreter) one")
 def test_the_committed_quick_report_holds_on_this_tree(tmp_path, capsys):
-    """The README's first command regenerates accuracy_reports/quick-cpu/; on this tree its numbers stay
-    within --check's documented factor of the committed ones, so the committed report describes main."""
-    from pathlib import Path
-
-    committed = Path(__file__).resolve().parent.parent / "accuracy_reports" / "quick-cpu" / "report.json"
+    """The committed accuracy_reports/quick-cpu/report.json (read from git at HEAD, so a report the user
+    regenerated in the working tree is not its own baseline) describes this tree: the quick preset's numbers
+    stay within --check's documented factor of it."""
+    try:
+        check.committed_report("quick", "cpu")
+    except FileNotFoundError as err:
+        pytest.skip(f"no committed quick-cpu report to compare with: {err}")
     rc = main(["--preset", "quick", "--device", "cpu", "--out-dir", str(tmp_path), "--quiet", "--no-plots",
-               "--check", str(committed)])
+               "--check", "committed"])
     assert rc == 0, capsys.readouterr().out[-3000:]

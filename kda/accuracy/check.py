@@ -1,4 +1,8 @@
-"""`--check BASELINE.json`: compare this run with a committed baseline report.
+"""`--check BASELINE`: compare this run with a baseline report.
+
+The baseline is a report.json, or `committed`: `accuracy_reports/<preset>-<device>/report.json` as committed
+at HEAD, read with `git show` (`committed_report`), so a rerun that overwrote the working-tree copy does not
+become its own baseline. Regenerating a report and committing it is all it takes to move the baseline.
 
 An entry of the baseline fails when, in this run,
 - any error metric (relative L2 error, max abs error / max |exact|; scalars and every point of a curve)
@@ -11,12 +15,39 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 
 from .config import CHECK_FACTOR, CHECK_SLACK
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def load(path: str) -> dict:
-    with open(path) as f:
+
+def committed_path(preset: str, device: str) -> str:
+    """The committed report of a preset and device, relative to the repository root."""
+    return f"accuracy_reports/{preset}-{device}/report.json"
+
+
+def committed_report(preset: str, device: str, rev: str = "HEAD") -> dict:
+    """The report.json of `preset`-`device` as committed at `rev` (`git show`), not the working-tree file.
+    Raises FileNotFoundError outside a git checkout or when that commit has no such report."""
+    path = committed_path(preset, device)
+    try:
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True,
+                              timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise FileNotFoundError(f"no committed {path} at {rev} (git show failed: {err})") from err
+    return json.loads(text)
+
+
+def load(spec: str, preset: str, device: str) -> dict:
+    """The baseline `--check` names: a report.json path, or `committed` (`committed_report`)."""
+    if spec == "committed":
+        try:
+            return committed_report(preset, device)
+        except FileNotFoundError as err:
+            raise SystemExit(f"kda.accuracy --check committed: {err}") from err
+    with open(spec) as f:
         return json.load(f)
 
 

@@ -8,6 +8,38 @@ import sys
 import time
 
 SECTIONS = ("decode", "length", "dtype_matrix", "chunked_prefill", "varlen", "paged", "adversarial")
+# The optional dependencies of the harness (pyproject.toml's `reports` extra): module -> what needs it.
+REPORT_DEPS = {"numpy": "the fits", "scipy": "the fits' intervals", "matplotlib": "the plots"}
+INSTALL_HINT = 'pip install "kda[reports]"   (from a checkout: pip install -e ".[reports]")'
+
+
+def missing_dependencies(plots: bool = True) -> list[str]:
+    """The optional modules the run needs and cannot import ("matplotlib" only when plots are drawn).
+    Checked before any measurement: a missing one would otherwise fail after minutes of work."""
+    import importlib
+
+    missing = []
+    for name in REPORT_DEPS:
+        if name == "matplotlib" and not plots:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def require_dependencies(argv) -> None:
+    """Exit 2 with the install command when an optional dependency is missing (see missing_dependencies)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--no-plots", action="store_true")
+    plots = not pre.parse_known_args(argv)[0].no_plots
+    missing = missing_dependencies(plots)
+    if missing:
+        needs = "; ".join(f"{m} ({REPORT_DEPS[m]})" for m in missing)
+        raise SystemExit(f"kda.accuracy: missing optional dependencies: {needs}. Install the reports extra:\n"
+                         f"    {INSTALL_HINT}\nNothing was measured."
+                         + ("" if missing != ["matplotlib"] else " (--no-plots runs without matplotlib.)"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -19,15 +51,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "float64 oracle, by input dtype, state storage dtype, length and decode steps. "
                     "See docs/accuracy.md.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
-                   help="sizes: quick (CPU interpreter, < 10 min on 2 cores; default), full (one GPU, "
-                        "< ~8 min on an H200), tiny (seconds; for the tests)")
+                   help="sizes: quick (CPU interpreter, about 6 min on 2 cores; default), full (one GPU, "
+                        "about 2 min on an H200), tiny (about 1 min; for the tests)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu runs the Triton kernels in the interpreter (TRITON_INTERPRET=1 is set if unset)")
     p.add_argument("--seed", type=int, default=0, help="seed of every random input (default 0)")
     p.add_argument("--out-dir", default=None, help="default: accuracy_reports/<preset>-<device>/")
-    p.add_argument("--check", metavar="BASELINE.json", default=None,
+    p.add_argument("--check", metavar="BASELINE", default=None,
                    help="exit 1 when an error grows more than 2x (+5e-7) over this baseline report, or a "
-                        "check that held there fails; prints the entries that failed")
+                        "check that held there fails; prints the entries that failed. BASELINE: a report.json, "
+                        "or `committed`: accuracy_reports/<preset>-<device>/report.json as committed at HEAD "
+                        "(git show), whatever a rerun wrote into the working tree")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     p.add_argument("--jobs", type=int, default=0,
@@ -107,14 +141,15 @@ def run_unit(preset_name: str, device: str, seed: int, start: float, quiet: bool
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run the chosen sections and return the report (a JSON-ready dict)."""
+    """Run the chosen sections: (report, run metadata). The report (report.json) depends only on the seed,
+    the commit, the device and the library versions; the run metadata (meta.json) is what varies."""
     from .config import PRESETS, thresholds
     from .context import Context
-    from .measure import environment
-    from .verdict import decode_verdicts
+    from .measure import environment, run_metadata
+    from .verdict import advice, decode_verdicts
 
     preset = PRESETS[args.preset]
-    env = environment(args.device, args.seed)  # the commit and tree state the run starts from
+    env, run_meta = environment(args.device, args.seed), run_metadata()  # the commit the run starts from
     ctx = Context(preset, args.device, args.seed, quiet=args.quiet)
     units = work_units(args.sections, preset)
     jobs = max(1, min(args.jobs or default_jobs(args.device), len(units)))
@@ -146,11 +181,13 @@ def run(args: argparse.Namespace) -> dict:
                                    configs=parts[0]["configs"], state_dtypes=parts[0]["state_dtypes"])
     ctx.progress(f"done: {len(entries)} entries; unit seconds per section: "
                  + ", ".join(f"{k} {v:.0f}" for k, v in section_s.items()))
-    verdicts, per_regime = decode_verdicts(entries)
-    meta = dict(preset=preset.as_dict(), sections=list(args.sections), thresholds=thresholds(),
-                environment=env, elapsed_s=ctx.elapsed(), section_s=section_s,
-                jobs=jobs)
-    return dict(meta=meta, verdicts=verdicts, verdicts_per_regime=per_regime, summaries=summaries, entries=entries)
+    target = PRESETS[preset.proxy_for].decode_steps if preset.proxy_for else None
+    verdicts, per_regime = decode_verdicts(entries, target)
+    meta = dict(preset=preset.as_dict(), sections=list(args.sections), thresholds=thresholds(), environment=env)
+    run_meta.update(elapsed_s=round(ctx.elapsed(), 1), jobs=jobs,
+                    section_s={k: round(v, 1) for k, v in section_s.items()})
+    return dict(meta=meta, verdicts=verdicts, verdicts_per_regime=per_regime,
+                advice=advice(entries, per_regime, preset), summaries=summaries, entries=entries), run_meta
 
 
 def default_jobs(device: str) -> int:
@@ -161,21 +198,18 @@ def default_jobs(device: str) -> int:
 
 
 def main(argv=None) -> int:
+    require_dependencies(sys.argv[1:] if argv is None else argv)  # before torch is even imported
     args = parse_args(argv)
     prepare_device(args.device)
     from . import check, report
 
-    baseline = check.load(args.check) if args.check else None  # read before the run may overwrite it
-    result = report.sanitize(run(args))  # what report.json holds is what report.md shows
     out_dir = args.out_dir or os.path.join("accuracy_reports", f"{args.preset}-{args.device}")
-    os.makedirs(out_dir, exist_ok=True)
-    report.write_json(result, os.path.join(out_dir, "report.json"))
-    if not args.no_plots:
-        report.plots(result, out_dir)
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(report.markdown(result))
-    print(f"kda.accuracy: report written to {out_dir}/ (report.md, report.json"
-          f"{'' if args.no_plots else ', plots'}) in {result['meta']['elapsed_s']:.0f} s")
+    baseline = check.load(args.check, args.preset, args.device) if args.check else None  # before the run
+    result, run_meta = run(args)
+    result = report.sanitize(result)  # 3 significant digits: what report.json holds is what report.md shows
+    written = report.write_all(result, run_meta, out_dir, plots=not args.no_plots)
+    print(f"kda.accuracy: wrote {', '.join(written)} to {os.path.abspath(out_dir)}/ "
+          f"in {run_meta['elapsed_s']:.0f} s")
     for v in result["verdicts"]:
         print(f"  {v['state']} state: {v['text']}")
     if baseline is None:

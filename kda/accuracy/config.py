@@ -30,12 +30,15 @@ class Regime:
     gate_mean: float
     beta_mean: float
     decay: str  # the typical per-token decay, for the report
+    heads: str  # which heads the regime stands for, for the report's advice
 
 
 REGIMES = {
-    "strong": Regime("strong", 0.0, 0.0, "about exp(-2.5) per token (Kimi-like)"),
-    "weak": Regime("weak", -6.0, 0.0, "about exp(-0.012) per token (memory ~80 tokens)"),
-    "long": Regime("long", -12.0, -4.0, "about exp(-3e-5) per token, beta ~ 0.02 (long memory)"),
+    "strong": Regime("strong", 0.0, 0.0, "about exp(-2.5) per token (Kimi-like)", "Kimi-like strong decay"),
+    "weak": Regime("weak", -6.0, 0.0, "about exp(-0.012) per token (memory ~80 tokens)",
+                   "weak-decay heads with ~80-token memory"),
+    "long": Regime("long", -12.0, -4.0, "about exp(-3e-5) per token, beta ~ 0.02 (long memory)",
+                   "long-memory heads"),
 }
 
 # --- thresholds -----------------------------------------------------------------------------------------
@@ -99,6 +102,8 @@ class Preset:
     """Sizes of every study. K = V; H q/k heads, HV value heads (HV > H: GVA)."""
 
     name: str
+    purpose: str  # one line for the report: what the preset is for
+    proxy_for: str | None  # the preset whose verdict this one stands in for (None: it decides itself)
     K: int
     H: int
     HV: int
@@ -144,7 +149,8 @@ ADVERSARIAL = ("strong_decay", "extreme_decay", "weak_decay", "correlated_keys",
 PRESETS = {
     # For the test suite: seconds in the interpreter; every study runs, on a few points.
     "tiny": Preset(
-        name="tiny", K=16, H=1, HV=1,
+        name="tiny", purpose="the test suite's preset: every study on a few points; no verdict to act on",
+        proxy_for="full", K=16, H=1, HV=1,
         matrix_T=16, matrix_B=1, matrix_inputs=("bf16", "fp32"), matrix_states=("fp32", "bf16"),
         matrix_gates=("lower_bound",),
         length_Ts=(16, 32, 64), length_B=1, length_regimes=("strong",), length_inputs=("fp32",),
@@ -157,7 +163,9 @@ PRESETS = {
     ),
     # CPU through the Triton interpreter: under 10 minutes on 2 cores.
     "quick": Preset(
-        name="quick", K=32, H=1, HV=1,
+        name="quick", purpose="a CPU proxy (the Triton interpreter) of the full preset: the same studies, regimes "
+                           "and thresholds at small sizes",
+        proxy_for="full", K=32, H=1, HV=1,
         matrix_T=64, matrix_B=1, matrix_inputs=INPUTS3, matrix_states=ALL3, matrix_gates=GATES,
         length_Ts=(64, 128, 256, 512), length_B=1, length_regimes=("strong", "long"),
         length_inputs=("fp32", "bf16"),
@@ -168,9 +176,9 @@ PRESETS = {
         adversarial_T=64, adversarial_cases=ADVERSARIAL, adversarial_inputs=("fp32", "bf16"),
         adversarial_states=ALL3,
     ),
-    # One H200: the serving head size, long sequences, 16384 decode steps; under ~8 minutes.
+    # One H200: the serving head size, long sequences, 16384 decode steps; about 2 minutes.
     "full": Preset(
-        name="full", K=128, H=2, HV=4,
+        name="full", purpose="the decision preset: the serving head size on one GPU", proxy_for=None, K=128, H=2, HV=4,
         matrix_T=2048, matrix_B=2, matrix_inputs=INPUTS3, matrix_states=ALL3, matrix_gates=GATES,
         length_Ts=tuple(64 * 2**i for i in range(11)), length_B=1, length_regimes=("strong", "weak", "long"),
         length_inputs=("fp32", "bf16"),

@@ -90,26 +90,34 @@ def _git(*args: str) -> str | None:
 
 
 def environment(device: str, seed: int) -> dict:
-    """Device, library versions, git commit (and whether the tree had changes), date and seed."""
+    """What the numbers depend on and that stays put between two runs of one commit on one kind of device:
+    device, library versions, seed, interpreter and dot-precision settings (report.json `meta.environment`).
+    What changes from run to run is in `run_metadata`."""
     import numpy
     import scipy
     import triton
 
-    if device == "cuda":
-        device_name = torch.cuda.get_device_name()
-    else:
-        device_name = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores), Triton interpreter"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU, Triton interpreter"
+    return dict(
+        device=device, device_name=device_name, torch=torch.__version__, triton=triton.__version__,
+        numpy=numpy.__version__, scipy=scipy.__version__, python=platform.python_version(), seed=seed,
+        triton_interpret=os.environ.get("TRITON_INTERPRET", ""),
+        kda_dot_precision=os.environ.get("KDA_DOT_PRECISION", "") or ("ieee (interpreter)" if device == "cpu"
+                                                                       else "tf32 (kda default on GPU)"),
+    )
+
+
+def run_metadata() -> dict:
+    """The volatile part of a run (meta.json, and the one delimited block of report.md): git commit and
+    whether the tree had changes, date, host and its load average. Taken when the run starts."""
     # KDA_COMMIT when set: the GPU machine's copy of the tree may carry a stale .git (scripts/gpu_suite.sh)
     commit, status = os.environ.get("KDA_COMMIT"), None
     if not commit:
         commit, status = _git("rev-parse", "HEAD"), _git("status", "--porcelain")
     return dict(
-        device=device, device_name=device_name, torch=torch.__version__, triton=triton.__version__,
-        numpy=numpy.__version__, scipy=scipy.__version__, python=platform.python_version(),
-        platform=platform.platform(), git_commit=commit,
-        git_dirty=None if status is None else bool(status),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"), seed=seed,
-        triton_interpret=os.environ.get("TRITON_INTERPRET", ""),
-        kda_dot_precision=os.environ.get("KDA_DOT_PRECISION", "") or ("ieee (interpreter)" if device == "cpu"
-                                                                       else "tf32 (kda default on GPU)"),
+        git_commit=commit, git_dirty=None if status is None else bool(status),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        host=f"{platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        # what else kept the cores busy when the run started: the run time means little without it
+        load_average=round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None,
     )

@@ -45,6 +45,7 @@ def _measure(o, s, o_ref, s_ref, out_dtype, state_dtype) -> tuple[dict, dict, di
     metrics, info = {**m_o, **m_s}, {**i_o, **i_s}
     for p in ("out", "state"):
         info[f"{p}_over_floor"] = metrics[f"{p}_rel"] / info[f"{p}_floor"] if info[f"{p}_floor"] else None
+        info[f"{p}_bound"] = kernel_bound(info[f"{p}_floor"], out_dtype)
     checks = dict(finite=all_finite(o, s), out_within_bound=within_bound(metrics, info, "out", out_dtype),
                   state_within_bound=within_bound(metrics, info, "state", out_dtype))
     return metrics, info, checks

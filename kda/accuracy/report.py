@@ -10,6 +10,7 @@ from .config import (
     CHECK_FACTOR,
     CHECK_SLACK,
     EMULATION_RATIO_MAX,
+    FIT_MIN_STEP,
     GROWING_EXPONENT,
     KERNEL_FLOOR_FACTOR,
     KERNEL_FP32_TERM,
@@ -27,35 +28,86 @@ BOUND_TEXT = (f"error <= {KERNEL_FLOOR_FACTOR:g} x floor + {KERNEL_FP32_TERM:g} 
               f"(11-bit intermediates), for output and state")
 
 
-def sanitize(x):
-    """JSON-safe copy: tuples to lists, non-finite floats to None."""
+SIGNIFICANT = 3  # digits every measured number keeps, in report.json and report.md alike
+# The one block of report.md that differs between two runs of one commit (meta.json holds the same data).
+META_BEGIN = "<!-- run metadata: the only lines that differ between runs of one commit (also in meta.json) -->"
+META_END = "<!-- end of run metadata -->"
+PLOT_FILES = ("decode_output_error.png", "decode_state_error.png", "length_error.png", "chunked_prefill.png")
+REPORT_FILES = ("report.md", "report.json", "meta.json")
+
+
+def sig(x: float) -> float:
+    """`x` rounded to SIGNIFICANT significant digits (the precision run-to-run noise and reading allow)."""
+    return float(f"{x:.{SIGNIFICANT}g}")
+
+
+def _clean(x, rounded: bool):
     if isinstance(x, dict):
-        return {str(k): sanitize(v) for k, v in x.items()}
+        return {str(k): _clean(v, rounded) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [sanitize(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
+        return [_clean(v, rounded) for v in x]
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return None
+        return sig(x) if rounded else x
     return x
 
 
-def write_json(report: dict, path: str) -> None:
+def sanitize(report: dict) -> dict:
+    """JSON-safe copy: tuples to lists, non-finite floats to None, every measured float (all but `meta`:
+    the preset and the thresholds stay exact) rounded to SIGNIFICANT digits."""
+    return {k: _clean(v, rounded=k != "meta") for k, v in report.items()}
+
+
+def write_json(obj: dict, path: str) -> None:
     with open(path, "w") as f:
-        json.dump(sanitize(report), f, indent=1, allow_nan=False)
+        json.dump(obj, f, indent=1, allow_nan=False)
         f.write("\n")
 
 
+def write_all(report: dict, run_meta: dict, out_dir: str, plots: bool = True) -> list[str]:
+    """Write report.json, meta.json, the plots (unless `plots` is false) and report.md into `out_dir`, after
+    removing what an earlier run of the harness left there (its reports and plots; nothing else), so the
+    directory holds one run. Returns the names written."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in (*REPORT_FILES, *PLOT_FILES):
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path):
+            os.remove(path)
+    write_json(report, os.path.join(out_dir, "report.json"))
+    write_json(run_meta, os.path.join(out_dir, "meta.json"))
+    drawn = draw_plots(report, out_dir) if plots else []
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(markdown(report, run_meta, drawn))
+    return ["report.md", "report.json", "meta.json", *drawn]
+
+
+def strip_run_metadata(md: str) -> str:
+    """report.md without its run-metadata block: equal between two runs of one commit, seed and device."""
+    head, _, rest = md.partition(META_BEGIN)
+    _, _, tail = rest.partition(META_END)
+    return head + tail
+
+
 def e(x) -> str:
+    """An error (3 significant digits), a yes/NO check, or n/a."""
     if x is None:
         return "n/a"
     if isinstance(x, bool):
         return "yes" if x else "**NO**"
     if x == 0:
         return "0"
-    return f"{x:.2e}"
+    return f"{x:.{SIGNIFICANT - 1}e}"
 
 
 def r(x) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
+    """A ratio, 3 significant digits."""
+    if x is None:
+        return "n/a"
+    return f"{x:.{SIGNIFICANT - 1}e}" if abs(x) >= 1000 else f"{x:#.{SIGNIFICANT}g}"
+
+
+FP32_RATIO = "n/a (fp32: no storage rounding)"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -70,29 +122,29 @@ def _by_section(report: dict, section: str) -> list[dict]:
 # --- markdown -------------------------------------------------------------------------------------------
 
 
-def markdown(report: dict) -> str:
-    meta, env = report["meta"], report["meta"]["environment"]
-    L = [f"# KDA accuracy report: preset `{meta['preset']['name']}` on `{env['device']}`", ""]
+def markdown(report: dict, run_meta: dict, plots: list[str] = PLOT_FILES) -> str:
+    """report.md: everything but the run-metadata block is a function of report.json alone."""
+    meta, env, P = report["meta"], report["meta"]["environment"], report["meta"]["preset"]
+    L = [f"# KDA accuracy report: preset `{P['name']}` on `{env['device']}`", ""]
     L += ["Every error is measured in float64 against the float64 oracle (`kda_reference`, state never rounded) on "
           "the very inputs the kernel got, so input rounding is not counted. Relative errors are relative L2 "
           "(`||x - exact|| / ||exact||`); a *floor* is the error of the exact answer itself rounded to the dtype "
-          "it is stored in (computed here, not assumed): no kernel can beat it. Regenerate with "
-          f"`python -m kda.accuracy --preset {meta['preset']['name']} --device {env['device']} --seed {env['seed']}` "
+          "it is stored in (computed here, not assumed): no kernel can beat it. Numbers keep "
+          f"{SIGNIFICANT} significant digits. Regenerate with "
+          f"`python -m kda.accuracy --preset {P['name']} --device {env['device']} --seed {env['seed']}` "
           "(docs/accuracy.md explains how to read it).", ""]
+    L += [f"**Preset `{P['name']}`**: {P['purpose']}. {_sizes(P)}", ""]
+    L += _run_md(run_meta)
     L += ["## Environment", ""]
     L += _table(["", ""], [[k, f"`{env[k]}`"] for k in (
-        "device_name", "torch", "triton", "numpy", "scipy", "python", "git_commit", "git_dirty", "date", "seed",
-        "triton_interpret", "kda_dot_precision")] + [["sizes", f"K = V = {meta['preset']['K']}, H = "
-                                                    f"{meta['preset']['H']}, HV = {meta['preset']['HV']}"],
-                                                   ["run time", f"{meta['elapsed_s']:.0f} s wall, {meta['jobs']} "
-                                                    "parallel job(s); seconds of work per section: " + ", ".join(
-                                                        f"{k} {v:.0f}" for k, v in meta['section_s'].items())]])
+        "device", "device_name", "torch", "triton", "numpy", "scipy", "python", "seed", "triton_interpret",
+        "kda_dot_precision")])
     L += _verdict_md(report)
     for section, fn in (("decode", _decode_md), ("length", _length_md), ("dtype_matrix", _matrix_md),
                         ("chunked_prefill", _chunked_md), ("varlen", _varlen_md), ("paged", _paged_md),
                         ("adversarial", _adversarial_md)):
         if section in meta["sections"]:
-            L += fn(report)
+            L += fn(report, plots) if section in ("decode", "length", "chunked_prefill") else fn(report)
     fails = failed_checks(report["entries"])
     L += ["## Checks", "", f"{sum(len(x['checks']) for x in report['entries'])} checks, {len(fails)} failed."
           + (" Failed:" if fails else ""), ""]
@@ -100,32 +152,92 @@ def markdown(report: dict) -> str:
     return "\n".join(L)
 
 
+def _sizes(P: dict) -> str:
+    return (f"Sizes: K = V = {P['K']}, H = {P['H']} q/k head(s), HV = {P['HV']} value head(s); decode: a "
+            f"{P['decode_prefill']}-token prefill then {P['decode_steps']} steps, {P['decode_reps']} sequence(s) per "
+            f"regime; length: T up to {P['length_Ts'][-1]}; dtype matrix: T = {P['matrix_T']}.")
+
+
+def _proxy_note(P: dict) -> str:
+    from .config import PRESETS
+
+    F = PRESETS[P["proxy_for"]]
+    return (f"It stands in for the `{F.name}` preset (K = V = {F.K}, H = {F.H}, HV = {F.HV}, {F.decode_steps} "
+            f"decode steps, {F.decode_reps} sequences per regime; `python -m kda.accuracy --preset {F.name} --device "
+            f"cuda`, committed in `accuracy_reports/{F.name}-cuda/`), whose verdict is the one to act on. The "
+            f"regimes and thresholds are the same; an error that still grows at {P['decode_steps']} steps keeps "
+            f"growing up to {F.decode_steps}, so a verdict here can be milder than there, never a substitute.")
+
+
+def _run_md(run_meta: dict) -> list[str]:
+    dirty = run_meta.get("git_dirty")
+    tree = "unknown" if dirty is None else ("with uncommitted changes" if dirty else "clean")
+    seconds = ", ".join(f"{k} {v:.0f}" for k, v in run_meta.get("section_s", {}).items())
+    rows = [["commit", f"`{run_meta.get('git_commit')}` ({tree})"], ["date", run_meta.get("date")],
+            ["host", f"{run_meta.get('host')}; load average {run_meta.get('load_average')} at the start"],
+            ["run time", f"{run_meta.get('elapsed_s', 0):.0f} s wall, {run_meta.get('jobs')} parallel job(s); "
+                         f"seconds of work per section: {seconds}"]]
+    return [META_BEGIN, "## Run", "", *_table(["", ""], rows), META_END, ""]
+
+
 def _verdict_md(report: dict) -> list[str]:
     overall, per = report.get("verdicts", []), report.get("verdicts_per_regime", [])
     if not per:
         return []
+    P = report["meta"]["preset"]
+    steps = per[0]["steps"]
     L = ["## Verdict per state storage dtype", ""]
+    if P.get("proxy_for"):
+        L += [f"**Preset `{P['name']}`, a proxy**: K = V = {P['K']}, {P['decode_steps']} decode steps, "
+              f"{P['decode_reps']} sequence(s) per regime. {_proxy_note(P)}", ""]
     L += [f"From the decode study (one token per call through a paged pool rounded every step; fp32 inputs and "
           f"outputs, so the output error is the error the state storage causes). A storage dtype passes a regime "
-          f"when, at the longest measured step count, (1) its output error is at most **{OUTPUT_FLOOR_FACTOR:g}x "
-          f"the bf16 rounding floor of the exact output** (what a bf16 output costs anyway: the state then "
-          f"adds at most as much again, a bf16 output ends up within sqrt(2) of its floor), and (2) for fp16/bf16, "
-          f"the kernel's output and state errors are at most **{EMULATION_RATIO_MAX:g}x the emulation's** (float64 "
-          f"arithmetic, the state rounded to the same dtype after every token): the kernel loses nothing beyond "
-          f"what the dtype forces. An output-error growth exponent whose 95% interval lies above "
-          f"{GROWING_EXPONENT:g} is flagged *still growing*: the verdict then holds only up to the measured length.",
-          ""]
+          f"when, at the longest measured step count ({steps}), (1) its output error is at most "
+          f"**{OUTPUT_FLOOR_FACTOR:g}x the bf16 rounding floor of the exact output** (what a bf16 output costs "
+          f"anyway: the state then adds at most as much again, a bf16 output ends up within sqrt(2) of its floor), "
+          f"and (2) for fp16/bf16 only, the kernel's output and state errors are at most **{EMULATION_RATIO_MAX:g}x "
+          f"the emulation's** (float64 arithmetic, the state rounded to the same dtype after every token): the "
+          f"kernel loses nothing beyond what the dtype forces. An output-error growth exponent whose 95% interval "
+          f"lies above {GROWING_EXPONENT:g} is flagged *still growing*: the verdict then holds only up to "
+          f"{steps} steps.", ""]
     L += [f"- **{v['state']}**: {v['text']}" for v in overall] + [""]
-    rows = [[v["state"], v["regime"], e(v["out_rel"]), e(v["out_floor_bf16"]), r(v["out_over_floor"]),
-             r(v["out_over_emulation"]), r(v["state_over_emulation"]), e(v["state_rel"]), v["exponent"]
-             + (" (growing)" if v["growing"] else ""),
-             "pass" if v["passes"] else "**FAIL**: " + "; ".join(v["reasons"])] for v in per]
-    L += _table(["storage", "regime", "output err", "bf16 out floor", "err / floor", "kernel/emu (out)",
-                 "kernel/emu (state)", "state err", "output exponent [95% CI]", "verdict"], rows)
+    target = per[0].get("target_steps")
+    L += ["Columns: `output err`: relative L2 error of the output over the last "
+          f"min({OUTPUT_WINDOW}, s/2) steps at step {steps}; `bf16 out floor`: the same for the exact output rounded "
+          f"to bf16; `err / floor`: their ratio, **threshold (1): <= {OUTPUT_FLOOR_FACTOR:g}, every row**; "
+          f"`kernel/emu`: kernel error over emulation error, **threshold (2): <= {EMULATION_RATIO_MAX:g}, fp16 and "
+          f"bf16 rows only** ({FP32_RATIO}: the emulation of an fp32 state rounds below fp32 arithmetic, so the "
+          "ratio compares two fp32 noise levels and says nothing); `state err`: the pool at the last step; "
+          f"`exponent`: slope of log(output error) on log(steps) for steps >= {FIT_MIN_STEP}, 95% interval."
+          + (f" `x floor at {target} (extrapolated)`: for a still-growing error, err / floor x ({target} / "
+             f"{steps})^exponent, a rough guide to what the `{P['proxy_for']}` preset measures, not a verdict."
+             if target else ""), ""]
+    rows = []
+    for v in per:
+        fp32 = v["state"] == "fp32"
+        row = [v["state"], v["regime"], e(v["out_rel"]), e(v["out_floor_bf16"]), r(v["out_over_floor"]),
+               FP32_RATIO if fp32 else r(v["out_over_emulation"]), FP32_RATIO if fp32 else r(v["state_over_emulation"]),
+               e(v["state_rel"]), v["exponent"] + (" (growing)" if v["growing"] else "")]
+        if target:
+            x = v.get("extrapolated_over_floor")
+            row.append(r(x) if x is not None else "not growing")
+        row.append("pass" if v["passes"] else "**FAIL**: " + "; ".join(v["reasons"]))
+        rows.append(row)
+    L += _table(["storage", "regime", "output err", "bf16 out floor", f"err / floor (<= {OUTPUT_FLOOR_FACTOR:g})",
+                 f"kernel/emu out (<= {EMULATION_RATIO_MAX:g})", f"kernel/emu state (<= {EMULATION_RATIO_MAX:g})",
+                 "state err", "output exponent [95% CI]", *([f"x floor at {target} (extrapolated)"] if target else []),
+                 "verdict"], rows)
+    if report.get("advice"):
+        L += ["### What to do", ""]
+        L += [f"- {a['text']}" for a in report["advice"]] + [""]
     return L
 
 
-def _decode_md(report: dict) -> list[str]:
+def _img(plots, name: str, alt: str) -> list[str]:
+    return [f"![{alt}]({name})", ""] if name in plots else []
+
+
+def _decode_md(report: dict, plots=PLOT_FILES) -> list[str]:
     ents = _by_section(report, "decode")
     if not ents:
         return []
@@ -134,12 +246,17 @@ def _decode_md(report: dict) -> list[str]:
     L = ["## Growth with decode steps", ""]
     L += [f"Prefill of {p0['prefill']} tokens (`kda.chunk_kda` into the pool), then {p0['steps']} decode steps "
           f"(`kda.fused_recurrent_kda`, one token per call, V-first pool planes, permuted slots), "
-          f"{p0['reps']} sequence(s) per regime, K = V = {p0['K']}, HV = {p0['HV']}. Output error at step s: "
-          f"relative L2 over the last min({OUTPUT_WINDOW}, s/2) steps; state error: the pool at step s. "
-          f"`+sr`: stochastic rounding (seed = step). `emu`: the float64 emulation of that storage dtype. "
-          f"Vectorised float64 oracle vs `kda_reference.recurrent_kda`: {e(s['oracle_selfcheck_rel'])} relative.", ""]
-    L += ["![output error vs decode steps](decode_output_error.png)", "",
-          "![state error vs decode steps](decode_state_error.png)", ""]
+          f"{p0['reps']} sequence(s) per regime, K = V = {p0['K']}, HV = {p0['HV']}. Vectorised float64 oracle vs "
+          f"`kda_reference.recurrent_kda`: {e(s['oracle_selfcheck_rel'])} relative.", ""]
+    L += ["Columns of the error tables: `step` s; one column per kernel configuration (storage dtype; `+sr`: "
+          "stochastic rounding, seed = step); `emu <dtype>`: the float64 emulation of that storage dtype (rounded "
+          "to nearest after every token), which the kernel column of the same dtype should match; output error "
+          f"at step s: relative L2 over the last min({OUTPUT_WINDOW}, s/2) steps; state error: the pool at step s; "
+          "`bf16 out floor`: the verdict's line (1). Plots: kernel lines with markers, the emulation as a wide "
+          "pale band of the same colour (a kernel line inside its band adds nothing), the bf16 output floor "
+          "in black.", ""]
+    L += _img(plots, "decode_output_error.png", "output error vs decode steps")
+    L += _img(plots, "decode_state_error.png", "state error vs decode steps")
     for regime in dict.fromkeys(x["params"]["regime"] for x in ents):
         rs = [x for x in ents if x["params"]["regime"] == regime]
         steps = rs[0]["info"]["steps"]
@@ -156,34 +273,48 @@ def _decode_md(report: dict) -> list[str]:
                 rows.append(row)
             L += _table(header, rows)
         L += [f"**{regime}**: fitted growth exponent of error vs steps (steps >= {rs[0]['info']['fit_steps'][0]}; "
-              "slope of the log-log fit, 95% CI)", ""]
+              "slope of the log-log fit, 95% CI). `kernel/emu @end`: kernel error / emulation error at the last step; "
+              "for `+sr` rows against the round-to-nearest emulation, i.e. what stochastic rounding costs (> 1) or "
+              f"gains (< 1); fp32 rows: {FP32_RATIO}.", ""]
         L += _table(["config", "output", "state", "emulation output", "emulation state",
                      "kernel/emu out @end", "kernel/emu state @end"],
                     [[n, _fmt_fit(x["info"]["fit_out"]), _fmt_fit(x["info"]["fit_state"]),
                       _fmt_fit(x["info"]["fit_emu_out"]), _fmt_fit(x["info"]["fit_emu_state"]),
-                      r(x["info"]["out_over_emulation"][-1]), r(x["info"]["state_over_emulation"][-1])]
+                      *((FP32_RATIO, FP32_RATIO) if x["params"]["state"] == "fp32" else
+                        (r(x["info"]["out_over_emulation"][-1]), r(x["info"]["state_over_emulation"][-1])))]
                      for n, x in zip(names, rs)])
     return L
 
 
-def _length_md(report: dict) -> list[str]:
+def _same(curves: list[list]) -> bool:
+    return all(c == curves[0] for c in curves)
+
+
+def _length_md(report: dict, plots=PLOT_FILES) -> list[str]:
     ents = _by_section(report, "length")
     if not ents:
         return []
     L = ["## Growth with sequence length", ""]
     L += ["`kda.chunk_kda` on prefixes of one long sequence (no initial state), final state stored in each "
-          "dtype. `out`: relative error over the whole prefix; `tail`: over its last 64 tokens; `state`: final "
-          "state. Exponents: log-log slope of error vs T with 95% CI.", "",
-          "![error vs T](length_error.png)", ""]
+          "dtype. Columns: `T`: prefix length; `out`: relative error of the output over the whole prefix (the "
+          "final state's storage dtype cannot change the output, which is computed before the state is stored: "
+          "one column when the runs agree, as they must); `out floor`: the exact output rounded to the input "
+          "dtype; `tail`: output error over the last 64 tokens; `state (<dtype>)`: the final state stored in that "
+          "dtype; `<dtype> floor`: the exact final state rounded to it. No threshold applies here: this section "
+          "shows whether errors grow with T (exponent: log-log slope of error vs T, 95% CI; ~0 flat).", ""]
+    L += _img(plots, "length_error.png", "error vs T")
     groups = {}
     for x in ents:
         groups.setdefault((x["params"]["regime"], x["params"]["input"]), []).append(x)
     for (regime, inp), xs in groups.items():
         L += [f"**{regime}** regime, {inp} inputs", ""]
         Ts = xs[0]["info"]["T"]
-        header = ["T", *(f"out ({x['params']['state']})" for x in xs), "out floor", "tail (fp32 state)",
-                  *(f"state ({x['params']['state']})" for x in xs), *(f"{x['params']['state']} floor" for x in xs)]
-        rows = [[T, *(e(x["metrics"]["out_rel"][i]) for x in xs), e(xs[0]["info"]["out_floor"][i]),
+        one = _same([x["metrics"]["out_rel"] for x in xs])
+        outs = xs[:1] if one else xs
+        out_names = ["out"] if one else [f"out ({x['params']['state']})" for x in xs]
+        header = ["T", *out_names, "out floor", "tail", *(f"state ({x['params']['state']})" for x in xs),
+                  *(f"{x['params']['state']} floor" for x in xs)]
+        rows = [[T, *(e(x["metrics"]["out_rel"][i]) for x in outs), e(xs[0]["info"]["out_floor"][i]),
                  e(xs[0]["metrics"]["out_tail_rel"][i]), *(e(x["metrics"]["state_rel"][i]) for x in xs),
                  *(e(x["info"]["state_floor"][i]) for x in xs)] for i, T in enumerate(Ts)]
         L += _table(header, rows)
@@ -201,20 +332,29 @@ def _matrix_md(report: dict) -> list[str]:
     L = ["## dtype matrix", ""]
     L += [f"One call per kernel from a random initial state (V-first planes, stored in the storage dtype), "
           f"B = {p['B']}, T = {p['T']}, K = V = {p['K']}, H = {p['H']}, HV = {p['HV']}; q, k l2-normalised and beta "
-          f"sigmoid in the kernel; g and beta fp32. Output floor: the exact output rounded to the input dtype; "
-          f"state floor: the exact final state rounded to the storage dtype. `bound`: "
-          f"{BOUND_TEXT} (the kernel tests' criterion).", ""]
+          f"sigmoid in the kernel; g and beta fp32. Columns: `out rel`, `state rel`: relative L2 errors; `max abs`: "
+          f"largest absolute error; `out floor`: the exact output rounded to the input dtype; `state floor`: the "
+          f"exact final state rounded to the storage dtype; `bound (out / state)`: the kernel tests' criterion "
+          f"applied to this row ({BOUND_TEXT}); `within`: both errors at most their bound, and finite. With "
+          f"16-bit inputs `chunk_kda` computes through 11-bit intermediates, so an fp32-stored state is far above "
+          f"its fp32 floor there and within its bound (floor + {KERNEL_NARROW_TERM:.3g}).", ""]
     rows = [[x["params"]["kernel"], x["params"]["gate"], x["params"]["input"], x["params"]["state"],
              e(x["metrics"]["out_rel"]), e(x["info"]["out_max_abs"]), e(x["info"]["out_floor"]),
              e(x["metrics"]["state_rel"]), e(x["info"]["state_max_abs"]), e(x["info"]["state_floor"]),
+             _bounds(x),
              e(x["checks"]["out_within_bound"] and x["checks"]["state_within_bound"] and x["checks"]["finite"])]
             for x in ents]
     L += _table(["kernel", "gate", "input", "state", "out rel", "out max abs", "out floor", "state rel",
-                 "state max abs", "state floor", "bound"], rows)
+                 "state max abs", "state floor", "bound (out / state)", "within"], rows)
     return L
 
 
-def _chunked_md(report: dict) -> list[str]:
+def _bounds(x: dict) -> str:
+    i = x["info"]
+    return f"{e(i.get('out_bound'))} / {e(i.get('state_bound'))}"
+
+
+def _chunked_md(report: dict, plots=PLOT_FILES) -> list[str]:
     ents = _by_section(report, "chunked_prefill")
     if not ents:
         return []
@@ -223,8 +363,11 @@ def _chunked_md(report: dict) -> list[str]:
     L += [f"One sequence of T = {p['T']} tokens (fp32 inputs) split at random points into P pieces, each a "
           f"`kda.chunk_kda` call starting from the previous piece's final state stored in the storage dtype "
           f"(K-first). Error against one float64 run over the whole sequence; `emu`: float64 with the state "
-          f"rounded at the same cuts. Cells: final-state error kernel / emu; output error.", "",
-          "![state error vs pieces](chunked_prefill.png)", ""]
+          f"rounded at the same cuts. Columns: `pieces`: number of calls; `state <dtype> (kernel / emu)`: final-state "
+          f"error of the kernel and of the emulation (they should match: the kernel adds nothing to the rounding "
+          f"at the cuts); `out (<dtype>)`: output error over the whole sequence. No threshold applies; "
+          f"`--check` compares every number with the baseline.", ""]
+    L += _img(plots, "chunked_prefill.png", "state error vs pieces")
     for regime in dict.fromkeys(x["params"]["regime"] for x in ents):
         xs = [x for x in ents if x["params"]["regime"] == regime]
         pieces = xs[0]["info"]["pieces"]
@@ -244,8 +387,10 @@ def _varlen_md(report: dict) -> list[str]:
         return []
     L = ["## Varlen layouts with empty sequences", ""]
     L += ["bf16 inputs, `cu_seqlens` (and its host copy), a random dense initial state per sequence in the storage "
-          "dtype. Per-sequence errors (max over the sequences), the empty sequences' final state compared bit for "
-          f"bit with their initial state, and every sequence within the kernel bound ({BOUND_TEXT}).", ""]
+          "dtype. Columns: `max seq out err`, `max seq state err`: the largest relative error over the sequences "
+          "(output rows of the sequence; its final state); `empty: state bits kept`: every empty sequence's final "
+          "state is its initial state bit for bit; `bound`: every sequence within the kernel bound "
+          f"({BOUND_TEXT}); `finite`: no NaN or inf.", ""]
     rows = [[x["params"]["layout"], str(x["params"]["lengths"]), x["params"]["kernel"], x["params"]["state"],
              e(x["info"]["max_seq_out_rel"]), e(x["info"]["max_seq_state_rel"]),
              e(x["checks"]["empty_keep_state_bits"]), e(x["checks"]["within_bound"]), e(x["checks"]["finite"])]
@@ -323,22 +468,64 @@ def _adversarial_md(report: dict) -> list[str]:
         return []
     L = ["## Adversarial inputs", ""]
     L += [f"- `{c}`: {ADVERSARIAL_DOC[c]}" for c in dict.fromkeys(x["params"]["case"] for x in ents)] + [""]
-    L += [f"No initial state, T = {ents[0]['params']['T']}. `bound`: {BOUND_TEXT}.", ""]
+    L += [f"No initial state, T = {ents[0]['params']['T']}. Columns: `out rel`, `state rel`: relative L2 errors; "
+          "`/ floor`: the error over the rounding floor of the same result (output: exact output rounded to the "
+          "input dtype; state: exact final state rounded to the storage dtype); `bound`: the bound that applies to "
+          f"the row ({BOUND_TEXT}); `within`: both errors within their bound.", "",
+          "Reading `state / floor`: a large ratio is not a failure by itself; `within` is the column to read. "
+          "The floor of an **fp32** state is about 3e-8, while `chunk_kda` with **bf16 or fp16 inputs** computes "
+          "its intermediates with an 11-bit significand (tf32 dots on a GPU, fp16 workspaces everywhere): its "
+          "fp32-stored state then carries about 1e-4 to 1e-3 of error, thousands of fp32 floors, and the bound "
+          f"of those rows is floor + {KERNEL_NARROW_TERM:.3g} (4 x 2^-11). `fused_recurrent_kda` keeps fp32 "
+          "intermediates, hence its small ratios. With fp32 inputs the bound, 2 x floor + "
+          f"{KERNEL_FP32_TERM:g}, leaves fp32 arithmetic on these ill-conditioned inputs hundreds of floors.", ""]
     rows = [[x["params"]["case"], x["params"]["kernel"], x["params"]["input"], x["params"]["state"],
              e(x["metrics"]["out_rel"]), r(x["info"]["out_over_floor"]), e(x["metrics"]["state_rel"]),
-             r(x["info"]["state_over_floor"]), e(x["checks"]["finite"]),
+             r(x["info"]["state_over_floor"]), _bounds(x), e(x["checks"]["finite"]),
              e(x["checks"]["out_within_bound"] and x["checks"]["state_within_bound"])] for x in ents]
     L += _table(["case", "kernel", "input", "state", "out rel", "out / floor", "state rel", "state / floor",
-                 "finite", "bound"], rows)
+                 "bound (out / state)", "finite", "within"], rows)
     return L
 
 
 # --- plots ----------------------------------------------------------------------------------------------
 
-STYLE = {"fp32": "tab:blue", "fp16": "tab:orange", "bf16": "tab:red"}
+COLOR = {"fp32": "tab:blue", "fp16": "tab:orange", "bf16": "tab:red"}  # by storage dtype
+MARKER = {"fp32": "o", "fp16": "s", "bf16": "^"}
+SR_MARKER = {"fp32": "+", "fp16": "x", "bf16": "P"}
+INPUT_STYLE = {"fp32": dict(ls="-", marker="o", mfc=None), "fp16": dict(ls="-.", marker="D", mfc="none"),
+               "bf16": dict(ls="--", marker="x", mfc=None)}  # by input dtype (length plot)
+INPUT_COLOR = {"fp32": "tab:green", "fp16": "tab:brown", "bf16": "tab:purple"}
+BAND = dict(lw=8, alpha=0.22, solid_capstyle="butt")  # a reference drawn wide and pale under the kernel lines
 
 
-def plots(report: dict, out_dir: str) -> list[str]:
+def _axes(ax, xs: list, xlabel: str, title: str) -> None:
+    """Log-log axes whose x ticks are the measured points (base 2, at most 9 labelled), y in decades."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    every = max(1, math.ceil(len(xs) / 9))
+    ticks = list(xs)[::every]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlim(xs[0] / 1.25, xs[-1] * 1.25)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("relative L2 error (log)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="major", alpha=0.35)
+    ax.grid(True, which="minor", axis="y", alpha=0.12)
+
+
+def _legend(fig, ax) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, handlelength=4,
+               frameon=False)
+
+
+def draw_plots(report: dict, out_dir: str) -> list[str]:
+    """The PNG plots of the decode, length and chunked-prefill studies; returns the names written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -347,12 +534,8 @@ def plots(report: dict, out_dir: str) -> list[str]:
     written = []
 
     def save(fig, name):
-        from matplotlib.ticker import NullFormatter
-
-        for ax in fig.axes:
-            ax.xaxis.set_minor_formatter(NullFormatter())  # no crowded labels between the decades
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        fig.savefig(os.path.join(out_dir, name), dpi=110, bbox_inches="tight", metadata={"Software": None})
         plt.close(fig)
         written.append(name)
 
@@ -361,68 +544,84 @@ def plots(report: dict, out_dir: str) -> list[str]:
         regimes = list(dict.fromkeys(x["params"]["regime"] for x in dec))
         for what, key, emu_key, name in (("output", "out_rel", "emu_out_rel", "decode_output_error.png"),
                                          ("state", "state_rel", "emu_state_rel", "decode_state_error.png")):
-            fig, axes = plt.subplots(1, len(regimes), figsize=(5 * len(regimes), 4), squeeze=False)
+            fig, axes = plt.subplots(1, len(regimes), figsize=(4.6 * len(regimes), 4), squeeze=False)
             for ax, regime in zip(axes[0], regimes):
-                for x in (x for x in dec if x["params"]["regime"] == regime):
-                    st, sr = x["params"]["state"], x["params"]["stochastic_rounding"]
-                    steps = x["info"]["steps"]
-                    ax.loglog(steps, _pos(x["metrics"][key]), color=STYLE[st], ls=":" if sr else "-", marker=".",
-                              label=f"kernel {st}{' +sr' if sr else ''}")
-                    if not sr:
-                        ax.loglog(steps, _pos(x["info"][emu_key]), color=STYLE[st], ls="--", alpha=0.6,
-                                  label=f"emulation {st}")
+                xs = [x for x in dec if x["params"]["regime"] == regime]
+                steps = xs[0]["info"]["steps"]
+                for x in xs:
+                    if not x["params"]["stochastic_rounding"]:
+                        st = x["params"]["state"]
+                        ax.plot(steps, _pos(x["info"][emu_key]), color=COLOR[st], **BAND,
+                                label=f"emulation {st} (band)")
                 if what == "output":
-                    x0 = next(x for x in dec if x["params"]["regime"] == regime)
-                    ax.loglog(x0["info"]["steps"], _pos(x0["info"]["out_floor_bf16"]), color="k", ls="-.",
-                              label="bf16 output floor")
-                ax.set_title(f"{regime}: {what} error")
-                ax.set_xlabel("decode steps")
-                ax.set_ylabel("relative L2 error")
-                ax.grid(True, which="both", alpha=0.3)
-            axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+                    ax.plot(steps, _pos(xs[0]["info"]["out_floor_bf16"]), color="k", ls="-.", lw=1.2,
+                            label="bf16 output floor")
+                for x in xs:
+                    st, sr = x["params"]["state"], x["params"]["stochastic_rounding"]
+                    ax.plot(steps, _pos(x["metrics"][key]), color=COLOR[st], ls=":" if sr else "-", lw=1.3,
+                            marker=SR_MARKER[st] if sr else MARKER[st], ms=5,
+                            label=f"kernel {st}" + (" + stochastic rounding" if sr else ""))
+                _axes(ax, steps, "decode steps (log2)", f"{regime} regime: {what} error")
+            _legend(fig, axes[0][0])
             save(fig, name)
 
     ln = _by_section(report, "length")
     if ln:
         regimes = list(dict.fromkeys(x["params"]["regime"] for x in ln))
-        fig, axes = plt.subplots(2, len(regimes), figsize=(5 * len(regimes), 7), squeeze=False)
+        fig, axes = plt.subplots(2, len(regimes), figsize=(4.6 * len(regimes), 7.5), squeeze=False)
         for j, regime in enumerate(regimes):
+            xs = [x for x in ln if x["params"]["regime"] == regime]
+            Ts = xs[0]["info"]["T"]
+            ax_o, ax_s = axes[0][j], axes[1][j]
             floors = {}
-            for x in (x for x in ln if x["params"]["regime"] == regime):
-                st, inp = x["params"]["state"], x["params"]["input"]
-                if inp not in floors:
-                    floors[inp] = x["info"]["out_floor"]
-                    axes[0][j].loglog(x["info"]["T"], _pos(floors[inp]), color="k", ls="-." if inp == "fp32" else ":",
-                                      label=f"{inp} output floor")
-                ls = "-" if inp == "fp32" else "--"
-                axes[0][j].loglog(x["info"]["T"], _pos(x["metrics"]["out_rel"]), color=STYLE[st], ls=ls, marker=".",
-                                  label=f"{inp} in, {st} state")
-                axes[1][j].loglog(x["info"]["T"], _pos(x["metrics"]["state_rel"]), color=STYLE[st], ls=ls,
-                                  marker=".", label=f"{inp} in, {st} state")
-            for i, what in enumerate(("output", "final state")):
-                axes[i][j].set_title(f"{regime}: {what} error (chunk_kda)")
-                axes[i][j].set_xlabel("T")
-                axes[i][j].set_ylabel("relative L2 error")
-                axes[i][j].grid(True, which="both", alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+            for x in xs:  # state floors: one pale band per storage dtype
+                floors.setdefault(x["params"]["state"], x["info"]["state_floor"])
+            for st, f in floors.items():
+                ax_s.plot(Ts, _pos(f), color=COLOR[st], **BAND, label=f"{st} state floor (band)")
+            for inp in dict.fromkeys(x["params"]["input"] for x in xs):
+                ys = [x for x in xs if x["params"]["input"] == inp]
+                style = INPUT_STYLE[inp]
+                ax_o.plot(Ts, _pos(ys[0]["info"]["out_floor"]), color=INPUT_COLOR[inp], **BAND,
+                          label=f"{inp}-input output floor (band)")
+                one = _same([y["metrics"]["out_rel"] for y in ys])
+                for y in ys[:1] if one else ys:
+                    st = y["params"]["state"]
+                    ax_o.plot(Ts, _pos(y["metrics"]["out_rel"]), color=INPUT_COLOR[inp], lw=1.3, ms=6,
+                              ls=style["ls"], marker=style["marker"], mfc=style["mfc"],
+                              label=f"{inp} inputs, output" + ("" if one else f" ({st} state)"))
+                for y in ys:
+                    st = y["params"]["state"]
+                    ax_s.plot(Ts, _pos(y["metrics"]["state_rel"]), color=COLOR[st], lw=1.3, ms=6, ls=style["ls"],
+                              marker=style["marker"], mfc=style["mfc"], label=f"{inp} inputs, {st} state")
+            _axes(ax_o, Ts, "T (tokens, log2)", f"{regime} regime: output error (chunk_kda)\n"
+                  "(same for every final-state dtype)")
+            _axes(ax_s, Ts, "T (tokens, log2)", f"{regime} regime: final state error (chunk_kda)")
+        handles, labels = [], []
+        for ax in (axes[0][0], axes[1][0]):
+            h, lab = ax.get_legend_handles_labels()
+            handles += h
+            labels += lab
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, handlelength=4,
+                   frameon=False)
         save(fig, "length_error.png")
 
     ch = _by_section(report, "chunked_prefill")
     if ch:
         regimes = list(dict.fromkeys(x["params"]["regime"] for x in ch))
-        fig, axes = plt.subplots(1, len(regimes), figsize=(5 * len(regimes), 4), squeeze=False)
+        fig, axes = plt.subplots(1, len(regimes), figsize=(4.6 * len(regimes), 4), squeeze=False)
         for ax, regime in zip(axes[0], regimes):
-            for x in (x for x in ch if x["params"]["regime"] == regime):
+            xs = [x for x in ch if x["params"]["regime"] == regime]
+            pieces = xs[0]["info"]["pieces"]
+            for x in xs:
                 st = x["params"]["state"]
-                ax.loglog(x["info"]["pieces"], _pos(x["metrics"]["state_rel"]), color=STYLE[st], marker=".",
-                          label=f"kernel {st}")
-                ax.loglog(x["info"]["pieces"], _pos(x["info"]["emu_state_rel"]), color=STYLE[st], ls="--",
-                          alpha=0.6, label=f"emulation {st}")
-            ax.set_title(f"{regime}: final state error")
-            ax.set_xlabel("pieces")
-            ax.set_ylabel("relative L2 error")
-            ax.grid(True, which="both", alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+                ax.plot(pieces, _pos(x["info"]["emu_state_rel"]), color=COLOR[st], **BAND,
+                        label=f"emulation {st} (band)")
+            for x in xs:
+                st = x["params"]["state"]
+                ax.plot(pieces, _pos(x["metrics"]["state_rel"]), color=COLOR[st], lw=1.3, marker=MARKER[st], ms=5,
+                        label=f"kernel {st}")
+            _axes(ax, pieces, "pieces (chunk_kda calls, log2)", f"{regime} regime: final state error")
+        _legend(fig, axes[0][0])
         save(fig, "chunked_prefill.png")
     return written
 
