@@ -62,7 +62,7 @@ GROWING_EXPONENT = 0.1
 # - fp32 inputs: error <= KERNEL_FLOOR_FACTOR x rounding floor + KERNEL_FP32_TERM;
 # - fp16/bf16 inputs: error <= max(KERNEL_FLOOR_FACTOR x floor, floor + KERNEL_NARROW_TERM). chunk_kda's
 #   intermediates then keep an 11-bit significand (tf32 dots on a GPU, fp16 workspaces on every device:
-#   kda.ops.common.dot_precision, kda.ops.chunk.workspace_dtype), unit roundoff 2^-11 carried through a few
+#   kda.plan.dot_precision, kda.plan.workspace_dtype), unit roundoff 2^-11 carried through a few
 #   chained products; the result's own rounding (the floor) comes on top. For fp16 inputs the two are of
 #   one size (H200, T = 2048: output 1.1e-3 against a floor of 2.1e-4), for bf16 the floor dominates.
 KERNEL_FLOOR_FACTOR = 2.0

@@ -102,8 +102,8 @@ def environment(device: str, seed: int) -> dict:
         device=device, device_name=device_name, torch=torch.__version__, triton=triton.__version__,
         numpy=numpy.__version__, scipy=scipy.__version__, python=platform.python_version(), seed=seed,
         triton_interpret=os.environ.get("TRITON_INTERPRET", ""),
-        kda_dot_precision=os.environ.get("KDA_DOT_PRECISION", "") or ("ieee (interpreter)" if device == "cpu"
-                                                                       else "tf32 (kda default on GPU)"),
+        kda_dot_precision=("ieee (interpreter)" if device == "cpu"
+                           else "tf32, operands rounded to nearest (16-bit inputs); ieee (fp32 inputs)"),
     )
 
 
