@@ -65,7 +65,7 @@ def test_paged_equals_dense_bitwise_on_gpu():
     before = pool.clone()
     has = torch.ones(3, dtype=torch.bool, device="cuda")
     o, _ = kda.chunk_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, has_initial_state=has,
-                         cu_seqlens=cu, **kw)
+                         state_v_first=False, cu_seqlens=cu, **kw)
     od, sd = kda.chunk_kda(q, k, v, g, beta, initial_state=h, output_final_state=True, cu_seqlens=cu, **kw)
     assert torch.equal(bits(o), bits(od))
     assert torch.equal(bits(pool[idx.long()]), bits(sd))
@@ -139,12 +139,14 @@ def test_no_call_syncs_the_host():
     has = torch.tensor([True, False, True], device="cuda")
     idx = torch.tensor([3, 1, 4], dtype=torch.int32, device="cuda")
     dargs, dkw = _decode_call()
-    kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has, **kw)
+    kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has,
+                  state_v_first=False, **kw)
     kda.fused_recurrent_kda(*dargs, **dkw)  # compile first: the first launch may sync
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has, **kw)
+        kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has,
+                      state_v_first=False, **kw)
         kda.fused_recurrent_kda(*dargs, **dkw)
     finally:
         torch.cuda.set_sync_debug_mode("default")
