@@ -27,9 +27,9 @@ def _interpreter_env(session) -> dict:
 
 @nox.session
 def tests(session):
-    """The test suite (CPU: the Triton kernels run in the interpreter). `reports` too: the harness tests
-    write the plots."""
-    _install(session, "test,reports")
+    """The test suite (CPU: the Triton kernels run in the interpreter). `accuracy,reports` too: the
+    harness tests fit growth exponents (numpy, scipy) and write the plots (matplotlib)."""
+    _install(session, "test,accuracy,reports")
     workers = os.environ.get("KDA_TEST_WORKERS", "auto")
     session.run("pytest", "-n", workers, "-q", *session.posargs, env=_interpreter_env(session))
 
@@ -37,15 +37,16 @@ def tests(session):
 @nox.session
 def accuracy(session):
     """The accuracy harness: `nox -s accuracy` (quick preset, CPU); `-- --preset full --device cuda`."""
-    _install(session, "test,reports")
+    _install(session, "test,accuracy,reports")
     session.run("python", "-m", "kda.accuracy", *session.posargs, env=_interpreter_env(session))
 
 
 @nox.session
 def bench(session):
-    """The benchmark (needs a GPU; prints times beside fla and the HBM floor)."""
+    """The benchmark (needs a GPU; prints times beside fla and the HBM floor; writes the JSON of its rows).
+    It lives in benchmarks/, outside the package: it needs fla, which the package does not."""
     _install(session, "test")
-    session.run("python", "-m", "kda.bench", *session.posargs)
+    session.run("python", "benchmarks/bench.py", *session.posargs)
 
 
 @nox.session
