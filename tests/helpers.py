@@ -74,7 +74,7 @@ def poisoned_pool(slots, plane, dtype, device="cpu", pad=0):
     unwritten slots must keep these bits. `pad` extra elements per slot make stride(0) larger than the
     plane (a padded pool). Returns (storage [slots, plane + pad], pool [slots, *plane], a view of it)."""
     numel = plane[0] * plane[1] * plane[2]
-    storage = torch.empty(slots, numel + pad, dtype=torch.float32)
+    storage = torch.empty(slots, numel + pad, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     storage[0::2] = float("nan")
     storage[1::2] = 6e4 if dtype == torch.float16 else 1e30
     storage = storage.to(dtype).to(device)
