@@ -46,9 +46,10 @@ def accuracy(session):
 
 @nox.session
 def bench(session):
-    """The benchmark (needs a GPU; prints times beside fla and the HBM floor)."""
+    """The benchmark (needs a GPU; prints times beside fla and the HBM floor; writes the JSON of its rows).
+    It lives in benchmarks/, outside the package: it needs fla, which the package does not."""
     _install(session, "test")
-    session.run("python", "-m", "kda.bench", *session.posargs)
+    session.run("python", "benchmarks/bench.py", *session.posargs)
 
 
 @nox.session

@@ -26,7 +26,7 @@ def chunk_kda(
     lower_bound: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu=None,
-    state_v_first: bool = False,
+    state_v_first: bool | None = None,
     state_cache: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
@@ -47,10 +47,12 @@ def chunk_kda(
     mapped to sequences on the device, so no call syncs.
 
     State (one contract at a time): none; dense `initial_state` `[N, HV, K, V]` (`[N, HV, V, K]` with
-    `state_v_first`), final state in the same layout and dtype (else in `state_dtype`, default fp32) when
-    `output_final_state`; paged `state_cache` `[slots, HV, V, K]` / `[slots, HV, K, V]` read and written in
-    place through `state_indices` (int32 `[N]`, `< 0` = padding: no read, no write, zero output rows)
-    and `has_initial_state` (bool `[N]`, required). fp32, fp16 or bf16 storage; the recurrence
+    `state_v_first=True`), final state in the same layout and dtype (else in `state_dtype`, default fp32)
+    when `output_final_state`; paged `state_cache` `[slots, HV, V, K]` with `state_v_first=True` or
+    `[slots, HV, K, V]` with `state_v_first=False` (required with a pool: a square plane cannot reveal
+    its layout; without a pool None means False, fla's K-first layout), read and written in place
+    through `state_indices` (int32 `[N]`, `< 0` = padding: no read, no write, zero output rows) and
+    `has_initial_state` (bool `[N]`, required). fp32, fp16 or bf16 storage; the recurrence
     accumulates in fp32 and only the store rounds (to nearest even).
     """
     call = check_call(
@@ -84,7 +86,7 @@ def fused_recurrent_kda(
     lower_bound: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu=None,
-    state_v_first: bool = False,
+    state_v_first: bool | None = None,
     state_cache: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
@@ -113,17 +115,8 @@ def fused_recurrent_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
         state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
         state_dtype=state_dtype, out=out, require_has_initial_state=False,
+        stochastic_rounding=stochastic_rounding, seed=seed,
     )
-    if not isinstance(stochastic_rounding, bool):
-        raise TypeError(f"stochastic_rounding must be a bool, got {stochastic_rounding!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    if stochastic_rounding and call.state_dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError("stochastic_rounding=True needs fp16 or bf16 state storage; the state here is "
-                         f"{call.state_dtype}")
-    if stochastic_rounding and call.state_mode == "none" and not call.output_final_state:
-        raise ValueError("stochastic_rounding=True but no state is stored (no state_cache, no "
-                         "output_final_state): the flag would change nothing")
     from .ops.fused_recurrent import fused_recurrent_kda_fwd
 
     return fused_recurrent_kda_fwd(call, stochastic_rounding=stochastic_rounding, seed=seed)

@@ -1,9 +1,9 @@
 """The checked front door of every `kda` kernel call.
 
-`check_call` validates and normalises the arguments of `chunk_kda` and `fused_recurrent_kda` (the contract
-is `../shared/CONTRACT.md`, summarised in README and `docs/contract.md`) and returns a `KDACall`, the one
-description the kernel launchers read. The kernels assume valid input: every check lives here and runs
-before anything is launched or written, so a failed call leaves `out` and the state pool untouched.
+`check_call` validates and normalises the arguments of `chunk_kda` and `fused_recurrent_kda` and returns a
+`KDACall`, the one description the kernel launchers read. The contract is `docs/contract.md` (summarised
+in README). The kernels assume valid input: every check lives here, one function per argument group, and
+runs before anything is launched or written, so a failed call leaves `out` and the state pool untouched.
 
 Decisions where the contract is silent (also in `docs/contract.md`):
 
@@ -13,15 +13,20 @@ Decisions where the contract is silent (also in `docs/contract.md`):
   of that form. Nothing is ever copied to make an input contiguous: a layout we cannot address raises.
 - Dense and paged state planes (`[HV, K, V]` or `[HV, V, K]` per sequence or slot) must be dense; the
   slot (or sequence) stride may be larger than the plane (a padded pool).
+- `state_v_first` must be given (True or False) whenever `state_cache` is: a square plane (K == V, the
+  serving case) cannot reveal its layout and a transposed read would be silently wrong. With a dense
+  `initial_state` or no state, `None` means False (fla's K-first layout).
 - `output_final_state=True` together with `state_cache` raises: the paged contract writes the final state
   into the pool and returns `final_state=None`, and we do not silently ignore the flag.
-- `A_log`, `dt_bias` or `lower_bound` without `use_gate_in_kernel=True` raise for the same reason.
+- `A_log`, `dt_bias` or `lower_bound` without `use_gate_in_kernel=True` raise for the same reason, and so
+  does `stochastic_rounding=True` where no state is stored.
 - `cu_seqlens_cpu` is trusted and is never needed: the kernels map chunks to sequences on the device, so
   no call reads `cu_seqlens` back to the host. When given, it is checked against `T` and its shape
-  (host-only checks); under `KDA_DEBUG=1` it is also compared with the device copy. One use: bounds
+  (host-only checks); under `KDA_DEBUG` it is also compared with the device copy. One use: bounds
   0, 1, ..., N (a decode batch) let `fused_recurrent_kda` take its one-token kernel.
-- `KDA_DEBUG=1` adds the checks that need a device-to-host read (a sync): `cu_seqlens` values, slot
-  indices in range and unique among non-padding sequences.
+- `KDA_DEBUG` (read at every call) adds the checks that need a device-to-host read (a sync):
+  `cu_seqlens` values, slot indices in range and unique among non-padding sequences. It accepts only
+  unset, "", 0/false/off/no (off) and 1/true/on/yes (on), in any case; anything else raises.
 """
 
 from __future__ import annotations
@@ -35,11 +40,20 @@ import torch
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+DEBUG_OFF = ("", "0", "false", "off", "no")
+DEBUG_ON = ("1", "true", "on", "yes")
 
 
 def debug_enabled() -> bool:
-    """`KDA_DEBUG=1` turns on the checks that read device memory back to the host (they sync)."""
-    return os.environ.get("KDA_DEBUG", "0") not in ("", "0")
+    """`KDA_DEBUG` on turns on the checks that read device memory back to the host (they sync). Read at
+    call time; an undocumented value raises instead of being taken as on or off."""
+    value = os.environ.get("KDA_DEBUG", "")
+    if value.strip().lower() in DEBUG_OFF:
+        return False
+    if value.strip().lower() in DEBUG_ON:
+        return True
+    raise ValueError(f"KDA_DEBUG={value!r} is not a documented value: use 1/true/on/yes to turn the debug "
+                     "checks on, or 0/false/off/no (or leave it unset) for off")
 
 
 def interpreting() -> bool:
@@ -188,15 +202,47 @@ def check_call(
     lower_bound,
     cu_seqlens,
     cu_seqlens_cpu,
-    state_v_first: bool,
+    state_v_first: bool | None,
     state_cache,
     state_indices,
     has_initial_state,
     state_dtype,
     out,
     require_has_initial_state: bool,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
 ) -> KDACall:
-    """Validate one call of `fn` ("chunk_kda" or "fused_recurrent_kda") and return its `KDACall`."""
+    """Validate one call of `fn` ("chunk_kda" or "fused_recurrent_kda") and return its `KDACall`.
+    `stochastic_rounding` and `seed` are `fused_recurrent_kda`'s (the defaults stand for `chunk_kda`)."""
+    debug = debug_enabled()
+    B, T, H, HV, K, V = _check_inputs(fn, q, k, v, g, beta)
+    device = q.device
+    scale = _check_scale(scale, K)
+    lower_bound = _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, device)
+    N, one_token_per_seq = _check_sequences(cu_seqlens, cu_seqlens_cpu, q, B, T, debug)
+    state_v_first = _check_state_layout(state_v_first, state_cache)
+    mode, state_in, final_dtype = _check_state(
+        fn, initial_state, output_final_state, state_cache, state_indices, has_initial_state, state_dtype,
+        state_v_first, require_has_initial_state, HV, K, V, N, device, debug)
+    _check_out(out, (q, k, v, g, beta), state_in, B, T, HV, V, v.dtype, device)
+    _check_rounding(stochastic_rounding, seed, final_dtype, mode, output_final_state)
+    return KDACall(
+        q=q, k=k, v=v, g=g, beta=beta, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, scale=scale,
+        cu_seqlens=cu_seqlens, state_mode=mode, state_in=state_in,
+        state_indices=state_indices if mode == "paged" else None,
+        has_initial_state=has_initial_state if mode == "paged" else None,
+        state_v_first=state_v_first, state_dtype=final_dtype,
+        output_final_state=bool(output_final_state), out=out,
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        one_token_per_seq=one_token_per_seq,
+    )
+
+
+def _check_inputs(fn: str, q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
+    """q, k, v, g, beta: tensors on one device (CPU only in the interpreter), dtypes, shapes, head dims and
+    token strides. Returns (B, T, H, HV, K, V)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_tensor(name, x)
     device = q.device
@@ -232,143 +278,174 @@ def check_call(
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
         _check_token_layout(name, x, B, T)
     _check_token_layout("beta", beta, B, T, last_unit=False)
+    return B, T, H, HV, K, V
 
+
+def _check_scale(scale, K: int) -> float:
+    """None means K ** -0.5; otherwise a finite Python number."""
     if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        return K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite Python number or None, got {scale!r}")
+    return float(scale)
 
-    # --- in-kernel pre-processing ---------------------------------------------------------------------
+
+def _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int, K: int, device) -> float | None:
+    """The in-kernel gate's parameters: only with `use_gate_in_kernel`; A_log `[HV]`, dt_bias `[HV*K]` or
+    `[HV, K]`, lower_bound finite and < 0. Returns lower_bound as a float (or None)."""
     if not use_gate_in_kernel:
         for name, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
             if x is not None:
                 raise ValueError(f"{name} is only used with use_gate_in_kernel=True; it was given without it")
-    else:
-        if A_log is not None:
-            _require_tensor("A_log", A_log)
-            _require_float("A_log", A_log)
-            if A_log.numel() != HV or A_log.device != device:
-                raise ValueError(f"A_log must hold HV={HV} values on {device}, got shape {list(A_log.shape)} "
-                                 f"on {A_log.device}")
-            if A_log.dim() != 1 or (HV > 1 and A_log.stride(0) != 1):
-                raise ValueError("A_log must be a contiguous 1-D tensor [HV]")
-        if dt_bias is not None:
-            _require_tensor("dt_bias", dt_bias)
-            _require_float("dt_bias", dt_bias)
-            if tuple(dt_bias.shape) not in ((HV * K,), (HV, K)) or dt_bias.device != device:
-                raise ValueError(f"dt_bias must be [HV*K] = [{HV * K}] or [HV, K] = [{HV}, {K}] on {device}, "
-                                 f"got {list(dt_bias.shape)} on {dt_bias.device}")
-            if not dt_bias.is_contiguous():
-                raise ValueError("dt_bias must be contiguous")
-        if lower_bound is not None:
-            if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-                raise TypeError(f"lower_bound must be a negative Python number or None, got {lower_bound!r}")
-            if not (lower_bound < 0 and math.isfinite(lower_bound)):
-                raise ValueError(f"lower_bound must be finite and < 0, got {lower_bound}")
-            lower_bound = float(lower_bound)
+        return None
+    if A_log is not None:
+        _require_tensor("A_log", A_log)
+        _require_float("A_log", A_log)
+        if A_log.numel() != HV or A_log.device != device:
+            raise ValueError(f"A_log must hold HV={HV} values on {device}, got shape {list(A_log.shape)} "
+                             f"on {A_log.device}")
+        if A_log.dim() != 1 or (HV > 1 and A_log.stride(0) != 1):
+            raise ValueError("A_log must be a contiguous 1-D tensor [HV]")
+    if dt_bias is not None:
+        _require_tensor("dt_bias", dt_bias)
+        _require_float("dt_bias", dt_bias)
+        if tuple(dt_bias.shape) not in ((HV * K,), (HV, K)) or dt_bias.device != device:
+            raise ValueError(f"dt_bias must be [HV*K] = [{HV * K}] or [HV, K] = [{HV}, {K}] on {device}, "
+                             f"got {list(dt_bias.shape)} on {dt_bias.device}")
+        if not dt_bias.is_contiguous():
+            raise ValueError("dt_bias must be contiguous")
+    if lower_bound is None:
+        return None
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"lower_bound must be a negative Python number or None, got {lower_bound!r}")
+    if not (lower_bound < 0 and math.isfinite(lower_bound)):
+        raise ValueError(f"lower_bound must be finite and < 0, got {lower_bound}")
+    return float(lower_bound)
 
-    # --- sequences ------------------------------------------------------------------------------------
-    if cu_seqlens is not None:
-        _require_tensor("cu_seqlens", cu_seqlens)
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-            raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {list(cu_seqlens.shape)}")
-        if cu_seqlens.device != device:
-            raise ValueError(f"cu_seqlens must be on q's device {device}, got {cu_seqlens.device}")
-        if cu_seqlens.numel() > 1 and cu_seqlens.stride(0) != 1:
-            raise ValueError("cu_seqlens must be contiguous")
-        if B != 1:
-            raise ValueError(f"cu_seqlens (varlen) needs B == 1, got q of shape {list(q.shape)}")
-        N = cu_seqlens.numel() - 1
-        if cu_seqlens_cpu is not None:
-            host = _host_bounds(cu_seqlens_cpu)
-            if len(host) != N + 1:
-                raise ValueError(f"cu_seqlens_cpu has {len(host)} entries, cu_seqlens has {N + 1}")
-            _check_bounds("cu_seqlens_cpu", host, T)
-            one_token_per_seq = host == list(range(N + 1))
-        else:
-            one_token_per_seq = False
-        if debug_enabled():
-            dev = cu_seqlens.tolist()
-            _check_bounds("cu_seqlens", dev, T)
-            if cu_seqlens_cpu is not None and dev != _host_bounds(cu_seqlens_cpu):
-                raise ValueError("cu_seqlens_cpu differs from cu_seqlens (KDA_DEBUG check)")
-    else:
+
+def _check_sequences(cu_seqlens, cu_seqlens_cpu, q: torch.Tensor, B: int, T: int, debug: bool) -> tuple[int, bool]:
+    """A dense batch (N = B) or varlen (B == 1, `cu_seqlens` [N+1] on the device, its host copy checked
+    when given; the device values only under KDA_DEBUG). Returns (N, one_token_per_seq): every sequence
+    holds one token, known without reading the device."""
+    if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
-        N = B
-        one_token_per_seq = T == 1
+        return B, T == 1
+    _require_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {list(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    if cu_seqlens.numel() > 1 and cu_seqlens.stride(0) != 1:
+        raise ValueError("cu_seqlens must be contiguous")
+    if B != 1:
+        raise ValueError(f"cu_seqlens (varlen) needs B == 1, got q of shape {list(q.shape)}")
+    N = cu_seqlens.numel() - 1
+    one_token_per_seq = False
+    if cu_seqlens_cpu is not None:
+        host = _host_bounds(cu_seqlens_cpu)
+        if len(host) != N + 1:
+            raise ValueError(f"cu_seqlens_cpu has {len(host)} entries, cu_seqlens has {N + 1}")
+        _check_bounds("cu_seqlens_cpu", host, T)
+        one_token_per_seq = host == list(range(N + 1))
+    if debug:
+        dev = cu_seqlens.tolist()
+        _check_bounds("cu_seqlens", dev, T)
+        if cu_seqlens_cpu is not None and dev != _host_bounds(cu_seqlens_cpu):
+            raise ValueError("cu_seqlens_cpu differs from cu_seqlens (KDA_DEBUG check)")
+    return N, one_token_per_seq
 
-    # --- state ----------------------------------------------------------------------------------------
+
+def _check_state_layout(state_v_first, state_cache) -> bool:
+    """`state_v_first` is required (True or False) with a pool; None means False (K-first, fla's layout)
+    for a dense `initial_state` or no state."""
+    if state_v_first is None:
+        if state_cache is not None:
+            raise ValueError("state_cache needs state_v_first=True (planes [slots, HV, V, K]) or "
+                             "state_v_first=False (planes [slots, HV, K, V]): a square plane (K == V) cannot "
+                             "reveal its layout, and a transposed read would be silently wrong")
+        return False
+    if not isinstance(state_v_first, bool):
+        raise TypeError(f"state_v_first must be True, False or None, got {state_v_first!r}")
+    return state_v_first
+
+
+def _check_state(fn: str, initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                 state_dtype, state_v_first: bool, require_has_initial_state: bool, HV: int, K: int, V: int,
+                 N: int, device, debug: bool) -> tuple[str, torch.Tensor | None, torch.dtype]:
+    """One state contract: none, dense `initial_state` [N, plane] or paged `state_cache` [slots, plane]
+    with `state_indices` and `has_initial_state` (slot range and uniqueness under KDA_DEBUG). Returns
+    (mode, the pool read, the storage dtype of the final state)."""
     if initial_state is not None and state_cache is not None:
         raise ValueError("pass either initial_state (dense contract) or state_cache (paged contract), not both")
     plane = (HV, V, K) if state_v_first else (HV, K, V)
-    plane_txt = "[HV, V, K]" if state_v_first else "[HV, K, V]"
-    state_in = None
+    plane_txt = "HV, V, K]" if state_v_first else "HV, K, V]"
     if state_cache is not None:
-        mode = "paged"
-        _check_state_pool("state_cache", state_cache, plane, "[slots, " + plane_txt[1:], device, state_dtype)
+        _check_state_pool("state_cache", state_cache, plane, "[slots, " + plane_txt, device, state_dtype)
         if output_final_state:
             raise ValueError("output_final_state=True with state_cache: the paged contract writes the final "
                              "state into state_cache in place and returns final_state=None")
         _check_per_sequence("state_indices", state_indices, torch.int32, N, device)
-        if has_initial_state is None:
-            if require_has_initial_state:
-                raise ValueError(f"{fn} with state_cache needs has_initial_state (bool [N]); "
-                                 "pass torch.ones(N, dtype=torch.bool) if every slot holds a state")
-        else:
+        if has_initial_state is not None:
             _check_per_sequence("has_initial_state", has_initial_state, torch.bool, N, device)
-        if debug_enabled() and N > 0:
-            idx = state_indices.tolist()
-            live = [i for i in idx if i >= 0]
+        elif require_has_initial_state:
+            raise ValueError(f"{fn} with state_cache needs has_initial_state (bool [N]); "
+                             "pass torch.ones(N, dtype=torch.bool) if every slot holds a state")
+        if debug and N > 0:
+            live = [i for i in state_indices.tolist() if i >= 0]
             if any(i >= state_cache.shape[0] for i in live):
                 raise ValueError(f"state_indices has a slot >= slots={state_cache.shape[0]} (KDA_DEBUG check)")
             if len(set(live)) != len(live):
                 raise ValueError("state_indices names one slot twice (KDA_DEBUG check)")
-        state_in = state_cache
-        out_dtype = state_cache.dtype
-    else:
-        for name, x in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
-            if x is not None:
-                raise ValueError(f"{name} belongs to the paged contract and needs state_cache")
-        if initial_state is not None:
-            mode = "dense"
-            _check_state_pool("initial_state", initial_state, plane, "[N, " + plane_txt[1:], device, state_dtype)
-            if initial_state.shape[0] != N:
-                raise ValueError(f"initial_state must have N={N} planes, got {initial_state.shape[0]}")
-            state_in = initial_state
-            out_dtype = initial_state.dtype
-        else:
-            mode = "none"
-            out_dtype = torch.float32 if state_dtype is None else state_dtype
-            if out_dtype not in STATE_DTYPES:
-                raise TypeError(f"state_dtype must be one of float32, float16, bfloat16, got {out_dtype}")
+        return "paged", state_cache, state_cache.dtype
+    for name, x in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
+        if x is not None:
+            raise ValueError(f"{name} belongs to the paged contract and needs state_cache")
+    if initial_state is not None:
+        _check_state_pool("initial_state", initial_state, plane, "[N, " + plane_txt, device, state_dtype)
+        if initial_state.shape[0] != N:
+            raise ValueError(f"initial_state must have N={N} planes, got {initial_state.shape[0]}")
+        return "dense", initial_state, initial_state.dtype
+    final_dtype = torch.float32 if state_dtype is None else state_dtype
+    if final_dtype not in STATE_DTYPES:
+        raise TypeError(f"state_dtype must be one of float32, float16, bfloat16, got {final_dtype}")
+    return "none", None, final_dtype
 
-    if out is not None:
-        _require_tensor("out", out)
-        if tuple(out.shape) != (B, T, HV, V) or out.dtype != v.dtype or out.device != device:
-            raise ValueError(f"out must be [B, T, HV, V] = {[B, T, HV, V]} of dtype {v.dtype} on {device}, "
-                             f"got {list(out.shape)} {out.dtype} on {out.device}")
-        _check_token_layout("out", out, B, T)
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            if _overlaps(out, x):
-                raise ValueError(f"out overlaps {name}; it must be a separate buffer")
-        if state_in is not None and _overlaps(out, state_in):
-            raise ValueError("out overlaps the state; it must be a separate buffer")
 
-    return KDACall(
-        q=q, k=k, v=v, g=g, beta=beta, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, scale=float(scale),
-        cu_seqlens=cu_seqlens, state_mode=mode, state_in=state_in,
-        state_indices=state_indices if mode == "paged" else None,
-        has_initial_state=has_initial_state if mode == "paged" else None,
-        state_v_first=bool(state_v_first), state_dtype=out_dtype,
-        output_final_state=bool(output_final_state), out=out,
-        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
-        use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        one_token_per_seq=one_token_per_seq,
-    )
+def _check_out(out, inputs, state_in, B: int, T: int, HV: int, V: int, dtype, device) -> None:
+    """`out`: o's shape [B, T, HV, V] and v's dtype, addressable token layout, no overlap with an input or
+    the state (byte ranges on the host, no sync)."""
+    if out is None:
+        return
+    _require_tensor("out", out)
+    if tuple(out.shape) != (B, T, HV, V) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be [B, T, HV, V] = {[B, T, HV, V]} of dtype {dtype} on {device}, "
+                         f"got {list(out.shape)} {out.dtype} on {out.device}")
+    _check_token_layout("out", out, B, T)
+    for name, x in zip(("q", "k", "v", "g", "beta"), inputs):
+        if _overlaps(out, x):
+            raise ValueError(f"out overlaps {name}; it must be a separate buffer")
+    if state_in is not None and _overlaps(out, state_in):
+        raise ValueError("out overlaps the state; it must be a separate buffer")
+
+
+def _check_rounding(stochastic_rounding, seed, state_dtype: torch.dtype, mode: str, output_final_state) -> None:
+    """`fused_recurrent_kda`'s stochastic rounding: a bool and an int seed; on only where a fp16/bf16
+    state is stored."""
+    if not isinstance(stochastic_rounding, bool):
+        raise TypeError(f"stochastic_rounding must be a bool, got {stochastic_rounding!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not stochastic_rounding:
+        return
+    if state_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError("stochastic_rounding=True needs fp16 or bf16 state storage; the state here is "
+                         f"{state_dtype}")
+    if mode == "none" and not output_final_state:
+        raise ValueError("stochastic_rounding=True but no state is stored (no state_cache, no "
+                         "output_final_state): the flag would change nothing")
 
 
 def _host_bounds(cu_seqlens_cpu) -> list[int]:

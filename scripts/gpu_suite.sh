@@ -5,15 +5,14 @@
 #
 # Environment:
 #   OUT                  folder for the files that come back (default ./gpu_out)
-#   KDA_SUITE_STEPS      comma list of steps: pytest,sanitizer,devtests,profile,bench,accuracy (default: all;
-#                        setup always runs); devtests: the tests of each development switch with it on
+#   KDA_SUITE_STEPS      comma list of steps: pytest,sanitizer,bench,accuracy (default: all; setup always runs)
 #   KDA_SKIP_ACCURACY=1  skip the accuracy step
 #   KDA_SUITE_BUDGET_S   wall-clock budget of the whole script in seconds (default 570: the device tool stops a
 #                        command at 600 s); a step gets at most what is left, a step with < 20 s left is skipped
-#   KDA_TIMEOUT_PYTEST, KDA_TIMEOUT_SANITIZER, KDA_TIMEOUT_PROFILE, KDA_TIMEOUT_BENCH, KDA_TIMEOUT_ACCURACY
+#   KDA_TIMEOUT_PYTEST, KDA_TIMEOUT_SANITIZER, KDA_TIMEOUT_BENCH, KDA_TIMEOUT_ACCURACY
 #                        per-step caps in seconds (defaults 300, 150, 400, 400; the budget still applies)
 #   KDA_PYTEST_ARGS      pytest targets and filters instead of "tests" (e.g. "tests/test_chunk.py -k empty")
-#   KDA_BENCH_ARGS       extra kda.bench arguments (default "--shapes all")
+#   KDA_BENCH_ARGS       extra benchmarks/bench.py arguments (default "--shapes all")
 #   KDA_ACCURACY_ARGS    kda.accuracy arguments (default "--preset full --device cuda")
 #   KDA_SANITIZER_TOOLS  compute-sanitizer tools, space separated (default "memcheck")
 #   KDA_COMMIT           commit to print in the benchmark and accuracy headers: pass it from the machine the
@@ -23,6 +22,7 @@
 # Files under $OUT (the device tool brings back at most 8 files, 16 MiB each, 2 folders deep):
 #   suite.txt  setup log and the summary      pytest.txt     the test run
 #   sanitizer.txt                              bench.md       the benchmark table      bench.log  its log
+#   bench.json the benchmark's rows (what benchmarks/results/h200-latest.json holds)
 #   accuracy/  the accuracy report (at most 3 files; more are packed into accuracy.tar.gz)
 # Every step runs even when an earlier one failed; the exit status is 0 only when every step that ran passed.
 
@@ -34,7 +34,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 BUDGET=${KDA_SUITE_BUDGET_S:-570}
-STEPS=${KDA_SUITE_STEPS:-pytest,sanitizer,profile,bench,accuracy}
+STEPS=${KDA_SUITE_STEPS:-pytest,sanitizer,bench,accuracy}
 SUITE_LOG=$OUT/suite.txt
 : >"$SUITE_LOG"
 
@@ -170,8 +170,9 @@ step_bench() {
     local t=$1
     # shellcheck disable=SC2206
     local args=(${KDA_BENCH_ARGS:---shapes all})
-    echo "python3 -m kda.bench ${args[*]} --out $OUT/bench.md  (timeout ${t}s)" | tee "$OUT/bench.log"
-    timeout -k 15 "$t" python3 -m kda.bench "${args[@]}" --out "$OUT/bench.md" 2>&1 | tee -a "$OUT/bench.log"
+    echo "python3 benchmarks/bench.py ${args[*]} --out $OUT/bench.md --json $OUT/bench.json  (timeout ${t}s)" | tee "$OUT/bench.log"
+    timeout -k 15 "$t" python3 benchmarks/bench.py "${args[@]}" --out "$OUT/bench.md" --json "$OUT/bench.json" 2>&1 \
+        | tee -a "$OUT/bench.log"
     return "${PIPESTATUS[0]}"
 }
 
@@ -208,44 +209,6 @@ step_accuracy() {
     return "$rc"
 }
 
-# The development switches: the tests that reach each switched path, run with it on (KDA_DEVTESTS gives the
-# list: "ENV=VALUE[,ENV=VALUE]:pytest targets and -k filter;...").
-DEVTESTS_DEFAULT="KDA_DEV_INTRA_FORM=rowbatched:tests/test_chunk.py tests/test_gpu.py -k not fused and not decode"
-step_devtests() {
-    local t=$1 rc=0 entry envs targets filter r
-    : >"$OUT/devtests.txt"
-    IFS=';' read -r -a entries <<<"${KDA_DEVTESTS:-$DEVTESTS_DEFAULT}"
-    for entry in "${entries[@]}"; do
-        envs=${entry%%:*}
-        targets=${entry#*:}
-        filter=""
-        if [[ $targets == *" -k "* ]]; then
-            filter=${targets#* -k }
-            targets=${targets%% -k *}
-        fi
-        local left=$((t - (SECONDS - STEP_T0)))
-        if ((left < 20)); then
-            echo "--- $envs: no time left ---" | tee -a "$OUT/devtests.txt"
-            ((rc == 0)) && rc=124
-            continue
-        fi
-        echo "--- $envs: pytest $targets${filter:+ -k \"$filter\"} ---" | tee -a "$OUT/devtests.txt"
-        # shellcheck disable=SC2086
-        env ${envs//,/ } timeout -k 15 "$left" python3 -m pytest -q -p no:cacheprovider -n 4 $targets \
-            ${filter:+-k "$filter"} 2>&1 | tail -n 15 | tee -a "$OUT/devtests.txt"
-        r=${PIPESTATUS[0]}
-        ((r != 0 && rc == 0)) && rc=$r
-    done
-    return "$rc"
-}
-
-step_profile() {
-    local t=$1
-    echo "python3 scripts/profile_chunk.py  (timeout ${t}s)" | tee "$OUT/profile.txt"
-    timeout -k 15 "$t" python3 scripts/profile_chunk.py 2>&1 | grep -v -i warn | tee -a "$OUT/profile.txt"
-    return "${PIPESTATUS[0]}"
-}
-
 # name, cap, function, output description
 run_step() {
     local name=$1 cap=$2 fn=$3 what=$4 t rc
@@ -272,9 +235,7 @@ run_step pytest "${KDA_TIMEOUT_PYTEST:-300}" step_pytest pytest.txt
 cap "$OUT/pytest.txt"
 run_step sanitizer "${KDA_TIMEOUT_SANITIZER:-150}" step_sanitizer sanitizer.txt
 cap "$OUT/sanitizer.txt"
-run_step devtests "${KDA_TIMEOUT_DEVTESTS:-240}" step_devtests devtests.txt
-run_step profile "${KDA_TIMEOUT_PROFILE:-240}" step_profile profile.txt
-run_step bench "${KDA_TIMEOUT_BENCH:-400}" step_bench "bench.md, bench.log"
+run_step bench "${KDA_TIMEOUT_BENCH:-400}" step_bench "bench.md, bench.json, bench.log"
 cap "$OUT/bench.log"
 if [[ ${KDA_SKIP_ACCURACY:-0} == 1 ]]; then
     record accuracy "skipped (KDA_SKIP_ACCURACY=1)" 0 "-"

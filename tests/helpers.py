@@ -1,4 +1,4 @@
-"""Input makers and error measures shared by the kernel tests."""
+"""The one helpers module of the tests: input makers, poisoned pools, error measures, bit comparisons."""
 
 from __future__ import annotations
 
@@ -17,33 +17,46 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_inputs(B, T, H, HV, K, V, *, dtype=torch.float32, gate="logdecay", device="cpu", seed=0,
-                normalize_k=True, beta_logits=False):
-    """Random KDA inputs. gate: "logdecay" (g <= 0 passed directly), "softplus" or "lower_bound" (raw gate
-    input for the in-kernel gate, with A_log and dt_bias). Returns (q, k, v, g, beta, gate_kwargs)."""
+                normalize_k=True, beta_logits=False, beta_sigmoid=False, lower_bound=-5.0, decay=0.5):
+    """Random KDA inputs, the one maker of the kernel and oracle tests. Returns (q, k, v, g, beta, gate_kwargs).
+
+    q, k, v in `dtype`; g and beta in fp32 (float64 when `dtype` is float64, for the oracle's exactness
+    tests). gate: "logdecay" (alias "none": g in (-decay, 0] passed directly), "softplus" or "lower_bound"
+    (raw gate input for the in-kernel gate, with A_log and dt_bias; `lower_bound` is the bound).
+    `normalize_k`: unit keys. `beta_logits`: beta drawn as logits; `beta_sigmoid`: the same and the
+    `use_beta_sigmoid_in_kernel=True` flag in gate_kwargs. Without either, beta in [0, 1)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen)
     k = torch.randn(B, T, H, K, generator=gen)
     if normalize_k:
         k = F.normalize(k, dim=-1)
     v = torch.randn(B, T, HV, V, generator=gen)
-    if beta_logits:
+    if beta_logits or beta_sigmoid:
         beta = torch.randn(B, T, HV, generator=gen)
     else:
         beta = torch.rand(B, T, HV, generator=gen)
     kw = {}
-    if gate == "logdecay":
-        g = -torch.rand(B, T, HV, K, generator=gen) * 0.5
+    if gate in ("logdecay", "none"):
+        g = -torch.rand(B, T, HV, K, generator=gen) * decay
     else:
         g = torch.randn(B, T, HV, K, generator=gen)
         kw = dict(use_gate_in_kernel=True, A_log=torch.randn(HV, generator=gen) * 0.5,
                   dt_bias=torch.randn(HV * K, generator=gen) * 0.5)
         if gate == "lower_bound":
-            kw["lower_bound"] = -5.0
-    to = lambda x: x.to(device)
-    q, k, v = (to(x.to(dtype)) for x in (q, k, v))
-    g, beta = to(g), to(beta)
-    kw = {n: (to(x) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+            kw["lower_bound"] = lower_bound
+    if beta_sigmoid:
+        kw["use_beta_sigmoid_in_kernel"] = True
+    side = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v = (x.to(device, dtype) for x in (q, k, v))
+    g, beta = g.to(device, side), beta.to(device, side)
+    kw = {n: (x.to(device, side) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
     return q, k, v, g, beta, kw
+
+
+def oracle_inputs(B, T, H, HV, K, V, seed=0, dtype=torch.float64):
+    """`make_inputs` for the float64 oracle tests: unit keys, beta in (0, 1), log-decay in (-1, 0]; the five
+    tensors only."""
+    return make_inputs(B, T, H, HV, K, V, dtype=dtype, seed=seed, decay=1.0)[:5]
 
 
 def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
@@ -51,15 +64,28 @@ def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
     return rel_err(ref.to(dtype), ref)
 
 
-def poison_pool(slots, plane, dtype, device, pad=0):
-    """A state pool whose every slot holds NaN or 1e30 (alternating): unread and unwritten slots must
-    keep these bits. `pad` extra elements per slot make stride(0) larger than the plane."""
+def state_plane(HV, K, V, v_first: bool) -> tuple[int, int, int]:
+    """One sequence's (or slot's) state plane: [HV, V, K] V-first, [HV, K, V] K-first."""
+    return (HV, V, K) if v_first else (HV, K, V)
+
+
+def poisoned_pool(slots, plane, dtype, device="cpu", pad=0):
+    """A state pool whose every slot holds NaN (even slots) or 1e30 (odd; 6e4 in fp16): unread and
+    unwritten slots must keep these bits. `pad` extra elements per slot make stride(0) larger than the
+    plane (a padded pool). Returns (storage [slots, plane + pad], pool [slots, *plane], a view of it)."""
     numel = plane[0] * plane[1] * plane[2]
-    big = torch.empty(slots, numel + pad, dtype=torch.float32)
-    big[0::2] = float("nan")
-    big[1::2] = 1e30 if dtype == torch.float32 else 6e4 if dtype == torch.float16 else 1e30
-    big = big.to(dtype).to(device)
-    return big[:, :numel].view(slots, *plane)
+    storage = torch.empty(slots, numel + pad, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    storage[0::2] = float("nan")
+    storage[1::2] = 6e4 if dtype == torch.float16 else 1e30
+    storage = storage.to(dtype).to(device)
+    pool = storage[:, :numel].view(slots, *plane)
+    assert pool.stride(0) == numel + pad
+    return storage, pool
+
+
+def poison_pool(slots, plane, dtype, device, pad=0):
+    """`poisoned_pool`'s pool alone."""
+    return poisoned_pool(slots, plane, dtype, device, pad)[1]
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:

@@ -100,3 +100,41 @@ def test_stochastic_rounding_that_would_change_nothing_is_refused():
         kda.fused_recurrent_kda(q, k, v, g, beta, stochastic_rounding=True, state_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="stochastic_rounding"):
         kda.fused_recurrent_kda(q, k, v, g, beta, stochastic_rounding=True, output_final_state=True)
+
+
+@pytest.mark.parametrize("fn", FNS, ids=lambda f: f.__name__)
+def test_a_pool_needs_its_layout_stated(fn):
+    """A square pool plane (K == V) cannot reveal its layout: state_v_first must be given with state_cache."""
+    info = _call(fn, state_v_first=None)
+    message = str(info.value)
+    assert "state_v_first" in message and "[slots, HV, V, K]" in message and "[slots, HV, K, V]" in message
+    info = _call(fn, state_v_first=1)
+    assert "state_v_first" in str(info.value)
+
+
+def test_without_a_pool_the_layout_defaults_to_k_first():
+    q, k, v, g, beta, _ = make_inputs(1, 3, 1, 1, 4, 6, seed=5, device=DEVICE)
+    h0 = torch.randn(1, 1, 4, 6).to(DEVICE)  # K-first [N, HV, K, V]; K != V, so a V-first read would raise
+    _, s_default = kda.fused_recurrent_kda(q, k, v, g, beta, None, h0, True)
+    _, s_k_first = kda.fused_recurrent_kda(q, k, v, g, beta, None, h0, True, state_v_first=False)
+    assert s_default.shape == (1, 1, 4, 6) and torch.equal(bits(s_default), bits(s_k_first))
+
+
+@pytest.mark.parametrize("value,on", [("", False), ("0", False), ("false", False), ("OFF", False), ("No", False),
+                                      ("1", True), ("true", True), ("ON", True), ("Yes", True)])
+def test_kda_debug_accepts_the_documented_values(monkeypatch, value, on):
+    monkeypatch.setenv("KDA_DEBUG", value)
+    assert contract.debug_enabled() is on
+
+
+def test_kda_debug_unset_is_off(monkeypatch):
+    monkeypatch.delenv("KDA_DEBUG", raising=False)
+    assert contract.debug_enabled() is False
+
+
+@pytest.mark.parametrize("value", ["2", "debug", "enable", "tru"])
+def test_kda_debug_rejects_any_other_value_at_call_time(monkeypatch, value):
+    monkeypatch.setenv("KDA_DEBUG", value)
+    for fn in FNS:
+        info = _call(fn)
+        assert "KDA_DEBUG" in str(info.value)

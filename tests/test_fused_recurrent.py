@@ -5,11 +5,12 @@ dtypes: against a rounding floor computed here), bit-identity where two paths mu
 poisoned memory (NaN, 1e30) that must stay out of the result and must not be written.
 """
 
+import helpers
 import pytest
 import torch
 from conftest import DEVICE
+from helpers import poisoned_pool, same_bits, state_plane
 from helpers import rel_err as rel
-from helpers import same_bits
 
 import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
 import kda_reference as ref
@@ -18,28 +19,9 @@ FP32_TOL = 1e-5
 
 
 def make_inputs(B, T, H, HV, K, V, *, dtype=torch.float32, gate="none", beta_sigmoid=False, seed=0):
-    """Random q, k, v [dtype], g, beta [fp32] and the gate parameters. gate: "none" (g is a log-decay),
-    "softplus" (raw g with A_log and dt_bias) or "lower_bound" (raw g, lb = -2, with A_log and dt_bias)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q = rnd(B, T, H, K).to(DEVICE, dtype)
-    k = rnd(B, T, H, K).to(DEVICE, dtype)
-    v = rnd(B, T, HV, V).to(DEVICE, dtype)
-    beta = (rnd(B, T, HV) if beta_sigmoid else torch.rand(B, T, HV, generator=gen)).to(DEVICE)
-    opts = {}
-    if gate == "none":
-        g = (-0.5 * torch.rand(B, T, HV, K, generator=gen)).to(DEVICE)
-    else:
-        g = rnd(B, T, HV, K).to(DEVICE)
-        opts = dict(use_gate_in_kernel=True, A_log=(0.3 * rnd(HV)).to(DEVICE), dt_bias=(0.5 * rnd(HV * K)).to(DEVICE))
-        if gate == "lower_bound":
-            opts["lower_bound"] = -2.0
-    if beta_sigmoid:
-        opts["use_beta_sigmoid_in_kernel"] = True
-    return q, k, v, g, beta, opts
+    """helpers.make_inputs on DEVICE with this file's gate (lower bound -2) and raw keys."""
+    return helpers.make_inputs(B, T, H, HV, K, V, dtype=dtype, gate=gate, device=DEVICE, seed=seed,
+                               normalize_k=False, beta_sigmoid=beta_sigmoid, lower_bound=-2.0)
 
 
 def random_planes(n, HV, K, V, v_first, dtype=torch.float32, seed=1):
@@ -121,20 +103,6 @@ def test_no_sequences():
 # --- paged pool ----------------------------------------------------------------------------------------
 
 
-def make_pool(slots, HV, K, V, v_first, dtype, pad=16):
-    """A padded pool (stride(0) = plane + pad, a slice of a wider buffer) filled with 1e30 and NaN.
-    pad = 16 keeps every plane 16-byte aligned, like a dense state, so the kernel compiles to the same
-    vector accesses and must give the same bits; an odd pad gives scalar accesses (and may change the
-    order of the in-register sums)."""
-    plane = HV * K * V
-    wide = torch.empty(slots, plane + pad, dtype=dtype, device=DEVICE)
-    wide[0::2] = 1e30 if dtype != torch.float16 else 6e4
-    wide[1::2] = float("nan")
-    pool = wide[:, :plane].unflatten(1, (HV, V, K) if v_first else (HV, K, V))
-    assert pool.stride(0) == plane + pad
-    return wide, pool
-
-
 @pytest.mark.parametrize("v_first", [True, False])
 @pytest.mark.parametrize("flags,pad", [("given", 3), ("none", 16)])
 def test_paged_pool(v_first, flags, pad):
@@ -144,7 +112,7 @@ def test_paged_pool(v_first, flags, pad):
     q, k, v, g, beta, opts = make_inputs(1, T, H, HV, K, V, gate="softplus", beta_sigmoid=True, seed=3)
     cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
     slots = 9
-    wide, pool = make_pool(slots, HV, K, V, v_first, torch.float32, pad=pad)
+    wide, pool = poisoned_pool(slots, state_plane(HV, K, V, v_first), torch.float32, DEVICE, pad=pad)
     idx = torch.tensor([6, -1, 1, 4], dtype=torch.int32, device=DEVICE)  # permuted, sequence 1 is padding
     read = [True, True, True, False] if flags == "given" else [True] * 4
     for n, slot in enumerate(idx.tolist()):
@@ -181,7 +149,8 @@ def test_has_initial_state_false_equals_zero_start(v_first):
     kernel), and matches the no-state contract to fp32 accuracy (another compiled variant)."""
     H, HV, K, V = 1, 1, 16, 16
     q, k, v, g, beta, _ = make_inputs(2, 2, H, HV, K, V, seed=4)  # sequence 1 is padding
-    _, pool = make_pool(2, HV, K, V, v_first, torch.float32)  # slot 1 is NaN
+    _, pool = poisoned_pool(2, state_plane(HV, K, V, v_first), torch.float32, DEVICE, pad=16)
+    pool[1] = float("nan")  # slot 1 is NaN: never read
     pool[0] = 0.0
     zero_pool = pool.clone()
     kw = dict(state_v_first=v_first)
@@ -210,7 +179,7 @@ def test_paged_equals_dense_bitwise(v_first, dtype):
     q, k, v, g, beta, opts = make_inputs(1, T, H, HV, K, V, gate="lower_bound", seed=6)
     cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
     idx = torch.tensor([3, 0, 5, 2], dtype=torch.int32, device=DEVICE)
-    _, pool = make_pool(6, HV, K, V, v_first, dtype)
+    _, pool = poisoned_pool(6, state_plane(HV, K, V, v_first), dtype, DEVICE, pad=16)
     init = random_planes(N, HV, K, V, v_first, dtype=dtype, seed=7)
     pool[idx.long()] = init
     kw = dict(cu_seqlens=cu, state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
@@ -238,7 +207,7 @@ def test_narrow_state_rounds_once(dtype, contract):
         o, s = kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, state_dtype=dtype, **kw)
         init = torch.zeros_like(init)
     else:
-        _, pool = make_pool(3, HV, K, V, True, dtype)
+        _, pool = poisoned_pool(3, state_plane(HV, K, V, True), dtype, DEVICE, pad=16)
         idx = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
         pool[idx.long()] = init
         o, _ = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, **kw)
@@ -280,10 +249,11 @@ def _sr_setup(dtype, v_first):
     T = cu_list[-1]
     q, k, v, g, beta, opts = make_inputs(1, T, H, HV, K, V, gate="softplus", seed=13)
     cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
-    _, pool = make_pool(5, HV, K, V, v_first, dtype)
+    _, pool = poisoned_pool(5, state_plane(HV, K, V, v_first), dtype, DEVICE, pad=16)
     idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
     pool[idx.long()] = random_planes(3, HV, K, V, v_first, dtype=dtype, seed=14)
-    _, pool32 = make_pool(5, HV, K, V, v_first, torch.float32)  # an fp32 copy, same alignment
+    # an fp32 copy, same alignment
+    _, pool32 = poisoned_pool(5, state_plane(HV, K, V, v_first), torch.float32, DEVICE, pad=16)
     pool32.copy_(pool.float())
 
     def call(p, **extra):
@@ -381,9 +351,9 @@ def test_prefill_then_decode(v_first, monkeypatch):
     q, k, v, g, beta, opts = make_inputs(1, cu_full[-1], H, HV, K, V, gate="lower_bound", beta_sigmoid=True,
                                          seed=16)
     kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
-    _, pool = make_pool(4, HV, K, V, v_first, torch.float32)
+    _, pool = poisoned_pool(4, state_plane(HV, K, V, v_first), torch.float32, DEVICE, pad=16)
     idx = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
-    pool[3] = random_planes(1, HV, K, V, v_first, seed=17)[0]  # sequence 0 continues a state; slot 0 is 1e30
+    pool[3] = random_planes(1, HV, K, V, v_first, seed=17)[0]  # sequence 0 continues a state; slot 0 is NaN
     hist = torch.tensor([True, False], device=DEVICE)
     pool_ref = pool.clone()
     o_ref, _ = ref.recurrent_kda(q, k, v, g, beta, cu_seqlens=torch.tensor(cu_full, device=DEVICE),
@@ -412,7 +382,7 @@ def test_prefill_then_decode(v_first, monkeypatch):
 
 def test_stochastic_rounding_needs_narrow_state():
     q, k, v, g, beta, _ = make_inputs(1, 1, 1, 1, 16, 16)
-    _, pool = make_pool(2, 1, 16, 16, True, torch.float32)
+    _, pool = poisoned_pool(2, state_plane(1, 16, 16, True), torch.float32, DEVICE, pad=16)
     pool[0] = 1.0
     before = pool.clone()
     out = torch.full((1, 1, 1, 16), float("nan"), device=DEVICE)
@@ -449,7 +419,7 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
     monkeypatch.setattr(fr, "_NSUB_OVERRIDE", nsub)
 
     # (1) paged == dense, bit for bit
-    wide, pool = make_pool(slots, HV, K, V, v_first, dtype, pad=16)
+    wide, pool = poisoned_pool(slots, state_plane(HV, K, V, v_first), dtype, DEVICE, pad=16)
     for n, slot in zip(keep, used):
         pool[slot] = random_planes(1, HV, K, V, v_first, seed=30 + n)[0].to(dtype)
     init = pool[used].clone()
@@ -461,7 +431,7 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
 
     # (2) a poisoned, oddly padded pool with an unread slot, against the loop kernel and the oracle
     read = [True, True, True, False, True]  # slot 9 holds NaN and is not read
-    wide, pool = make_pool(slots, HV, K, V, v_first, dtype, pad=3)
+    wide, pool = poisoned_pool(slots, state_plane(HV, K, V, v_first), dtype, DEVICE, pad=3)
     for n, slot in zip(keep, used):
         if read[n]:
             pool[slot] = random_planes(1, HV, K, V, v_first, seed=30 + n)[0].to(dtype)
@@ -512,7 +482,7 @@ def test_varlen_decode_batch_with_host_bounds(dtype, monkeypatch):
     kw = dict(state_v_first=True, use_qk_l2norm_in_kernel=True, **opts)
     idx = torch.tensor([5, 1, -1, 3], dtype=torch.int32, device=DEVICE)
     used, keep = [5, 1, 3], [0, 1, 3]
-    wide, pool = make_pool(7, HV, K, V, True, dtype, pad=16)
+    wide, pool = poisoned_pool(7, state_plane(HV, K, V, True), dtype, DEVICE, pad=16)
     pool.copy_(random_planes(7, HV, K, V, True, seed=40).to(dtype))
     start = wide.clone()
 

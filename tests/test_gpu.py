@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import bits, rel_err, rounding_floor
+from helpers import bits, make_inputs, rel_err, rounding_floor
 
 import kda
 import kda_reference as ref
@@ -17,17 +17,11 @@ pytestmark = pytest.mark.gpu
 
 
 def _inputs(T, H=4, K=128, V=128, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(1, T, H, K, device=dev, generator=gen).to(dt)
-    k = torch.randn(1, T, H, K, device=dev, generator=gen).to(dt)
-    v = torch.randn(1, T, H, V, device=dev, generator=gen).to(dt)
-    g = torch.randn(1, T, H, K, device=dev, generator=gen)
-    beta = torch.randn(1, T, H, device=dev, generator=gen)
-    h0 = 0.1 * torch.randn(1, H, K, V, device=dev, generator=gen)
-    kw = dict(use_gate_in_kernel=True, A_log=0.5 * torch.randn(H, device=dev, generator=gen),
-              dt_bias=0.5 * torch.randn(H * K, device=dev, generator=gen), lower_bound=-5.0,
-              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    """bf16 q, k, v with Kimi's in-kernel gate (lb = -5), q/k l2norm and beta sigmoid; an fp32 h0."""
+    q, k, v, g, beta, kw = make_inputs(1, T, H, H, K, V, dtype=torch.bfloat16, gate="lower_bound", device="cuda",
+                                       seed=seed, normalize_k=False, beta_sigmoid=True)
+    kw["use_qk_l2norm_in_kernel"] = True
+    h0 = 0.1 * torch.randn(1, H, K, V, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
     return (q, k, v, g, beta), h0, kw
 
 
@@ -65,7 +59,7 @@ def test_paged_equals_dense_bitwise_on_gpu():
     before = pool.clone()
     has = torch.ones(3, dtype=torch.bool, device="cuda")
     o, _ = kda.chunk_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, has_initial_state=has,
-                         cu_seqlens=cu, **kw)
+                         state_v_first=False, cu_seqlens=cu, **kw)
     od, sd = kda.chunk_kda(q, k, v, g, beta, initial_state=h, output_final_state=True, cu_seqlens=cu, **kw)
     assert torch.equal(bits(o), bits(od))
     assert torch.equal(bits(pool[idx.long()]), bits(sd))
@@ -77,19 +71,16 @@ DECODE_FLAGS = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_
                     use_beta_sigmoid_in_kernel=True, state_v_first=True)
 
 
-def _decode_tokens(N, H, K, V, gen, dt=torch.bfloat16):
-    """One decode token per sequence: q, k, v in `dt`, the raw gate and beta logits in fp32."""
-    q = torch.randn(N, 1, H, K, device="cuda", generator=gen).to(dt)
-    k = torch.randn(N, 1, H, K, device="cuda", generator=gen).to(dt)
-    v = torch.randn(N, 1, H, V, device="cuda", generator=gen).to(dt)
-    g = torch.randn(N, 1, H, K, device="cuda", generator=gen)
-    beta = torch.randn(N, 1, H, device="cuda", generator=gen)
-    return q, k, v, g, beta
+def _decode_tokens(N, H, K, V, seed, dt=torch.bfloat16):
+    """One decode token per sequence: q, k, v in `dt`, the raw gate and beta logits in fp32 (the gate
+    parameters come from DECODE_FLAGS)."""
+    return make_inputs(N, 1, H, H, K, V, dtype=dt, gate="lower_bound", device="cuda", seed=seed,
+                       normalize_k=False, beta_logits=True)[:5]
 
 
 def _decode_call(N=8, H=2, K=128, V=128, seed=3):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    args = _decode_tokens(N, H, K, V, gen)
+    args = _decode_tokens(N, H, K, V, seed)
     pool = torch.randn(4 * N, H, V, K, device="cuda", generator=gen)
     idx = torch.randperm(4 * N, device="cuda", generator=gen)[:N].to(torch.int32)
     return args, dict(DECODE_FLAGS, state_cache=pool, state_indices=idx)
@@ -106,7 +97,7 @@ def test_decode_paged_vs_dense_padded_pool(pad):
     N, H, K, V, slots = 8, 2, 128, 128, 32
     gen = torch.Generator(device="cuda").manual_seed(6)
     dev, dt = "cuda", torch.bfloat16
-    q, k, v, g, beta = _decode_tokens(N, H, K, V, gen, dt)
+    q, k, v, g, beta = _decode_tokens(N, H, K, V, 6, dt)
     numel = H * V * K
     pool = torch.randn(slots, numel + pad, device=dev, generator=gen)[:, :numel].view(slots, H, V, K)
     assert pool.stride(0) == numel + pad
@@ -139,12 +130,14 @@ def test_no_call_syncs_the_host():
     has = torch.tensor([True, False, True], device="cuda")
     idx = torch.tensor([3, 1, 4], dtype=torch.int32, device="cuda")
     dargs, dkw = _decode_call()
-    kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has, **kw)
+    kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has,
+                  state_v_first=False, **kw)
     kda.fused_recurrent_kda(*dargs, **dkw)  # compile first: the first launch may sync
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has, **kw)
+        kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=idx, has_initial_state=has,
+                      state_v_first=False, **kw)
         kda.fused_recurrent_kda(*dargs, **dkw)
     finally:
         torch.cuda.set_sync_debug_mode("default")

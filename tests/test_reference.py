@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from helpers import oracle_inputs, poisoned_pool, rel_err, state_plane
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,24 +28,8 @@ PATHS = pytest.mark.parametrize(
 )
 
 
-def make_inputs(B, T, H, HV, K, V, seed=0, dtype=F64):
-    """Random inputs in the regime the kernels serve: unit keys, beta in (0, 1), log-decay in (-1, 0)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
-    k = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
-    k = k / k.norm(dim=-1, keepdim=True)
-    v = torch.randn(B, T, HV, V, generator=gen, dtype=dtype)
-    g = -torch.rand(B, T, HV, K, generator=gen, dtype=dtype)
-    beta = torch.rand(B, T, HV, generator=gen, dtype=dtype)
-    return q, k, v, g, beta
-
-
 def random_state(N, HV, K, V, seed=1, dtype=F64):
     return torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def rel_l2(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -106,7 +91,7 @@ def test_two_steps_by_hand_from_zero_with_default_scale(kda):
 @PATHS
 def test_beta_zero_is_pure_decay(kda):
     B, T, H, HV, K, V = 2, 13, 1, 2, 4, 3
-    q, k, v, g, _ = make_inputs(B, T, H, HV, K, V)
+    q, k, v, g, _ = oracle_inputs(B, T, H, HV, K, V)
     beta = torch.zeros(B, T, HV, dtype=F64)
     S0 = random_state(B, HV, K, V)
     scale = 0.7
@@ -140,7 +125,7 @@ def test_orthonormal_keys_with_beta_one_store_values_exactly(kda, T):
 @pytest.mark.parametrize("a", [0.3, -1.7])
 def test_initial_state_to_final_state_is_affine(kda, a):
     B, T, H, HV, K, V = 2, 9, 1, 2, 5, 4
-    q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, seed=5)
+    q, k, v, g, beta = oracle_inputs(B, T, H, HV, K, V, seed=5)
     S1, S2 = random_state(B, HV, K, V, seed=6), random_state(B, HV, K, V, seed=7)
 
     def f(S):
@@ -148,8 +133,8 @@ def test_initial_state_to_final_state_is_affine(kda, a):
 
     o_mix, final_mix = f(a * S1 + (1 - a) * S2)
     (o1, final1), (o2, final2) = f(S1), f(S2)
-    assert rel_l2(final_mix, a * final1 + (1 - a) * final2) < 1e-13
-    assert rel_l2(o_mix, a * o1 + (1 - a) * o2) < 1e-13
+    assert rel_err(final_mix, a * final1 + (1 - a) * final2) < 1e-13
+    assert rel_err(o_mix, a * o1 + (1 - a) * o2) < 1e-13
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -160,7 +145,7 @@ def test_initial_state_to_final_state_is_affine(kda, a):
 def check_varlen_equals_separate_calls(kda, bounds, state_v_first=False, seed=8):
     T, H, HV, K, V = bounds[-1], 1, 2, 3, 4
     N = len(bounds) - 1
-    q, k, v, g, beta = make_inputs(1, T, H, HV, K, V, seed=seed)
+    q, k, v, g, beta = oracle_inputs(1, T, H, HV, K, V, seed=seed)
     initial = random_state(N, HV, K, V, seed=seed + 1, dtype=torch.float32)
     if state_v_first:
         initial = initial.transpose(-1, -2).contiguous()
@@ -199,7 +184,7 @@ def test_varlen_equals_separate_calls_random_splits(lengths, seed):
 
 
 def test_all_empty_without_initial_state_gives_zero_states():
-    q, k, v, g, beta = make_inputs(1, 0, 1, 2, 3, 4)
+    q, k, v, g, beta = oracle_inputs(1, 0, 1, 2, 3, 4)
     o, final = recurrent_kda(q, k, v, g, beta, output_final_state=True,
                              cu_seqlens=torch.tensor([0, 0, 0], dtype=torch.int64))
     assert o.shape == (1, 0, 2, 4)
@@ -209,7 +194,7 @@ def test_all_empty_without_initial_state_gives_zero_states():
 
 def test_dense_batch_equals_separate_rows():
     B, T, H, HV, K, V = 3, 11, 1, 2, 3, 4
-    q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, seed=9)
+    q, k, v, g, beta = oracle_inputs(B, T, H, HV, K, V, seed=9)
     S0 = random_state(B, HV, K, V, seed=10)
     o, final = recurrent_kda(q, k, v, g, beta, None, S0, True)
     for b in range(B):
@@ -226,29 +211,17 @@ INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat
             torch.float16: torch.int16}
 
 
-def poisoned_pool(slots, HV, K, V, state_v_first, dtype, pad=5):
-    """A slot-padded pool (stride(0) > plane size), every slot filled with NaN or 1e30."""
-    plane = (HV, V, K) if state_v_first else (HV, K, V)
-    plane_numel = HV * K * V
-    storage = torch.empty(slots, plane_numel + pad, dtype=dtype)
-    storage[0::2] = float("nan")
-    storage[1::2] = 1e30
-    pool = storage[:, :plane_numel].view(slots, *plane)
-    assert pool.stride(0) == plane_numel + pad
-    return storage, pool
-
-
 @PATHS
 @pytest.mark.parametrize("state_v_first", [True, False])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_paged_equals_gather_dense_scatter(kda, state_v_first, pool_dtype):
     bounds = [0, 4, 4, 9, 12, 17]  # five sequences, the second one empty
     T, H, HV, K, V, slots = bounds[-1], 1, 2, 3, 4, 9
-    q, k, v, g, beta = make_inputs(1, T, H, HV, K, V, seed=11)
+    q, k, v, g, beta = oracle_inputs(1, T, H, HV, K, V, seed=11)
     cu = torch.tensor(bounds, dtype=torch.int32)
     slot_of_seq = torch.tensor([6, 2, -1, 0, 7], dtype=torch.int32)  # permuted; sequence 2 is padding
     has_initial_state = torch.tensor([True, True, True, False, True])  # slot 0 (NaN) must not be read
-    storage, pool = poisoned_pool(slots, HV, K, V, state_v_first, pool_dtype)
+    storage, pool = poisoned_pool(slots, state_plane(HV, K, V, state_v_first), pool_dtype, pad=5)
     live = random_state(5, HV, V, K, seed=12) if state_v_first else random_state(5, HV, K, V, seed=12)
     live = live.to(pool_dtype)
     for n, slot in enumerate(slot_of_seq.tolist()):
@@ -283,8 +256,8 @@ def test_paged_equals_gather_dense_scatter(kda, state_v_first, pool_dtype):
 @PATHS
 def test_has_initial_state_false_on_nan_slot_equals_zero_start(kda):
     T, H, HV, K, V = 6, 1, 2, 3, 4
-    q, k, v, g, beta = make_inputs(1, T, H, HV, K, V, seed=13)
-    _, pool = poisoned_pool(2, HV, K, V, state_v_first=True, dtype=torch.float32)  # slot 0 is NaN
+    q, k, v, g, beta = oracle_inputs(1, T, H, HV, K, V, seed=13)
+    _, pool = poisoned_pool(2, state_plane(HV, K, V, True), torch.float32, pad=5)  # slot 0 is NaN
     o, _ = kda(q, k, v, g, beta, state_cache=pool, state_indices=torch.tensor([0], dtype=torch.int32),
                has_initial_state=torch.tensor([False]), state_v_first=True)
     o_zero, final_zero = kda(q, k, v, g, beta, output_final_state=True, state_v_first=True)
@@ -294,8 +267,8 @@ def test_has_initial_state_false_on_nan_slot_equals_zero_start(kda):
 
 def test_padding_sequence_zeroes_its_rows_of_out():
     T, H, HV, K, V = 5, 1, 2, 3, 4
-    q, k, v, g, beta = make_inputs(1, T, H, HV, K, V, seed=14)
-    _, pool = poisoned_pool(3, HV, K, V, state_v_first=True, dtype=torch.float32)
+    q, k, v, g, beta = oracle_inputs(1, T, H, HV, K, V, seed=14)
+    _, pool = poisoned_pool(3, state_plane(HV, K, V, True), torch.float32, pad=5)
     out = torch.full((1, T, HV, V), float("nan"), dtype=torch.float32)
     result, final = recurrent_kda(
         q, k, v, g, beta, cu_seqlens=torch.tensor([0, 2, 5]), out=out, state_cache=pool,
@@ -317,7 +290,7 @@ def test_padding_sequence_zeroes_its_rows_of_out():
 @pytest.mark.parametrize("storage_dtype", [torch.bfloat16, torch.float16])
 def test_narrow_state_is_the_float64_answer_rounded_once(kda, storage_dtype):
     B, T, H, HV, K, V = 2, 10, 1, 2, 3, 4
-    q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, seed=15)
+    q, k, v, g, beta = oracle_inputs(B, T, H, HV, K, V, seed=15)
     o_exact, final_exact = kda(q, k, v, g, beta, output_final_state=True, state_dtype=F64)
     _, final = kda(q, k, v, g, beta, output_final_state=True, state_dtype=storage_dtype)
     assert final.dtype == storage_dtype
@@ -332,7 +305,7 @@ def test_narrow_state_is_the_float64_answer_rounded_once(kda, storage_dtype):
 
 
 def test_default_state_dtype_is_float32_and_out_gets_o_rounded():
-    q, k, v, g, beta = make_inputs(1, 4, 1, 1, 2, 3, seed=17)
+    q, k, v, g, beta = oracle_inputs(1, 4, 1, 1, 2, 3, seed=17)
     o, final = recurrent_kda(q, k, v, g, beta, output_final_state=True)
     assert o.dtype == F64 and final.dtype == torch.float32
     out = torch.empty(1, 4, 1, 3, dtype=torch.bfloat16)
@@ -377,7 +350,7 @@ def test_in_kernel_options_equal_preprocessing_by_hand(kda, lower_bound, bias_la
                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                    A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     o_hand, final_hand = kda(q_hand, k_hand, v, g_hand, beta_hand, output_final_state=True, state_dtype=F64)
-    assert rel_l2(o, o_hand) < 1e-13 and rel_l2(final, final_hand) < 1e-13
+    assert rel_err(o, o_hand) < 1e-13 and rel_err(final, final_hand) < 1e-13
 
 
 def test_gate_and_l2norm_helpers():
@@ -400,7 +373,7 @@ def test_gate_and_l2norm_helpers():
 @PATHS
 def test_gva_equals_repeating_qk_heads(kda):
     B, T, H, HV, K, V = 2, 7, 2, 4, 3, 4
-    q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, seed=19)
+    q, k, v, g, beta = oracle_inputs(B, T, H, HV, K, V, seed=19)
     S0 = random_state(B, HV, K, V, seed=20)
     o, final = kda(q, k, v, g, beta, None, S0, True)
     # value head j reads q/k head j // (HV // H): heads 0, 1 -> 0 and 2, 3 -> 1
@@ -418,16 +391,16 @@ def assert_chunk_equals_recurrent(q, k, v, g, beta, chunk_size, **contract):
     o_r, final_r = recurrent_kda(q, k, v, g, beta, **contract)
     o_c, final_c = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **contract)
     assert torch.isfinite(o_c).all()
-    assert rel_l2(o_c, o_r) < 1e-12
+    assert rel_err(o_c, o_r) < 1e-12
     if final_r is not None:
         assert torch.isfinite(final_c).all()
-        assert rel_l2(final_c, final_r) < 1e-12
+        assert rel_err(final_c, final_r) < 1e-12
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.parametrize("T", [1, 63, 65, 200])
 def test_chunk_equals_recurrent(T, chunk_size):
-    q, k, v, g, beta = make_inputs(1, T, 1, 2, 16, 8, seed=T)
+    q, k, v, g, beta = oracle_inputs(1, T, 1, 2, 16, 8, seed=T)
     S0 = random_state(1, 2, 16, 8, seed=21)
     assert_chunk_equals_recurrent(q, k, v, g, beta, chunk_size, initial_state=S0, output_final_state=True)
 
@@ -435,7 +408,7 @@ def test_chunk_equals_recurrent(T, chunk_size):
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_chunk_equals_recurrent_under_strong_decay(chunk_size):
     T, HV, K, V = 100, 2, 8, 4
-    q, k, v, g, beta = make_inputs(1, T, 1, HV, K, V, seed=22)
+    q, k, v, g, beta = oracle_inputs(1, T, 1, HV, K, V, seed=22)
     g[:, 5:60, 0, :3] = -1000.0  # a long run: the in-chunk cumulative sum reaches -64000
     g[:, 70, 1, :] = -1000.0  # one token wipes every channel of head 1
     g[:, 80:90:2, :, 5] = -1000.0
@@ -461,7 +434,7 @@ def test_chunk_equals_recurrent_with_correlated_keys_and_beta_near_one(chunk_siz
 def test_chunk_equals_recurrent_varlen_with_empty_sequences(chunk_size):
     bounds = [0, 0, 70, 70, 71, 136, 200, 200]
     T, HV, K, V = bounds[-1], 2, 8, 4
-    q, k, v, g, beta = make_inputs(1, T, 1, HV, K, V, seed=25)
+    q, k, v, g, beta = oracle_inputs(1, T, 1, HV, K, V, seed=25)
     S0 = random_state(len(bounds) - 1, HV, V, K, seed=26)
     assert_chunk_equals_recurrent(q, k, v, g, beta, chunk_size, initial_state=S0, output_final_state=True,
                                   cu_seqlens=torch.tensor(bounds), state_v_first=True)
@@ -470,19 +443,19 @@ def test_chunk_equals_recurrent_varlen_with_empty_sequences(chunk_size):
 def test_chunk_equals_recurrent_paged():
     bounds = [0, 40, 40, 107]
     T, HV, K, V = bounds[-1], 2, 8, 4
-    q, k, v, g, beta = make_inputs(1, T, 1, HV, K, V, seed=27)
-    _, pool_r = poisoned_pool(4, HV, K, V, state_v_first=True, dtype=F64)
+    q, k, v, g, beta = oracle_inputs(1, T, 1, HV, K, V, seed=27)
+    _, pool_r = poisoned_pool(4, state_plane(HV, K, V, True), F64, pad=5)
     pool_r[3] = random_state(1, HV, V, K, seed=28)[0]
-    storage_c, pool_c = poisoned_pool(4, HV, K, V, state_v_first=True, dtype=F64)
+    storage_c, pool_c = poisoned_pool(4, state_plane(HV, K, V, True), F64, pad=5)
     pool_c.copy_(pool_r)
     contract = dict(cu_seqlens=torch.tensor(bounds), state_v_first=True,
                     state_indices=torch.tensor([3, 1, 0], dtype=torch.int32),
                     has_initial_state=torch.tensor([True, True, False]))
     o_r, _ = recurrent_kda(q, k, v, g, beta, state_cache=pool_r, **contract)
     o_c, _ = chunk_kda(q, k, v, g, beta, state_cache=pool_c, chunk_size=16, **contract)
-    assert rel_l2(o_c, o_r) < 1e-12
+    assert rel_err(o_c, o_r) < 1e-12
     for slot in (0, 3):
-        assert rel_l2(pool_c[slot], pool_r[slot]) < 1e-12
+        assert rel_err(pool_c[slot], pool_r[slot]) < 1e-12
     assert torch.isnan(pool_c[2]).all()  # not named: untouched
     assert torch.equal(pool_c[1], pool_r[1]) and (pool_c[1] == 1e30).all()  # empty sequence: kept
 
@@ -494,11 +467,11 @@ def test_chunk_equals_recurrent_paged():
 
 def _bad_calls():
     B, T, H, HV, K, V = 1, 4, 1, 2, 3, 4
-    q, k, v, g, beta = make_inputs(B, T, H, HV, K, V)
-    _, pool = poisoned_pool(3, HV, K, V, state_v_first=True, dtype=torch.float32)
+    q, k, v, g, beta = oracle_inputs(B, T, H, HV, K, V)
+    _, pool = poisoned_pool(3, state_plane(HV, K, V, True), torch.float32, pad=5)
     idx = torch.tensor([0], dtype=torch.int32)
     S0 = random_state(1, HV, K, V)
-    two = make_inputs(2, T, H, HV, K, V)
+    two = oracle_inputs(2, T, H, HV, K, V)
     return [
         ("initial_state", dict(initial_state=S0, state_cache=pool, state_indices=idx, state_v_first=True)),
         ("cu_seqlens", dict(inputs=two, cu_seqlens=torch.tensor([0, 4]))),
@@ -509,7 +482,7 @@ def _bad_calls():
         ("k", dict(inputs=(q, k[..., :2], v, g, beta))),
         ("g", dict(inputs=(q, k, v, g[..., :2], beta))),
         ("beta", dict(inputs=(q, k, v, g, beta[..., :1]))),
-        ("HV", dict(inputs=make_inputs(B, T, 2, 3, K, V))),
+        ("HV", dict(inputs=oracle_inputs(B, T, 2, 3, K, V))),
         ("initial_state", dict(initial_state=S0.transpose(-1, -2))),
         ("state_indices", dict(state_indices=idx)),
         ("has_initial_state", dict(has_initial_state=torch.tensor([True]))),
@@ -540,7 +513,7 @@ BAD_CALLS = _bad_calls()
 @pytest.mark.parametrize("argument, call", BAD_CALLS, ids=[f"{a}-{i}" for i, (a, _) in enumerate(BAD_CALLS)])
 def test_bad_input_raises_naming_the_argument(kda, argument, call):
     call = dict(call)
-    inputs = call.pop("inputs", None) or make_inputs(1, 4, 1, 2, 3, 4)
+    inputs = call.pop("inputs", None) or oracle_inputs(1, 4, 1, 2, 3, 4)
     pool = call.get("state_cache")
     pool_bits = None if pool is None else pool.clone().view(torch.int32)
     with pytest.raises((ValueError, TypeError), match=argument):
@@ -551,7 +524,7 @@ def test_bad_input_raises_naming_the_argument(kda, argument, call):
 
 @pytest.mark.parametrize("kda", [recurrent_kda, chunk_kda], ids=["recurrent", "chunk"])
 def test_unknown_keyword_and_positional_out_are_type_errors(kda):
-    inputs = make_inputs(1, 4, 1, 2, 3, 4)
+    inputs = oracle_inputs(1, 4, 1, 2, 3, 4)
     with pytest.raises(TypeError):
         kda(*inputs, use_qk_l2norm=True)
     with pytest.raises(TypeError):
@@ -560,4 +533,4 @@ def test_unknown_keyword_and_positional_out_are_type_errors(kda):
 
 def test_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size"):
-        chunk_kda(*make_inputs(1, 4, 1, 2, 3, 4), chunk_size=0)
+        chunk_kda(*oracle_inputs(1, 4, 1, 2, 3, 4), chunk_size=0)

@@ -1,39 +1,52 @@
-"""Benchmark `kda` against fla 0.6.0 on the shapes of ANCHORS.md, side by side in one run.
+"""Benchmark `kda` against fla 0.6.0, side by side in one run (needs a CUDA device; fla when importable).
 
-    python -m kda.bench [--shapes prefill,varlen,decode|all] [--out FILE.md] [--no-fla]
+    python benchmarks/bench.py [--shapes prefill,decode,mixed,varlen|all] [--out FILE.md] [--json FILE.json]
+                               [--no-fla] [--no-fla-varlen]
 
-Every row times a call eagerly (a plain Python call, host overhead included) and as CUDA-graph replay
-(capture after warm-up, time `graph.replay`), both with `triton.testing.do_bench` and its median.
-Inputs follow ANCHORS.md: q, k, v bf16 random, K = V = 128, raw fp32 gate with the in-kernel lower-bound
-gate (lb = -5, `A_log` and `dt_bias` given), in-kernel q/k L2 norm and beta sigmoid, fp32 initial state,
-final state returned. Nothing is timed on zeros.
+It lives outside the package because it needs fla. Every row times a call eagerly (a plain Python call,
+host overhead included) and as CUDA-graph replay (capture after warm-up, time `graph.replay`), both with
+`triton.testing.do_bench` and its median, and the host cost of one call (200 calls issued back to back
+without a sync, `time.perf_counter` around them, one sync after; the mean per call). Inputs: q, k, v bf16
+random, K = V = 128, raw fp32 gate with the in-kernel lower-bound gate (lb = -5, `A_log` and `dt_bias`
+given), in-kernel q/k L2 norm and beta sigmoid, fp32 state. Nothing is timed on zeros.
 
-Rows:
+Rows, in the order they run (the varlen row last: fla autotunes at a new varlen shape, once over 100 s):
 - `prefill BxT H=h`: dense `initial_state` [N, HV, K, V] + `output_final_state=True`; fla `chunk_kda`.
 - `prefill BxT H=h paged`: kda's paged contract (`state_cache` [4N, HV, V, K] fp32, random distinct
   slots, `has_initial_state` all true, `state_v_first=True`). fla has no paged prefill: its columns time
   what serving engines do around it (gather the slots, call with `state_v_first=True`, scatter back).
+- `decode N=n ...`: one token per sequence through a paged pool of 4N slots: V-first pools
+  ([slots, HV, V, K], `state_v_first=True`) in fp32 at N = 1, 64, 256, 1024 and bf16 / fp16 at N = 256;
+  K-first pools ([slots, HV, K, V], `state_v_first=False`, fla's native layout) in fp32 at N = 64, 256,
+  1024 and bf16 at N = 256, each called as a dense [N, 1] batch and as varlen (`cu_seqlens` +
+  `cu_seqlens_cpu`). fla: `fused_recurrent_kda_fwd(initial_state=pool, inplace_final_state=True,
+  ssm_state_indices=idx)` with the same `state_v_first` on the same pool. Decode rows are also timed in
+  steady state (`Timer.steady`, a second table): 8 calls back to back in one graph, cycling over 4
+  disjoint slot sets of the pool, after an L2 flush that only reads. A single replay of one ~25 us call
+  also times the graph launch (about 3 us on the H200) and, through do_bench's zeroing L2 flush, the
+  write-back of someone else's dirty lines, neither of which is the call's own HBM traffic. Both are
+  printed.
+- `mixed 256x1 + 2x2048 H=32`: a serving step of 256 one-token decode sequences and two 2048-token
+  prefill chunks over one paged fp32 V-first pool of 4N slots: one `chunk_kda` varlen call, against the
+  split pair (`fused_recurrent_kda` on the one-token sequences with `cu_seqlens_cpu`, then `chunk_kda` on
+  the two long ones, both on views of the same token tensors), against fla's `chunk_kda` on the same
+  varlen batch with a dense state (fla has no paged prefill). Graph replay, eager and host cost.
 - `varlen ...`: 12 single-token sequences then 1100, 1300 and 900 tokens, H=32, dense initial state,
-  `cu_seqlens` int64 on the device (no host copy passed to either library).
-- `decode N=n`: one token per sequence, paged pool of 4N slots in fp32 (and bf16 / fp16 at N=256),
-  `state_v_first=True`; fla `fused_recurrent_kda_fwd(initial_state=pool, inplace_final_state=True,
-  ssm_state_indices=idx)`. Decode rows are also timed in steady state (`Timer.steady`, a second table):
-  8 calls back to back in one graph, cycling over 4 disjoint slot sets of the pool, after an L2 flush that
-  only reads. This is the number issue 4's targets are judged on: a single replay of one ~25 us call
-  also times the graph launch (an empty graph takes 3.1 us on the H200) and, through do_bench's zeroing
-  L2 flush, the write-back of up to an L2 of someone else's dirty lines (4 us at N = 64; measured with
-  scripts/decode_probe.py), neither of which is the call's own HBM traffic. Both are printed.
+  `cu_seqlens` int64 on the device (no host copy passed to either library). `--no-fla-varlen` skips fla.
 
 The HBM floor of a row is the bytes that must move (q, k, v, o in bf16, g in fp32, beta, the state read
 and written once in its dtype) over the copy bandwidth measured at the start of the run (a large
-device-to-device copy, bytes read plus bytes written); the last floor column uses ANCHORS' 4.25 TB/s.
+device-to-device copy, bytes read plus bytes written); the last floor column uses 4.25 TB/s, the copy
+bandwidth measured on the H200 when the targets were set.
 
 Before timing, each row runs kda and fla once on identical inputs and reports the relative L2 difference
 of the outputs and of the final states (a check that both compute the same function).
 
 A graph is captured only if one eager call after warm-up makes no host sync
 (`torch.cuda.set_sync_debug_mode("error")`); otherwise the graph cell says why. Every failure is caught
-per cell and reported under the table; the run goes on.
+per cell and reported under the table; the run goes on. The markdown (`--out`) and the JSON of the rows
+(`--json`, default `benchmarks/results/h200-latest.json`) are rewritten after every row, so a run stopped
+early keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import re
 import subprocess
@@ -53,17 +67,26 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `kda` from this tree, also when run as `python benchmarks/bench.py`
+
 K_DIM = 128
 V_DIM = 128
 LOWER_BOUND = -5.0
-ANCHOR_BW = 4.25e12  # bytes/s, ANCHORS.md's measured copy bandwidth on the H200
-GROUPS = ("prefill", "varlen", "decode")
-PREFILL_SHAPES = ((1, 4096, 12), (1, 16384, 12), (1, 4096, 32), (1, 16384, 32), (1, 8192, 96),
-                  (1, 65536, 12), (4, 4096, 32))
+ANCHOR_BW = 4.25e12  # bytes/s, the H200's copy bandwidth measured when the targets were set
+GROUPS = ("prefill", "decode", "mixed", "varlen")  # the order rows run in: varlen last (fla's autotuning)
+# (B, T, H): issue 12's acceptance rows, in its order
+PREFILL_SHAPES = ((1, 4096, 12), (1, 16384, 12), (1, 4096, 32), (1, 16384, 32), (4, 4096, 32), (1, 8192, 96),
+                  (1, 65536, 12))
 VARLEN_LENS = (1,) * 12 + (1100, 1300, 900)
 VARLEN_H = 32
+MIXED_LENS = (1,) * 256 + (2048, 2048)
+MIXED_H = 32
+MIXED_TARGET = 1.10  # the unified call at most 10% slower than the split pair
 DECODE_H = 12
 DECODE_NS = (1, 64, 256, 1024)
+K_FIRST_NS = (64, 256, 1024)
+HOST_CALLS = 200
 NARROW_POOL_N = 256
 NARROW_POOL_TARGET = 0.6
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,13 +100,14 @@ DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 @dataclass(frozen=True)
 class Case:
     name: str
-    group: str              # prefill | varlen | decode
-    mode: str               # dense | paged | decode
+    group: str              # prefill | decode | mixed | varlen (the JSON's "kind")
+    mode: str               # dense | paged | decode | mixed
     B: int
     T: int
     H: int
     seqlens: tuple[int, ...] | None = None
     pool_dtype: str = "float32"
+    v_first: bool = True    # the pool's layout (paged, decode and mixed rows)
 
     @property
     def N(self) -> int:
@@ -96,15 +120,24 @@ def all_cases() -> list[Case]:
         label = f"prefill {B}x{T} H={H}"
         cases.append(Case(label, "prefill", "dense", B, T, H))
         cases.append(Case(label + " paged", "prefill", "paged", B, T, H))
-    n1 = VARLEN_LENS.count(1)
-    rest = " + ".join(str(n) for n in VARLEN_LENS if n != 1)
-    cases.append(Case(f"varlen {n1}x1 + {rest} H={VARLEN_H}", "varlen", "dense", 1, sum(VARLEN_LENS), VARLEN_H,
-                      seqlens=VARLEN_LENS))
     for n in DECODE_NS:
         cases.append(Case(f"decode N={n} H={DECODE_H} fp32 pool", "decode", "decode", n, 1, DECODE_H))
     for dt in ("bfloat16", "float16"):
         cases.append(Case(f"decode N={NARROW_POOL_N} H={DECODE_H} {DTYPE_SHORT[dt]} pool", "decode", "decode",
                           NARROW_POOL_N, 1, DECODE_H, pool_dtype=dt))
+    k_first = [(n, "float32") for n in K_FIRST_NS] + [(NARROW_POOL_N, "bfloat16")]
+    for n, dt in k_first:
+        label = f"decode N={n} H={DECODE_H} {DTYPE_SHORT[dt]} K-first pool"
+        cases.append(Case(label, "decode", "decode", n, 1, DECODE_H, pool_dtype=dt, v_first=False))
+        cases.append(Case(label + " varlen", "decode", "decode", 1, n, DECODE_H, seqlens=(1,) * n, pool_dtype=dt,
+                          v_first=False))
+    long = [n for n in MIXED_LENS if n != 1]
+    cases.append(Case(f"mixed {MIXED_LENS.count(1)}x1 + {len(long)}x{long[0]} H={MIXED_H}", "mixed", "mixed", 1,
+                      sum(MIXED_LENS), MIXED_H, seqlens=MIXED_LENS))
+    n1 = VARLEN_LENS.count(1)
+    rest = " + ".join(str(n) for n in VARLEN_LENS if n != 1)
+    cases.append(Case(f"varlen {n1}x1 + {rest} H={VARLEN_H}", "varlen", "dense", 1, sum(VARLEN_LENS), VARLEN_H,
+                      seqlens=VARLEN_LENS))
     return cases
 
 
@@ -116,7 +149,7 @@ def floor_bytes(case: Case) -> int:
     per_tok = 2 * (H * K_DIM * 2) + 2 * (HV * V_DIM * 2) + HV * K_DIM * 4 + HV * 2
     state = 2 * case.N * HV * K_DIM * V_DIM * DTYPES[case.pool_dtype].itemsize
     params = HV * 4 + HV * K_DIM * 4
-    idx = case.N * 4 if case.mode in ("paged", "decode") else 0
+    idx = case.N * 4 if case.mode in ("paged", "decode", "mixed") else 0
     return ntok * per_tok + state + params + idx
 
 
@@ -143,6 +176,20 @@ class Timer:
         fn()
         torch.cuda.synchronize()
         return self.bench(fn)
+
+    def host(self, fn, calls: int = HOST_CALLS) -> float:
+        """Host microseconds of one call issued back to back: `calls` calls after warm-up with no sync
+        inside the loop (`time.perf_counter` around it), one sync after. What a serving engine pays in
+        Python per layer per step while the GPU runs behind."""
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) * 1e6 / calls
 
     def steady(self, fns, repeat: int = 2) -> float:
         """Per-call time of back-to-back calls: one graph holds `fns` `repeat` times in a row (decode: one
@@ -255,6 +302,11 @@ class Row:
     fla_graph: float | str | None = None
     kda_steady: float | str | None = None  # decode rows: Timer.steady over 4 disjoint slot sets
     fla_steady: float | str | None = None
+    kda_host: float | str | None = None    # Timer.host: host time of one call issued back to back
+    fla_host: float | str | None = None
+    split_eager: float | str | None = None  # mixed row: the decode call + the prefill call
+    split_graph: float | str | None = None
+    split_host: float | str | None = None
     o_diff: float | str | None = None
     s_diff: float | str | None = None
     notes: list[str] = field(default_factory=list)
@@ -283,17 +335,20 @@ def _tokens(B: int, T: int, H: int, HV: int, dev: str):
 
 
 def build(case: Case, fla, fla_extra: dict, dev: str = "cuda"):
-    """Returns (kda_call, fla_call or None, compare) for one case; compare() runs each side once on
-    identical inputs and returns (o rel diff, state rel diff)."""
+    """Returns (calls, compare) for one case: calls maps "kda", "fla" and, for the mixed row, "split" (the
+    decode call then the prefill call) to a zero-argument callable (fla's is None when fla is not run);
+    compare() runs kda and fla once on identical inputs and states and returns (o rel diff, state rel
+    diff)."""
     import kda
 
     H = HV = case.H
     q, k, v, g, beta, A_log, dt_bias = _tokens(case.B, case.T, H, HV, dev)
     flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                  A_log=A_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND)
-    cu = None
+    cu, cu_host = None, None
     if case.seqlens is not None:
-        cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], dtype=torch.int64, device=dev)
+        cu_host = [0, *torch.tensor(case.seqlens).cumsum(0).tolist()]
+        cu = torch.tensor(cu_host, dtype=torch.int64, device=dev)
     N = case.N
     fla_chunk, fla_decode = (fla if fla is not None else (None, None))
 
@@ -312,39 +367,87 @@ def build(case: Case, fla, fla_extra: dict, dev: str = "cuda"):
             o2, s2 = fla_call()
             return _rel(o1, o2), _rel(s1, s2)
 
-        return kda_call, (fla_call if fla_chunk else None), compare
+        return {"kda": kda_call, "fla": fla_call if fla_chunk else None}, compare
 
     slots = 4 * N
     pool_dtype = DTYPES[case.pool_dtype]
-    pool0 = (torch.randn(slots, HV, V_DIM, K_DIM, device=dev, dtype=torch.float32) * 0.1).to(pool_dtype)
+    vf = case.v_first
+    plane = (HV, V_DIM, K_DIM) if vf else (HV, K_DIM, V_DIM)
+    pool0 = (torch.randn(slots, *plane, device=dev, dtype=torch.float32) * 0.1).to(pool_dtype)
     slot_sets = torch.randperm(slots, device=dev).to(torch.int32).view(4, N)  # 4 disjoint sets of N slots
     idx = slot_sets[0].clone()
     idx64 = idx.long()
     pool_k = pool0.clone()
     pool_f = pool0.clone()
+    has_init = torch.ones(N, dtype=torch.bool, device=dev)
+    calls = {}
 
     if case.mode == "paged":
-        has_init = torch.ones(N, dtype=torch.bool, device=dev)
-
         def kda_call():
             return kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, state_cache=pool_k, state_indices=idx,
-                                 has_initial_state=has_init, state_v_first=True, **flags)
+                                 has_initial_state=has_init, state_v_first=vf, **flags)
 
         def fla_call():  # what an engine does around fla: gather, call, scatter
             h0 = pool_f.index_select(0, idx64)
             o, ht = fla_chunk(q, k, v, g, beta, scale=None, initial_state=h0, output_final_state=True,
-                              state_v_first=True, cu_seqlens=cu, **flags, **fla_extra)
+                              state_v_first=vf, cu_seqlens=cu, **flags, **fla_extra)
             pool_f.index_copy_(0, idx64, ht.to(pool_f.dtype))
             return o, None
 
-    else:  # decode
+    elif case.mode == "mixed":  # one-token sequences first, then the long ones
+        n1 = case.seqlens.count(1)
+        t1 = n1
+        cu_long_host = [c - t1 for c in cu_host[n1:]]
+        cu_one = torch.arange(n1 + 1, dtype=torch.int64, device=dev)
+        cu_long = torch.tensor(cu_long_host, dtype=torch.int64, device=dev)
+        ids_one, ids_long = idx[:n1].clone(), idx[n1:].clone()
+        has_long = has_init[n1:].clone()
+        head = [x[:, :t1] for x in (q, k, v, g, beta)]
+        tail = [x[:, t1:] for x in (q, k, v, g, beta)]
+
+        def kda_call():
+            return kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cu_host, state_cache=pool_k,
+                                 state_indices=idx, has_initial_state=has_init, state_v_first=vf, **flags)
+
+        def split_call():
+            o1, _ = kda.fused_recurrent_kda(*head, cu_seqlens=cu_one, cu_seqlens_cpu=list(range(n1 + 1)),
+                                            state_cache=pool_k, state_indices=ids_one, state_v_first=vf, **flags)
+            o2, _ = kda.chunk_kda(*tail, cu_seqlens=cu_long, cu_seqlens_cpu=cu_long_host, state_cache=pool_k,
+                                  state_indices=ids_long, has_initial_state=has_long, state_v_first=vf, **flags)
+            return o1, o2
+
+        h0_fla = pool0.index_select(0, idx64).float()
+        if vf:
+            h0_fla = h0_fla.transpose(-1, -2).contiguous()  # fla's dense state: K-first [N, HV, K, V]
+
+        def fla_call():
+            return fla_chunk(q, k, v, g, beta, scale=None, initial_state=h0_fla, output_final_state=True,
+                             cu_seqlens=cu, **flags, **fla_extra)
+
+        calls["split"] = split_call
+
+        def compare():
+            pool_k.copy_(pool0)
+            o1, _ = kda_call()
+            s1 = pool_k.index_select(0, idx64).float()
+            o2, s2 = fla_call()
+            if vf:
+                s1 = s1.transpose(-1, -2)
+            return _rel(o1, o2), _rel(s1, s2)
+
+        return {"kda": kda_call, "split": split_call, "fla": fla_call if fla_chunk else None}, compare
+
+    else:  # decode: a dense [N, 1] batch, or varlen (B == 1, T == N) with the host copy of the bounds
+        extra = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu_host)
+        fla_cu = {} if cu is None else dict(cu_seqlens=cu)
+
         def kda_on(ix):
             return lambda: kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool_k, state_indices=ix,
-                                                   state_v_first=True, **flags)
+                                                   state_v_first=vf, **extra, **flags)
 
         def fla_on(ix):
             return lambda: fla_decode(q, k, v, g, beta, initial_state=pool_f, inplace_final_state=True,
-                                      state_v_first=True, ssm_state_indices=ix, **flags)
+                                      state_v_first=vf, ssm_state_indices=ix, **fla_cu, **flags)
 
         kda_call, fla_call = kda_on(idx), fla_on(idx)
         # the same call on each of the 4 disjoint slot sets, for Timer.steady
@@ -358,20 +461,27 @@ def build(case: Case, fla, fla_extra: dict, dev: str = "cuda"):
         o2, _ = fla_call()
         return _rel(o1, o2), _rel(pool_k.index_select(0, idx64), pool_f.index_select(0, idx64))
 
-    return kda_call, (fla_call if fla_chunk else None), compare
+    return {"kda": kda_call, "fla": fla_call if fla_chunk else None}, compare
 
 
-def run_case(case: Case, timer: Timer, fla, fla_extra: dict) -> Row:
+def run_case(case: Case, timer: Timer, fla, fla_extra: dict, skip_fla: bool = False) -> Row:
+    """Times every side of one row ("kda", "split" for the mixed row, "fla") eagerly, as graph replay, by
+    host cost, and (decode) in steady state. Each cell's failure is caught and noted."""
     row = Row(case, floor_bytes(case))
     try:
         torch.manual_seed(zlib.crc32(case.name.encode()))
-        kda_call, fla_call, compare = build(case, fla, fla_extra)
+        calls, compare = build(case, fla, fla_extra)
     except Exception as e:  # noqa: BLE001 - a failed row is reported, the run goes on
         row.notes.append(f"inputs: {_short(e)}")
-        row.kda_eager = row.kda_graph = row.fla_eager = row.fla_graph = "err"
+        for who in ("kda", "fla"):
+            for how in ("eager", "graph", "host"):
+                setattr(row, f"{who}_{how}", "err")
         return row
-    if fla_call is None:
-        row.fla_eager = row.fla_graph = "n/a"
+    if skip_fla:
+        calls["fla"] = None
+        row.notes.append("fla not run (--no-fla-varlen)")
+    if calls["fla"] is None:
+        row.fla_eager = row.fla_graph = row.fla_host = "n/a"
         row.o_diff = row.s_diff = "-"
     else:
         try:
@@ -380,10 +490,10 @@ def run_case(case: Case, timer: Timer, fla, fla_extra: dict) -> Row:
             row.o_diff = row.s_diff = "err"
             row.notes.append(f"kda vs fla check: {_short(e)}")
             traceback.print_exc()
-    for who, fn in (("kda", kda_call), ("fla", fla_call)):
+    for who, fn in calls.items():
         if fn is None:
             continue
-        for how in ("eager", "graph"):
+        for how in ("eager", "graph", "host"):
             attr = f"{who}_{how}"
             try:
                 setattr(row, attr, getattr(timer, how)(fn))
@@ -434,8 +544,9 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
     lines = ["# kda benchmark", ""]
     lines += [f"- {m}" for m in meta]
     lines += ["", "| shape | kda eager us | kda graph us | fla eager us | fla graph us | kda/fla (graph) "
-              "| kda graph / floor | floor us | floor us @4.25 TB/s | kda vs fla rel diff o / state |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| kda graph / floor | floor us | floor us @4.25 TB/s | kda host us | fla host us "
+              "| kda vs fla rel diff o / state |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes: list[str] = []
     for r in rows:
         floor_us = r.floor_b / bw * 1e6
@@ -460,14 +571,34 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
                 refs.append(str(len(notes)))
             label += " [" + ",".join(refs) + "]"
         lines.append(f"| {label} | {_fmt_us(r.kda_eager)} | {_fmt_us(r.kda_graph)} | {_fmt_us(r.fla_eager)} | "
-                     f"{_fmt_us(r.fla_graph)} | {ratio} | {over} | {floor_us:.1f} | {floor_anchor:.1f} | {diff} |")
+                     f"{_fmt_us(r.fla_graph)} | {ratio} | {over} | {floor_us:.1f} | {floor_anchor:.1f} | "
+                     f"{_fmt_us(r.kda_host)} | {_fmt_us(r.fla_host)} | {diff} |")
     lines.append("")
     lines.append("kda/fla: kda time over fla time (below 1: kda is faster), graph times where both have one. "
                  "Floor: bytes that must move over the copy bandwidth. 'sync': the call reads device memory "
                  "back to the host, so it was not captured in a graph. 'n/a': fla not importable or not run. "
                  "'paged' rows: kda reads and writes a [4N, HV, V, K] fp32 pool in place; fla has no paged prefill, "
                  "so its columns time what an engine does around it: gather the slots (index_select), fla chunk_kda "
-                 "with state_v_first=True, scatter back (index_copy_).")
+                 "with state_v_first=True, scatter back (index_copy_). Host us: host time of one call issued "
+                 f"back to back ({HOST_CALLS} calls after warm-up, no sync inside the loop, time.perf_counter; "
+                 "the mean per call). The mixed row's kda columns are the single varlen call.")
+    mixed = [r for r in rows if r.case.group == "mixed"]
+    if mixed:
+        lines += ["", "Mixed step: one chunk_kda varlen call (unified) against the split pair (fused_recurrent_kda "
+                  "on the one-token sequences with cu_seqlens_cpu, then chunk_kda on the long ones) and fla's "
+                  f"chunk_kda on the same batch (dense state). Target: unified / split <= {MIXED_TARGET}.", "",
+                  "| shape | unified graph us | split graph us | unified / split | fla graph us | unified / fla "
+                  "| unified host us | split host us | fla host us |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in mixed:
+            def ratio_of(a, b):
+                return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) else "-"
+            us = ratio_of(r.kda_graph, r.split_graph)
+            if us != "-":
+                us += " (meets)" if r.kda_graph / r.split_graph <= MIXED_TARGET else " (misses)"
+            lines.append(f"| {r.case.name} | {_fmt_us(r.kda_graph)} | {_fmt_us(r.split_graph)} | {us} | "
+                         f"{_fmt_us(r.fla_graph)} | {ratio_of(r.kda_graph, r.fla_graph)} | {_fmt_us(r.kda_host)} | "
+                         f"{_fmt_us(r.split_host)} | {_fmt_us(r.fla_host)} |")
     steady = [r for r in rows if r.kda_steady is not None]
     if steady:
         lines += ["", "Decode, steady state (`Timer.steady`: one graph of 8 calls cycling twice over the 4 disjoint "
@@ -512,6 +643,47 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
     if not done:
         lines += ["", "(run in progress or interrupted: rows so far)"]
     return "\n".join(lines) + "\n"
+
+
+def _num(x) -> float | None:
+    """A measured time, or None where the cell was not measured or failed."""
+    return round(x, 2) if isinstance(x, float) else None
+
+
+def row_json(r: Row, bw: float) -> dict:
+    """One row of the JSON report: the acceptance keys of every row (None where not measured), then the
+    keys that make sense for its kind (decode: pool and form, steady state; mixed: the split pair)."""
+    c = r.case
+    d = {"kind": c.group, "name": c.name, "shape": f"{c.B}x{c.T}" if c.seqlens is None else f"1x{c.T} varlen",
+         "T": c.B * c.T, "H": c.H, "N": c.N,
+         "ours_graph_us": _num(r.kda_graph), "ours_eager_us": _num(r.kda_eager),
+         "fla_graph_us": _num(r.fla_graph), "fla_eager_us": _num(r.fla_eager),
+         "hbm_floor_us": round(r.floor_b / bw * 1e6, 2),
+         "ours_host_us": _num(r.kda_host), "fla_host_us": _num(r.fla_host),
+         "o_rel_diff": r.o_diff if isinstance(r.o_diff, float) else None,
+         "state_rel_diff": r.s_diff if isinstance(r.s_diff, float) else None}
+    if c.mode in ("paged", "decode", "mixed"):
+        d.update(state="paged", pool_dtype=DTYPE_SHORT[c.pool_dtype], state_v_first=c.v_first)
+    else:
+        d["state"] = "dense"
+    if c.group == "decode":
+        d.update(form="varlen" if c.seqlens is not None else "dense [N, 1]",
+                 ours_steady_us=_num(r.kda_steady), fla_steady_us=_num(r.fla_steady))
+    if c.group == "mixed":
+        d.update(ours_split_graph_us=_num(r.split_graph), ours_split_eager_us=_num(r.split_eager),
+                 ours_split_host_us=_num(r.split_host))
+    if r.notes:
+        d["notes"] = list(r.notes)
+    return d
+
+
+def write_json(path: Path, meta: list[str], rows: list[Row], bw: float) -> None:
+    """The rows so far as a JSON list (one object per row), written whole to a temporary file and renamed,
+    so a run killed mid-write leaves the previous complete list. The run's header is in the .md."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps([row_json(r, bw) for r in rows], indent=1) + "\n")
+    tmp.replace(path)
 
 
 def git_commit() -> str:
@@ -569,19 +741,25 @@ def _groups(text: str) -> tuple[str, ...]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m kda.bench",
-        description="Time kda (and fla 0.6.0 when importable) on the ANCHORS.md shapes: eager and CUDA-graph "
+        prog="python benchmarks/bench.py",
+        description="Time kda (and fla 0.6.0 when importable) on the serving shapes: eager and CUDA-graph "
                     "medians of triton.testing.do_bench, against the HBM floor. Needs a CUDA device.")
     p.add_argument("--shapes", type=_groups, default=GROUPS, metavar="GROUPS",
-                   help="comma list of prefill, varlen, decode, or 'all' (default: all)")
+                   help="comma list of prefill, decode, mixed, varlen, or 'all' (default: all)")
     p.add_argument("--filter", default=None, metavar="REGEX",
                    help="only rows whose name matches this regular expression (e.g. 'H=12')")
     p.add_argument("--out", type=Path, default=None, metavar="FILE.md",
                    help="also write the markdown report here (rewritten after every row)")
+    p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "h200-latest.json",
+                   metavar="FILE.json", help="the rows as JSON, rewritten after every row (default: "
+                   "benchmarks/results/h200-latest.json)")
     p.add_argument("--no-fla", action="store_true", help="do not import or time fla")
+    p.add_argument("--no-fla-varlen", action="store_true",
+                   help="do not time fla on the varlen row (its autotuning at a new varlen shape took over 100 s "
+                        "on a fresh machine)")
     p.add_argument("--fla-safe-gate", action="store_true",
                    help="pass safe_gate=True to fla's chunk_kda (its M=16 tensor-core path for bounded gates; "
-                        "ANCHORS.md's numbers are without it)")
+                        "the committed targets are without it)")
     p.add_argument("--warmup", type=int, default=25, metavar="MS", help="do_bench warm-up in ms (default 25)")
     p.add_argument("--rep", type=int, default=100, metavar="MS", help="do_bench repetition time in ms (default 100)")
     p.add_argument("--bw-gib", type=float, default=2.0, metavar="GIB",
@@ -602,14 +780,16 @@ def main(argv=None) -> int:
             print(f"{c.name}: floor {fb / 1e6:.1f} MB, {fb / ANCHOR_BW * 1e6:.1f} us @4.25 TB/s")
         return 0
     if not cases:
-        print("kda.bench: no rows selected", file=sys.stderr)
+        print("bench: no rows selected", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("kda.bench needs a CUDA device (torch.cuda.is_available() is False); it times GPU kernels and "
+        print("benchmarks/bench.py needs a CUDA device (torch.cuda.is_available() is False); it times GPU kernels and "
               "has no CPU mode. Run it on the GPU machine: see benchmarks/README.md.", file=sys.stderr)
         return 2
-    if os.environ.get("KDA_DEBUG", "0") not in ("", "0"):
-        print("kda.bench: warning: KDA_DEBUG is set; its checks sync with the host and distort eager times "
+    from kda.contract import debug_enabled
+
+    if debug_enabled():
+        print("bench: warning: KDA_DEBUG is on; its checks sync with the host and distort eager times "
               "and disable graph capture", file=sys.stderr)
     import triton
 
@@ -639,7 +819,9 @@ def main(argv=None) -> int:
         f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"commit: {git_commit()}",
         f"copy bandwidth measured: {bw / 1e12:.2f} TB/s (device-to-device copy of {args.bw_gib:g} GiB, "
-        "bytes read + written); 'floor us' uses it, 'floor us @4.25 TB/s' uses ANCHORS.md's",
+        "bytes read + written); 'floor us' uses it, 'floor us @4.25 TB/s' uses the H200's copy bandwidth "
+        "when the targets were set",
+        f"host us: {HOST_CALLS} calls issued back to back after warm-up, no sync inside the loop; mean per call",
         f"timing: triton.testing.do_bench median (warmup {args.warmup} ms, rep {args.rep} ms); eager = plain "
         "Python call, graph = torch.cuda.CUDAGraph replay",
         "inputs: q, k, v, beta bf16 randn; g fp32 randn (raw gate, in-kernel lower-bound gate lb=-5 with A_log, "
@@ -655,19 +837,24 @@ def main(argv=None) -> int:
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
+        try:
+            write_json(args.json, meta, rows, bw)
+        except Exception as e:  # noqa: BLE001 - the markdown still has the rows
+            print(f"[bench] could not write {args.json}: {_short(e)}", file=sys.stderr, flush=True)
         return text
 
     for case in cases:
         t0 = time.time()
         print(f"[bench] {case.name} ...", file=sys.stderr, flush=True)
         try:
-            row = run_case(case, timer, fla, fla_extra)
+            row = run_case(case, timer, fla, fla_extra, skip_fla=args.no_fla_varlen and case.group == "varlen")
         except Exception as e:  # noqa: BLE001 - never lose the rows already measured
             row = Row(case, floor_bytes(case), "err", "err", "err", "err", notes=[_short(e)])
             traceback.print_exc()
         rows.append(row)
         print(f"[bench] {case.name}: kda {_fmt_us(row.kda_eager)} / {_fmt_us(row.kda_graph)} us, "
               f"fla {_fmt_us(row.fla_eager)} / {_fmt_us(row.fla_graph)} us (eager / graph), "
+              f"host {_fmt_us(row.kda_host)} / {_fmt_us(row.fla_host)} us (kda / fla), "
               f"floor {row.floor_b / bw * 1e6:.1f} us, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         for n in row.notes:
             print(f"[bench]   note: {n}", file=sys.stderr, flush=True)

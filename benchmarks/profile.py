@@ -1,0 +1,213 @@
+"""Where one `kda` call spends its GPU time: the profiling tool beside the benchmark (needs a CUDA device).
+
+    python benchmarks/profile.py times [--op chunk|decode] [shape options]   per-kernel CUDA time (torch.profiler)
+    python benchmarks/profile.py regs  [--op chunk|decode|both] [...]       registers, spills, shared memory
+    python benchmarks/profile.py ncu   [--op ...] [--kernel REGEX] [--run]   the Nsight Compute command line
+    python benchmarks/profile.py call  [--op ...] [...]                     warm up, then one call (what ncu profiles)
+
+The tool only calls the public functions (`kda.chunk_kda`, `kda.fused_recurrent_kda`) with the benchmark's
+inputs (bf16 q/k/v, Kimi's in-kernel lower-bound gate, q/k l2norm, beta sigmoid, K = V = 128) and reads
+what ran: it never selects a kernel variant by rewriting module globals. To time a variant, build it and
+run this tool on that tree. Shapes: `--op chunk` is a dense prefill `--B x --T` at `--H` heads with an fp32
+initial state; `--op decode` is one token for each of `--N` sequences through a paged pool of 4N slots
+(`--pool fp32|bf16|fp16`, `--layout v_first|k_first`, `--varlen` for the `cu_seqlens` + `cu_seqlens_cpu` form).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+POOL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+K_DIM = V_DIM = 128
+
+
+def make_call(op: str, args: argparse.Namespace):
+    """A zero-argument callable issuing one public call with the benchmark's inputs."""
+    import kda
+
+    dev, H = "cuda", args.H
+    ntok = args.B * args.T if op == "chunk" else args.N
+    B, T = (args.B, args.T) if op == "chunk" else ((1, args.N) if args.varlen else (args.N, 1))
+    assert B * T == ntok
+    q = torch.randn(B, T, H, K_DIM, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, T, H, K_DIM, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, T, H, V_DIM, device=dev, dtype=torch.bfloat16)
+    g = torch.randn(B, T, H, K_DIM, device=dev)
+    beta = torch.randn(B, T, H, device=dev, dtype=torch.bfloat16)
+    flags = dict(use_gate_in_kernel=True, A_log=torch.empty(H, device=dev).uniform_(1.0, 16.0).log_(),
+                 dt_bias=0.5 * torch.randn(H * K_DIM, device=dev), lower_bound=-5.0,
+                 use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if op == "chunk":
+        h0 = 0.1 * torch.randn(args.B, H, K_DIM, V_DIM, device=dev)
+        return lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)
+    v_first = args.layout == "v_first"
+    plane = (H, V_DIM, K_DIM) if v_first else (H, K_DIM, V_DIM)
+    pool = (0.1 * torch.randn(4 * args.N, *plane, device=dev)).to(POOL_DTYPES[args.pool])
+    idx = torch.randperm(4 * args.N, device=dev)[: args.N].to(torch.int32)
+    extra = {}
+    if args.varlen:
+        extra = dict(cu_seqlens=torch.arange(args.N + 1, dtype=torch.int32, device=dev),
+                     cu_seqlens_cpu=list(range(args.N + 1)))
+    return lambda: kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx,
+                                           state_v_first=v_first, **extra, **flags)
+
+
+def ops_for(args) -> list[str]:
+    return ["chunk", "decode"] if args.op == "both" else [args.op]
+
+
+def warm(fn, n: int = 3) -> None:
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+
+
+def cmd_times(args) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    for op in ops_for(args):
+        fn = make_call(op, args)
+        warm(fn)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.reps):
+                fn()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            dev_us = getattr(e, "device_time_total", None)
+            if dev_us is None:
+                dev_us = getattr(e, "cuda_time_total", 0.0)
+            if dev_us > 0:
+                rows.append((dev_us / args.reps, e.count // args.reps, e.key))
+        rows.sort(reverse=True)
+        print(f"## {describe(op, args)}: GPU time per call, mean of {args.reps} calls (torch.profiler)")
+        print("| kernel | us | launches |\n|---|---|---|")
+        for us, count, name in rows:
+            print(f"| {name} | {us:.1f} | {count} |")
+        print(f"| **total** | **{sum(r[0] for r in rows):.1f}** | {sum(r[1] for r in rows)} |\n")
+    return 0
+
+
+def jit_kernels():
+    """(name, JITFunction) of every Triton kernel defined in the modules of `kda.ops`."""
+    from triton.runtime.jit import JITFunction
+
+    import kda.ops
+
+    found = {}
+    for info in pkgutil.iter_modules(kda.ops.__path__):
+        module = importlib.import_module(f"kda.ops.{info.name}")
+        for name, obj in vars(module).items():
+            fn = obj
+            while fn is not None and not isinstance(fn, JITFunction):
+                fn = getattr(fn, "fn", None)  # autotuner / heuristics wrappers
+            if fn is not None and getattr(fn, "__module__", module.__name__) == module.__name__:
+                found[f"{info.name}.{name}"] = fn
+    return sorted(found.items())
+
+
+def compiled_variants(fn):
+    """The CompiledKernel objects in a JITFunction's caches (every device, every specialisation)."""
+    for entry in getattr(fn, "device_caches", {}).values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        yield from cache.values()
+
+
+def cmd_regs(args) -> int:
+    for op in ops_for(args):
+        warm(make_call(op, args), n=1)
+        print(f"(compiled by: {describe(op, args)})")
+    print("| kernel | warps | stages | registers | spills | shared bytes |\n|---|---|---|---|---|---|")
+    for name, fn in jit_kernels():
+        for kernel in compiled_variants(fn):
+            try:
+                kernel._init_handles()  # loads the binary; fills n_regs and n_spills
+            except Exception as e:  # noqa: BLE001 - report, go on
+                print(f"| {name} | - | - | {type(e).__name__} | - | - |")
+                continue
+            md = kernel.metadata
+            print(f"| {name} | {md.num_warps} | {md.num_stages} | {kernel.n_regs} | {kernel.n_spills} | {md.shared} |")
+    return 0
+
+
+def cmd_call(args) -> int:
+    for op in ops_for(args):
+        fn = make_call(op, args)
+        warm(fn)
+        torch.cuda.profiler.start()  # ncu --profile-from-start off sees this call only, not the warm-up
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    return 0
+
+
+def cmd_ncu(args) -> int:
+    forward = [a for a in sys.argv[2:] if a not in ("--run",)]
+    kernel = []
+    if args.kernel:
+        kernel = ["--kernel-name", f"regex:{args.kernel}"]
+        forward = [a for a in forward if a not in ("--kernel", args.kernel)]
+    # `call` brackets its one timed call with cudaProfilerStart/Stop: the warm-up calls are not profiled
+    cmd = ["ncu", "--profile-from-start", "off", *kernel, "--section", "SpeedOfLight",
+           "--section", "WarpStateStats", "--section", "Occupancy", sys.executable, str(Path(__file__).resolve()),
+           "call", *forward]
+    print(shlex.join(cmd))
+    if args.run:
+        return subprocess.call(cmd)
+    return 0
+
+
+def describe(op: str, args) -> str:
+    if op == "chunk":
+        return f"chunk_kda {args.B}x{args.T} H={args.H}, dense fp32 initial state"
+    form = "varlen cu_seqlens + cu_seqlens_cpu" if args.varlen else f"dense [{args.N}, 1]"
+    return f"fused_recurrent_kda N={args.N} H={args.H}, {args.pool} {args.layout} pool of {4 * args.N} slots, {form}"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python benchmarks/profile.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("times", "per-kernel CUDA time of one call (torch.profiler)"),
+                        ("regs", "registers, spills and shared memory of the kernels one call compiled"),
+                        ("ncu", "print (--run: run) the Nsight Compute command line for one call"),
+                        ("call", "warm up, then one call (the workload ncu profiles)")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("--op", choices=("chunk", "decode", "both"), default="chunk" if name != "regs" else "both")
+        s.add_argument("--B", type=int, default=1, help="chunk: batch (default 1)")
+        s.add_argument("--T", type=int, default=16384, help="chunk: tokens per sequence (default 16384)")
+        s.add_argument("--H", type=int, default=32, help="heads, HV = H (default 32)")
+        s.add_argument("--N", type=int, default=256, help="decode: sequences (default 256)")
+        s.add_argument("--pool", choices=tuple(POOL_DTYPES), default="fp32", help="decode: pool dtype")
+        s.add_argument("--layout", choices=("v_first", "k_first"), default="v_first", help="decode: pool layout")
+        s.add_argument("--varlen", action="store_true", help="decode: cu_seqlens + cu_seqlens_cpu instead of [N, 1]")
+        if name == "times":
+            s.add_argument("--reps", type=int, default=3, help="calls profiled (default 3)")
+        if name == "ncu":
+            s.add_argument("--kernel", default=None, metavar="REGEX", help="only kernels whose name matches")
+            s.add_argument("--run", action="store_true", help="run the command instead of printing it")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.command == "ncu":
+        return cmd_ncu(args)
+    if not torch.cuda.is_available():
+        print("benchmarks/profile.py needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    return {"times": cmd_times, "regs": cmd_regs, "call": cmd_call}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
