@@ -102,3 +102,36 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def on_cpu(kwargs: dict) -> dict:
     """The same keyword arguments with every tensor moved to the CPU (for the oracle)."""
     return {n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in kwargs.items()}
+
+
+def checked_call(fn, q, k, v, g, beta, **kwargs):
+    """The validated call (`kda.contract.KDACall`) that `fn` (`kda.chunk_kda` or `kda.fused_recurrent_kda`)
+    makes of these arguments: what `kda.plan` builds a plan from."""
+    import inspect
+
+    import kda
+    from kda.contract import check_call
+
+    params = list(inspect.signature(fn).parameters.values())[5:]
+    kw = {p.name: kwargs.pop(p.name, p.default) for p in params}
+    assert not kwargs, f"not arguments of {fn.__name__}: {sorted(kwargs)}"
+    scale, h0, final = kw.pop("scale"), kw.pop("initial_state"), kw.pop("output_final_state")
+    return check_call(fn.__name__, q, k, v, g, beta, scale, h0, final,
+                      require_has_initial_state=fn is kda.chunk_kda, **kw)
+
+
+def run_planned(fn, q, k, v, g, beta, plan_overrides: dict, **kwargs):
+    """`fn`'s call run through a plan built with `plan_overrides` (tests reach a path this way, never by
+    rewriting module globals). Returns (o, final_state, plan)."""
+    import kda
+    from kda.ops.chunk import chunk_kda_fwd
+    from kda.ops.fused_recurrent import fused_recurrent_kda_fwd
+    from kda.plan import chunk_plan, decode_plan
+
+    call = checked_call(fn, q, k, v, g, beta, **kwargs)
+    if fn is kda.chunk_kda:
+        plan = chunk_plan(call, **plan_overrides)
+        return (*chunk_kda_fwd(call, plan), plan)
+    sr = kwargs.get("stochastic_rounding", False)
+    plan = decode_plan(call, sr, **plan_overrides)
+    return (*fused_recurrent_kda_fwd(call, plan, seed=kwargs.get("seed", 0)), plan)

@@ -9,7 +9,7 @@ import helpers
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import poisoned_pool, same_bits, state_plane
+from helpers import checked_call, poisoned_pool, run_planned, same_bits, state_plane
 from helpers import rel_err as rel
 
 import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
@@ -339,8 +339,7 @@ def test_stochastic_rounding_dense_final_state():
 
 
 @pytest.mark.parametrize("v_first", [True, False])
-def test_prefill_then_decode(v_first, monkeypatch):
-    monkeypatch.setenv("KDA_DOT_PRECISION", "ieee")  # chunk_kda's dots in full fp32 on the GPU too (not tf32)
+def test_prefill_then_decode(v_first):
     H, HV, K, V = 1, 2, 16, 16
     prompts, steps = [5, 3], 3
     N = len(prompts)
@@ -398,7 +397,7 @@ def test_stochastic_rounding_needs_narrow_state():
 @pytest.mark.parametrize("nsub", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v_first", [True, False])
-def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
+def test_one_token_kernel(nsub, dtype, v_first):
     """`_fused_recurrent_one_token_kernel` (dense q [N, 1, ...]: decode; the default for V-first pools, forced
     here for both layouts and every NSUB), V not a multiple of its NSUB blocks (masked rows), K not a power
     of two, a padding sequence.
@@ -408,24 +407,25 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
     unread NaN slot: the other slots and the padding between planes keep their bits, padding rows are
     zeros, results within rounding of the loop kernel (the same arithmetic in another binary) and within
     1e-5 of the oracle (fp32 pool)."""
-    import kda.ops.fused_recurrent as fr
-
     N, H, HV, K, V = 5, 1, 2, 24, 40
     q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=8)
     slots = 11
     idx = torch.tensor([7, -1, 2, 9, 4], dtype=torch.int32, device=DEVICE)  # sequence 1 is padding
     keep, used = [0, 2, 3, 4], [7, 2, 9, 4]
     kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
-    monkeypatch.setattr(fr, "_NSUB_OVERRIDE", nsub)
+
+    def decode(*args, nsub=nsub, **more):
+        o, s, plan = run_planned(kda.fused_recurrent_kda, *args, dict(nsub=nsub), **more, **kw)
+        assert plan.nsub == nsub
+        return o, s
 
     # (1) paged == dense, bit for bit
     wide, pool = poisoned_pool(slots, state_plane(HV, K, V, v_first), dtype, DEVICE, pad=16)
     for n, slot in zip(keep, used):
         pool[slot] = random_planes(1, HV, K, V, v_first, seed=30 + n)[0].to(dtype)
     init = pool[used].clone()
-    o_p, _ = kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, **kw)
-    o_d, s_d = kda.fused_recurrent_kda(*(x[keep] for x in (q, k, v, g, beta)), initial_state=init,
-                                       output_final_state=True, **kw)
+    o_p, _ = decode(q, k, v, g, beta, state_cache=pool, state_indices=idx)
+    o_d, s_d = decode(*(x[keep] for x in (q, k, v, g, beta)), initial_state=init, output_final_state=True)
     assert same_bits(o_p[keep], o_d) and same_bits(pool[used], s_d)
     assert torch.equal(o_p[1], torch.zeros_like(o_p[1]))  # padding rows are zeros
 
@@ -436,13 +436,13 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
         if read[n]:
             pool[slot] = random_planes(1, HV, K, V, v_first, seed=30 + n)[0].to(dtype)
     before = wide.clone()
-    paged = dict(state_indices=idx, has_initial_state=torch.tensor(read, device=DEVICE), **kw)
+    flags = dict(state_indices=idx, has_initial_state=torch.tensor(read, device=DEVICE))
+    paged = dict(flags, **kw)
     results = {}
     for mode in (0, nsub):
-        monkeypatch.setattr(fr, "_NSUB_OVERRIDE", mode)
         wide.copy_(before)
         out = torch.full((N, 1, HV, V), float("nan"), device=DEVICE)
-        kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, out=out, **paged)
+        decode(q, k, v, g, beta, state_cache=pool, out=out, nsub=mode, **flags)
         results[mode] = (out.clone(), wide.clone(), pool[used].clone())
     (o0, _w0, s0), (o1, w1, s1) = results[0], results[nsub]
     assert torch.equal(o1[1], torch.zeros_like(o1[1]))
@@ -460,23 +460,15 @@ def test_one_token_kernel(nsub, dtype, v_first, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_varlen_decode_batch_with_host_bounds(dtype, monkeypatch):
+def test_varlen_decode_batch_with_host_bounds(dtype):
     """A varlen decode batch, q [1, N, ...] with cu_seqlens 0, 1, ..., N: with the host copy
     (`cu_seqlens_cpu`) it runs the one-token kernel and equals the dense [N, 1] call bit for bit (same
     binary, same strides), paged pool with a padding index; without the host copy it runs the loop
     kernel, within rounding of it; both within 1e-5 of the oracle (fp32 pool). Host bounds that are not
     0, 1, ..., N (an empty and a two-token sequence, same T) keep the loop kernel and match the oracle."""
-    import kda.ops.fused_recurrent as fr
+    from kda.plan import decode_plan
 
     chosen = []
-    original = fr._launch_config
-
-    def spy(*args, **kwargs):
-        cfg = original(*args, **kwargs)
-        chosen.append(cfg.nsub > 0)
-        return cfg
-
-    monkeypatch.setattr(fr, "_launch_config", spy)
     N, H, HV, K, V = 4, 1, 2, 16, 24
     q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=12)
     kw = dict(state_v_first=True, use_qk_l2norm_in_kernel=True, **opts)
@@ -493,7 +485,9 @@ def test_varlen_decode_batch_with_host_bounds(dtype, monkeypatch):
         if varlen:
             cu = torch.arange(N + 1, dtype=torch.int32)
             extra = dict(cu_seqlens=cu.to(DEVICE), cu_seqlens_cpu=cu if host else None)
-        o, _ = kda.fused_recurrent_kda(*args, state_cache=pool, state_indices=idx, **extra, **kw)
+        call_kw = dict(state_cache=pool, state_indices=idx, **extra, **kw)
+        chosen.append(decode_plan(checked_call(kda.fused_recurrent_kda, *args, **call_kw)).nsub > 0)
+        o, _ = kda.fused_recurrent_kda(*args, **call_kw)
         return (o.transpose(0, 1) if varlen else o).clone(), wide.clone()
 
     o_d, w_d = run(False, False)
@@ -515,13 +509,13 @@ def test_varlen_decode_batch_with_host_bounds(dtype, monkeypatch):
         assert rel(w_h[used, :plane], pool_ref[used].flatten(1)) <= FP32_TOL
 
     # host bounds with an empty and a two-token sequence (T = N still): the loop kernel, right answer
-    chosen.clear()
     bounds = torch.tensor([0, 1, 1, 3, 4], dtype=torch.int32)
     args = [x.transpose(0, 1) for x in (q, k, v, g, beta)]
     dense_init = random_planes(N, HV, K, V, True, seed=41)
-    o, s = kda.fused_recurrent_kda(*args, cu_seqlens=bounds.to(DEVICE), cu_seqlens_cpu=bounds,
-                                   initial_state=dense_init, output_final_state=True, **kw)
+    call_kw = dict(cu_seqlens=bounds.to(DEVICE), cu_seqlens_cpu=bounds, initial_state=dense_init,
+                   output_final_state=True, **kw)
+    assert decode_plan(checked_call(kda.fused_recurrent_kda, *args, **call_kw)).nsub == 0
+    o, s = kda.fused_recurrent_kda(*args, **call_kw)
     o_ref, s_ref = ref.recurrent_kda(*args, cu_seqlens=bounds.to(DEVICE), initial_state=dense_init,
                                      output_final_state=True, **kw)
-    assert chosen == [False]
     assert rel(o, o_ref) <= FP32_TOL and rel(s, s_ref) <= FP32_TOL

@@ -17,7 +17,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: n for n, v in DTYPES.items()}[dtype]
 
 
-# --- decay regimes (shared/ACCURACY_NOTES.md) ----------------------------------------------------------
+# --- decay regimes (docs/accuracy.md, "The studies") ----------------------------------------------------------
 
 LOWER_BOUND = -5.0  # the lower-bound gate g = -5 * sigmoid(x) of every regime
 

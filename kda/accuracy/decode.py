@@ -1,6 +1,6 @@
 """Growth with decode steps: a prefill, then one token per call through a paged pool stored in each
 dtype (rounded every step), against one float64 run over the whole sequence, beside the float64
-emulation of the same storage (shared/ACCURACY_NOTES.md).
+emulation of the same storage.
 
 Setup. N = regimes x reps sequences in one batch (sequence n of regime n // reps), fp32 q, k, v (so the
 output error is the error the state storage causes; the bf16 output rounding floor is reported beside

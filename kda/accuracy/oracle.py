@@ -6,7 +6,7 @@
   launch-bound there. The method used is recorded in each entry.
 - `Recurrence`: the same recurrence for N sequences and all heads at once, one token per step (the
   decode study carries it across 16384 steps in O(steps)). With `store_dtype` it is the emulation of
-  shared/ACCURACY_NOTES.md: float64 arithmetic, the state rounded to the storage dtype after every token
+  float64 arithmetic, the state rounded to the storage dtype after every token
   (round to nearest even), as a decode loop through a paged pool does. `selfcheck` compares it with
   `kda_reference.recurrent_kda` on every run.
 """

@@ -406,7 +406,3 @@ def _chunk_solve_kernel(
         v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :],
                  tl.dot(Xb, v_c, input_precision=DOT_PREC), mask=m)
-
-
-# The bounded intra kernel's K slice. Spill stores on sm_90 under Triton 3.6 (8 warps, fp16 workspaces, 255
-# registers; scripts/kernel_regs.py): 732 B at 32, 80 B at 16; yet 16 was slower on the H200 (3.34 against

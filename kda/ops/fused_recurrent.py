@@ -16,13 +16,13 @@ S^T q reduce over K) and walks the tokens of its sequence; q, k, g of a token ar
 program, as full K vectors. Decode (one token per sequence) is bound by the state traffic (read once,
 written once), so the program count must be large and every state access a wide contiguous one; the
 register file bounds the programs an SM holds, so a program keeps about 64 state elements per thread
-(`_launch_config`): V-first BV = 16 with one warp at K = 128 (8 KiB of fp32 state per program, 8
+(`kda.plan.decode_plan`): V-first BV = 16 with one warp at K = 128 (8 KiB of fp32 state per program, 8
 programs per head and sequence), BV = 8 for a 2-byte pool, K-first BV = 64 with 4 warps. Per token the two reductions over K
 (S'^T k and S'^T q, with S' = Diag(2^g) S) are independent: o = S'^T q~ + (k . q~) u, which equals
 S^T q~ after the update. When the tile covers the plane exactly (K = BK, BV | V) the state accesses
 carry no mask. One-token calls (dense q [N, 1], or varlen whose host bounds `cu_seqlens_cpu` are
 0, 1, ..., N) with a V-first pool take `_fused_recurrent_one_token_kernel` instead: the same arithmetic, NSUB state blocks per program, all
-loaded before any is used (`_launch_config`).
+loaded before any is used (`kda.plan.decode_plan`).
 
 Layout. The tile is kept in the orientation of the caller's plane, so that the contiguous dimension of
 memory is the last (fastest) dimension of the tile and loads and stores vectorise:
