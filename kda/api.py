@@ -1,11 +1,27 @@
 """The public functions. Both share one signature (the first eight parameters positional, as in fla;
-the rest keyword-only) and one contract, checked by `kda.contract.check_call` before any launch."""
+the rest keyword-only) and one contract, checked by `kda.contract.check_call` before any launch.
+
+A plain call validates and launches directly. While `torch.compile` traces a call
+(`torch.compiler.is_compiling()`), it goes through the custom op of `kda.library` instead (`out`
+allocated here when not given; the op validates when it runs): docs/contract.md, "torch.compile and
+custom ops"."""
 
 from __future__ import annotations
 
 import torch
 
+from . import library
 from .contract import check_call
+
+
+def _through_op(op, q, k, v, g, beta, scale, initial_state, output_final_state, *, cu_seqlens_cpu, state_cache,
+                out, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The traced path: one custom op call, `out` allocated when absent, the empty final state mapped to None."""
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # o is [B, T, HV, V]
+    final = op(q, k, v, g, beta, scale, initial_state, output_final_state,
+               cu_seqlens_cpu=library.host_bounds_tensor(cu_seqlens_cpu), state_cache=state_cache, out=out, **kw)
+    return out, (final if output_final_state and state_cache is None else None)
 
 
 def chunk_kda(
@@ -55,6 +71,15 @@ def chunk_kda(
     `has_initial_state` (bool `[N]`, required). fp32, fp16 or bf16 storage; the recurrence
     accumulates in fp32 and only the store rounds (to nearest even).
     """
+    if torch.compiler.is_compiling():
+        return _through_op(
+            library.chunk_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+            state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
+            state_dtype=state_dtype, out=out,
+        )
     call = check_call(
         "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -108,6 +133,15 @@ def fused_recurrent_kda(
     the same seed and inputs give the same bits. Pass a different seed per decode step (e.g. the step
     number), or the same noise repeats every step.
     """
+    if torch.compiler.is_compiling():
+        return _through_op(
+            library.fused_recurrent_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+            state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
+            state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
+        )
     call = check_call(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,

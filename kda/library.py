@@ -1,0 +1,128 @@
+"""`kda::chunk_kda` and `kda::fused_recurrent_kda` as `torch.library` custom ops, for `torch.compile`.
+
+`kda.chunk_kda` and `kda.fused_recurrent_kda` go through these ops only while `torch.compile` traces them
+(`torch.compiler.is_compiling()`); a plain Python call launches the kernels directly, without the
+dispatcher (docs/contract.md, "torch.compile and custom ops").
+
+The ops' schema differs from the public signature where the dispatcher needs it:
+- `out` is required and mutated (a custom op's output may not alias an input): the public wrapper
+  allocates it with `torch.empty` when the caller passed none.
+- `state_cache` is mutated (the paged contract writes it in place).
+- they return the final state alone: a fresh tensor, or an empty `[0]` tensor of the state dtype when
+  the call has none (paged, or `output_final_state=False`); the wrapper maps that back to None.
+- `cu_seqlens_cpu` is a CPU tensor or None (the wrapper turns a list or tuple into a tensor).
+
+The real implementations run `kda.contract.check_call` (every check of the contract) and then the
+kernels. The fake implementations compute the final state's shape and dtype from the arguments alone, by
+the rules of `kda.plan.state_plan`, without reading any tensor's values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import check_call
+
+# How many times each op's real implementation ran (the tests assert that a plain call never does).
+calls = {"chunk_kda": 0, "fused_recurrent_kda": 0}
+
+_MUTATED = ("out", "state_cache")
+
+
+def _no_final(call) -> torch.Tensor:
+    return torch.empty(0, dtype=call.state_dtype, device=call.q.device)
+
+
+@torch.library.custom_op("kda::chunk_kda", mutates_args=_MUTATED)
+def chunk_kda_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: float | None, initial_state: torch.Tensor | None, output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, use_gate_in_kernel: bool,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
+    cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, state_v_first: bool | None,
+    state_cache: torch.Tensor | None, state_indices: torch.Tensor | None,
+    has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
+) -> torch.Tensor:
+    """`kda.chunk_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
+    calls["chunk_kda"] += 1
+    call = check_call(
+        "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+        state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
+        state_dtype=state_dtype, out=out, require_has_initial_state=True,
+    )
+    from .ops.chunk import chunk_kda_fwd
+
+    _, final = chunk_kda_fwd(call)
+    return final if final is not None else _no_final(call)
+
+
+@torch.library.custom_op("kda::fused_recurrent_kda", mutates_args=_MUTATED)
+def fused_recurrent_kda_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: float | None, initial_state: torch.Tensor | None, output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, use_gate_in_kernel: bool,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
+    cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, state_v_first: bool | None,
+    state_cache: torch.Tensor | None, state_indices: torch.Tensor | None,
+    has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
+    stochastic_rounding: bool, seed: int,
+) -> torch.Tensor:
+    """`kda.fused_recurrent_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
+    calls["fused_recurrent_kda"] += 1
+    call = check_call(
+        "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+        state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
+        state_dtype=state_dtype, out=out, require_has_initial_state=False,
+        stochastic_rounding=stochastic_rounding, seed=seed,
+    )
+    from .ops.fused_recurrent import fused_recurrent_kda_fwd
+
+    _, final = fused_recurrent_kda_fwd(call, stochastic_rounding=stochastic_rounding, seed=seed)
+    return final if final is not None else _no_final(call)
+
+
+def fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
+                     state_dtype) -> torch.Tensor:
+    """The final state's metadata by `kda.plan.state_plan`'s rules, from shapes and dtypes only: paged or
+    no `output_final_state` -> `[0]`; else `[N, *plane]` with N = len(cu_seqlens) - 1 (varlen) or B, the
+    plane `[HV, V, K]` (`state_v_first=True`) or `[HV, K, V]`, in `state_dtype`, else the pool's dtype,
+    else fp32."""
+    pool = state_cache if state_cache is not None else initial_state
+    dtype = state_dtype if state_dtype is not None else (pool.dtype if pool is not None else torch.float32)
+    if state_cache is not None or not output_final_state:
+        return q.new_empty((0,), dtype=dtype)
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    plane = (HV, V, K) if state_v_first else (HV, K, V)
+    return q.new_empty((N, *plane), dtype=dtype)
+
+
+@chunk_kda_op.register_fake
+def _chunk_kda_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                    use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens,
+                    cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype,
+                    out):
+    return fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
+                            state_dtype)
+
+
+@fused_recurrent_kda_op.register_fake
+def _fused_recurrent_kda_fake(q, k, v, g, beta, scale, initial_state, output_final_state,
+                              use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log,
+                              dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu, state_v_first, state_cache,
+                              state_indices, has_initial_state, state_dtype, out, stochastic_rounding, seed):
+    return fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
+                            state_dtype)
+
+
+def host_bounds_tensor(cu_seqlens_cpu) -> torch.Tensor | None:
+    """`cu_seqlens_cpu` as the ops take it: None or a CPU tensor (a list or tuple becomes an int64 tensor)."""
+    if cu_seqlens_cpu is None or isinstance(cu_seqlens_cpu, torch.Tensor):
+        return cu_seqlens_cpu
+    return torch.tensor(list(cu_seqlens_cpu), dtype=torch.int64)
