@@ -14,11 +14,11 @@ from helpers import bits, make_inputs, on_cpu, poison_pool, rel_err, rounding_fl
 
 import kda
 import kda_reference as ref
+from kda.accuracy.config import KERNEL_FP32_TERM, KERNEL_NARROW_TERM
+from kda.accuracy.prefill import kernel_bound
 from kda.contract import check_call
 from kda.ops.chunk import chunk_kda_fwd
 from kda.plan import chunk_plan
-from kda.accuracy.config import KERNEL_FP32_TERM, KERNEL_NARROW_TERM
-from kda.accuracy.prefill import kernel_bound
 
 FP32_TOL = 1e-5
 # With bf16/fp16 inputs (and q, k normalised in the kernel) the intermediates keep an 11-bit significand:

@@ -55,7 +55,7 @@ SERVING_OPTS = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=Tru
 
 
 def regime_inputs(regime: Regime, B, T, H, HV, K, V, gen: torch.Generator) -> Inputs:
-    """The decay-regime inputs (docs/accuracy.md): q, k ~ N(0, 1) L2-normalised in the kernel, v ~ N(0, 1), the lower-bound
+    """Decay-regime inputs (docs/accuracy.md): q, k ~ N(0, 1) L2-normalised in the kernel, v ~ N(0, 1), the lower-bound
     gate g = -5 sigmoid(x) with x ~ N(gate_mean, 1), beta = sigmoid(N(beta_mean, 1)) in the kernel."""
     q = torch.randn(B, T, H, K, generator=gen)
     k = torch.randn(B, T, H, K, generator=gen)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .common import decay_rate, dt_bias_slice, kda_gate_log2, locate_block, tf32_round
 
+
 @triton.jit
 def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
     """1 / sqrt(sum x^2 + 1e-6) per row (l2norm), or ones."""

@@ -15,7 +15,6 @@ import triton.language as tl
 from ..contract import interpreting
 
 
-
 @triton.jit
 def softplus(x):
     """softplus(x) = log(1 + exp(x)), stable: max(x, 0) + log(1 + exp(-|x|)), and x itself above 20."""
