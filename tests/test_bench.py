@@ -47,3 +47,13 @@ def test_the_acceptance_rows_are_all_there():
         assert f"prefill {B}x{T} H={H}" in names
     kinds = [c.group for c in bench.all_cases()]
     assert kinds[-1] == "varlen" and "mixed" in kinds  # the varlen row runs last
+
+
+def test_no_benchmark_script_shadows_a_standard_module():
+    """`python benchmarks/X.py` puts benchmarks/ first on sys.path: a script named like a standard module
+    (profile.py did) replaces it for every library the benchmark imports (fla's import then failed)."""
+    import sys
+    from pathlib import Path
+
+    names = {p.stem for p in (Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py")}
+    assert not names & set(sys.stdlib_module_names)

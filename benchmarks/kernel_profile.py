@@ -1,9 +1,9 @@
 """Where one `kda` call spends its GPU time: the profiling tool beside the benchmark (needs a CUDA device).
 
-    python benchmarks/profile.py times [--op chunk|decode] [shape options]   per-kernel CUDA time (torch.profiler)
-    python benchmarks/profile.py regs  [--op chunk|decode|both] [...]       registers, spills, shared memory
-    python benchmarks/profile.py ncu   [--op ...] [--kernel REGEX] [--run]   the Nsight Compute command line
-    python benchmarks/profile.py call  [--op ...] [...]                     warm up, then one call (what ncu profiles)
+    python benchmarks/kernel_profile.py times [--op chunk|decode] [shape options]   per-kernel CUDA time (torch.profiler)
+    python benchmarks/kernel_profile.py regs  [--op chunk|decode|both] [...]       registers, spills, shared memory
+    python benchmarks/kernel_profile.py ncu   [--op ...] [--kernel REGEX] [--run]   the Nsight Compute command line
+    python benchmarks/kernel_profile.py call  [--op ...] [...]                     warm up, then one call (what ncu profiles)
 
 The tool only calls the public functions (`kda.chunk_kda`, `kda.fused_recurrent_kda`) with the benchmark's
 inputs (bf16 q/k/v, Kimi's in-kernel lower-bound gate, q/k l2norm, beta sigmoid, K = V = 128) and reads
@@ -175,7 +175,7 @@ def describe(op: str, args) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python benchmarks/profile.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/kernel_profile.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("times", "per-kernel CUDA time of one call (torch.profiler)"),
                         ("regs", "registers, spills and shared memory of the kernels one call compiled"),
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     if args.command == "ncu":
         return cmd_ncu(args)
     if not torch.cuda.is_available():
-        print("benchmarks/profile.py needs a CUDA device", file=sys.stderr)
+        print("benchmarks/kernel_profile.py needs a CUDA device", file=sys.stderr)
         return 2
     torch.set_grad_enabled(False)
     return {"times": cmd_times, "regs": cmd_regs, "call": cmd_call}[args.command](args)
