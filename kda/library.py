@@ -44,15 +44,8 @@ def chunk_kda_op(
     has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
 ) -> torch.Tensor:
     """`kda.chunk_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
+    call = check_call("chunk_kda", require_has_initial_state=True, **locals())  # the parameters, by name
     calls["chunk_kda"] += 1
-    call = check_call(
-        "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
-        state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
-        state_dtype=state_dtype, out=out, require_has_initial_state=True,
-    )
     from .ops.chunk import chunk_kda_fwd
 
     _, final = chunk_kda_fwd(call)
@@ -71,16 +64,8 @@ def fused_recurrent_kda_op(
     stochastic_rounding: bool, seed: int,
 ) -> torch.Tensor:
     """`kda.fused_recurrent_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
+    call = check_call("fused_recurrent_kda", require_has_initial_state=False, **locals())  # by name
     calls["fused_recurrent_kda"] += 1
-    call = check_call(
-        "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
-        state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
-        state_dtype=state_dtype, out=out, require_has_initial_state=False,
-        stochastic_rounding=stochastic_rounding, seed=seed,
-    )
     from .ops.fused_recurrent import fused_recurrent_kda_fwd
 
     _, final = fused_recurrent_kda_fwd(call, stochastic_rounding=stochastic_rounding, seed=seed)
