@@ -1,14 +1,14 @@
 """The prepare stage of `chunk_kda`: every chunk of BT tokens and value head in parallel, before the serial
 state walk (`kda.ops.chunk_walk`). Equals the per-chunk quantities of `kda_reference.chunk.chunk_kda`.
 
-Per chunk, with b = cumsum of the log2 decay inside the chunk (b <= 0, non-increasing per channel; the
-oracle's `G` is the same cumsum in natural log: b = G log2(e)) and q~, k~ the (l2-normalised) rows:
+Per chunk, with b2 = log2(e) b the cumulative decay inside the chunk in log2 units (the oracle's `b` is the
+same cumsum in natural log; b2 <= 0, non-increasing per channel) and q~, k~ the (l2-normalised) rows:
 
-    A_kk[i, j] = beta_i sum_c k~_ic k~_jc 2^(b_ic - b_jc)     j < i     (the oracle's `A`, strictly lower)
-    A_qk[i, j] = scale  sum_c q~_ic k~_jc 2^(b_ic - b_jc)     j <= i    (the oracle's `Aqk`)
+    A_kk[i, j] = beta_i sum_c k~_ic k~_jc 2^(b2_ic - b2_jc)   j < i     (the oracle's `A_kk`)
+    A_qk[i, j] = scale  sum_c q~_ic k~_jc 2^(b2_ic - b2_jc)   j <= i    (the oracle's `A_qk`)
     X  = (I + A_kk)^-1                                                  (the oracle's `INV`)
-    W  = X diag(beta) Kd,   U0 = X diag(beta) V,   Kd = 2^b k~           (`W`, `U`)
-    Qd = scale 2^b q~,      Kr = 2^(b_last - b) k~,  gt = 2^b_last        (what the walk reads)
+    W  = X diag(beta) Kd,   U0 = X diag(beta) V,   Kd = 2^b2 k~          (`W`, `U0`)
+    Qd = scale 2^b2 q~,     Kr = 2^(b2_last - b2) k~,  gt = 2^b2_last    (what the walk reads)
 
 Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
 - `_chunk_prepare_kernel`, for a bounded gate (`kda.plan.bounded_gate`: Kimi's lower-bound gate with
@@ -21,8 +21,8 @@ Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
 - `_chunk_intra_kernel` + `_chunk_solve_kernel`, for any gate (a raw log-decay may be -1000 per token):
   the diagonal 16 x 16 blocks take 2^(b_i - b_j) pairwise (every exponent <= 0), the cumsum in fp64.
 
-The cumulative decay b is summed in float64 in both: kernels use differences b_i - b_j of tokens up to a
-chunk apart, and b reaches -460 within a chunk at lb = -5, where fp32 keeps 3e-5 absolute.
+The cumulative decay b2 is summed in float64 for fp32 inputs: kernels use differences b2_i - b2_j of tokens
+up to a chunk apart, and b2 reaches -460 within a chunk at lb = -5, where fp32 keeps 3e-5 absolute.
 """
 
 from __future__ import annotations
@@ -68,15 +68,15 @@ def _gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, USE_GATE: tl.cons
 
 
 @triton.jit
-def _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b, b_last):
-    """What the solve and the state walk read, for the rows of `b` (log2 decay from the chunk start):
-    Kd = 2^b k~, Qd = scale 2^b q~, Kr = 2^(b_last - b) k~, with k~ = rk k and q~ = rq q (l2norm), at row
+def _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b2, b2_last):
+    """What the solve and the state walk read, for the rows of `b2` (log2 decay from the chunk start):
+    Kd = 2^b2 k~, Qd = scale 2^b2 q~, Kr = 2^(b2_last - b2) k~, with k~ = rk k and q~ = rq q (l2norm), at row
     offsets `ws` and channels `cols`."""
-    d = tl.exp2(b.to(tl.float32))
+    d = tl.exp2(b2.to(tl.float32))
     kn = kx * rk[:, None]
     tl.store(kd_ws + ws + cols[None, :], kn * d, mask=m)
     tl.store(qd_ws + ws + cols[None, :], qx * (rq * scale)[:, None] * d, mask=m)
-    tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b_last[None, :] - b).to(tl.float32)), mask=m)
+    tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b2_last[None, :] - b2).to(tl.float32)), mask=m)
 
 
 
@@ -148,7 +148,7 @@ def _chunk_prepare_kernel(
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
     dot, the lower-left quadrant as another), Qd, Kr, gt stored, and Kd parked in W's rows until X is known.
     Then X, then pass 2: W = X diag(beta) Kd over W's own rows, U0 = X diag(beta) V.
-    DOT_PREC is the precision of this kernel's dots (ieee or tf32); CUMSUM_DTYPE that of b (fp64 with fp32
+    DOT_PREC is the precision of this kernel's dots (ieee or tf32); CUMSUM_DTYPE that of b2 (fp64 with fp32
     inputs; fp32 with 16-bit ones, where its 1e-4 relative error in the decay factors is far below the
     inputs' rounding and fp64 tiles doubled the registers and spills)."""
     i_p = tl.program_id(0)
@@ -179,19 +179,19 @@ def _chunk_prepare_kernel(
         col_ok = cols < K
         m = row_ok[:, None] & col_ok[None, :]
         bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
-        b = tl.cumsum(_gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, True, True).to(CUMSUM_DTYPE), axis=0)
-        b_last = _row_of(b, o_t, BT - 1)  # rows past the sequence add 0
+        b2 = tl.cumsum(_gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, True, True).to(CUMSUM_DTYPE), axis=0)
+        b2_last = _row_of(b2, o_t, BT - 1)  # rows past the sequence add 0
         kn = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
         qn = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
         # 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j): each half against itself anchored at its middle row (each
         # factor <= 2^115), second-half rows against first-half columns at the second half's first row (<= 1);
         # one dot per quadrant, its operands zero outside it
-        anc = tl.where(first_half, _row_of(b, o_t, HALF // 2)[None, :], _row_of(b, o_t, HALF + HALF // 2)[None, :])
-        e_row = tl.exp2((b - anc).to(tl.float32))
-        e_col = tl.exp2((anc - b).to(tl.float32))
-        a_mid = _row_of(b, o_t, HALF)[None, :]
-        x_row = tl.where(first_half, 0.0, tl.exp2((b - a_mid).to(tl.float32)))
-        x_col = tl.where(first_half, tl.exp2((a_mid - b).to(tl.float32)), 0.0)
+        anc = tl.where(first_half, _row_of(b2, o_t, HALF // 2)[None, :], _row_of(b2, o_t, HALF + HALF // 2)[None, :])
+        e_row = tl.exp2((b2 - anc).to(tl.float32))
+        e_col = tl.exp2((anc - b2).to(tl.float32))
+        a_mid = _row_of(b2, o_t, HALF)[None, :]
+        x_row = tl.where(first_half, 0.0, tl.exp2((b2 - a_mid).to(tl.float32)))
+        x_col = tl.where(first_half, tl.exp2((a_mid - b2).to(tl.float32)), 0.0)
         for quadrant in tl.static_range(3):
             if quadrant == 0:
                 r = tl.where(first_half, e_row, 0.0)
@@ -206,11 +206,11 @@ def _chunk_prepare_kernel(
             A_kk += tl.dot(tf32_round(kn * r, DOT_PREC), kc, input_precision=DOT_PREC)
             A_qk += tl.dot(tf32_round(qn * r, DOT_PREC), kc, input_precision=DOT_PREC)
         # what the walk reads, and Kd parked in W's rows until X is known
-        d = tl.exp2(b.to(tl.float32))
+        d = tl.exp2(b2.to(tl.float32))
         tl.store(qd_ws + ws + cols[None, :], qn * d, mask=m)
-        tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b_last[None, :] - b).to(tl.float32)), mask=m)
+        tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b2_last[None, :] - b2).to(tl.float32)), mask=m)
         tl.store(w_ws + ws + cols[None, :], kn * d, mask=m)
-        tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b_last.to(tl.float32)), mask=col_ok)
+        tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2_last.to(tl.float32)), mask=col_ok)
 
     valid = row_ok[:, None] & row_ok[None, :]
     L = tl.where(valid & (o_t[None, :] < o_t[:, None]), A_kk * b_beta[:, None], 0.0)
