@@ -10,6 +10,8 @@ import inspect
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import bits, make_inputs, on_cpu, poison_pool, rel_err, rounding_floor
 
 import kda
@@ -18,6 +20,7 @@ from kda.accuracy.config import KERNEL_FP32_TERM, KERNEL_NARROW_TERM
 from kda.accuracy.prefill import kernel_bound
 from kda.contract import check_call
 from kda.ops.chunk import chunk_kda_fwd
+from kda.ops.common import tf32_round
 from kda.plan import chunk_plan
 
 FP32_TOL = 1e-5
@@ -321,3 +324,28 @@ def test_gate_parameter_forms(fn, device):
         o, _ = fn(q, k, v, g, beta, **gate_kw)
         ro, _ = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **gate_kw)
         assert rel_err(o, ro) < FP32_TOL
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, n, PREC: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(y_ptr + offs, tf32_round(tl.load(x_ptr + offs, mask=m), PREC), mask=m)
+
+
+def test_tf32_round_is_round_to_nearest(device):
+    """`kda.ops.common.tf32_round`, through which every fp32 operand of a tf32 dot goes on the GPU: the value
+    rounded to 11 significant bits (tf32's 10 stored and the implicit one), ties away from zero, against a
+    float64 reference; values on exact ties and just beside them included. Under "ieee" it is the identity."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(1000, generator=gen) * torch.exp2(torch.randint(-60, 60, (1000,), generator=gen).float())
+    ulp = torch.exp2(torch.floor(torch.log2(base.abs())) - 10)  # tf32's last place at each value
+    tie = (torch.round(base / ulp) + 0.5) * ulp  # exactly half way between two tf32 values
+    x = torch.cat([base, tie, torch.nextafter(tie, torch.zeros_like(tie)), torch.tensor([0.0, -0.0, 1.0])])
+    x = x.float()
+    mant, expo = torch.frexp(x.double())
+    ref = torch.copysign(torch.ldexp(torch.floor(mant.abs() * 2048 + 0.5) / 2048, expo), x.double()).float()
+    for prec, want in (("tf32", ref), ("ieee", x)):
+        y = torch.full_like(x, float("nan"), device=device)
+        _round_kernel[(1,)](x.to(device), y, x.numel(), PREC=prec, BLOCK=triton.next_power_of_2(x.numel()))
+        assert torch.equal(bits(y), bits(want))
