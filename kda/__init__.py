@@ -15,5 +15,6 @@ def __getattr__(name: str):
     if name in __all__:
         from . import api
 
-        return getattr(api, name)
+        fn = globals()[name] = getattr(api, name)  # later lookups skip this hook
+        return fn
     raise AttributeError(f"module 'kda' has no attribute {name!r}")
