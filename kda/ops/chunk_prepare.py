@@ -87,20 +87,6 @@ def _row_of(x, o_t, r):
 
 
 @triton.jit
-def _halves(x, HALF: tl.constexpr, C: tl.constexpr):
-    """Rows [0, HALF) and [HALF, 2 HALF) of a [2 HALF, C] tile."""
-    return tl.split(tl.permute(tl.reshape(x, [2, HALF, C]), (1, 2, 0)))
-
-
-@triton.jit
-def _quadrants(a00, a01, a10, a11, HALF: tl.constexpr):
-    """The [2 HALF, 2 HALF] tile [[a00, a01], [a10, a11]] from four [HALF, HALF] ones."""
-    top = tl.reshape(tl.permute(tl.join(a00, a01), (0, 2, 1)), [HALF, 2 * HALF])
-    bottom = tl.reshape(tl.permute(tl.join(a10, a11), (0, 2, 1)), [HALF, 2 * HALF])
-    return tl.reshape(tl.permute(tl.join(top, bottom), (2, 0, 1)), [2 * HALF, 2 * HALF])
-
-
-@triton.jit
 def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """X = (I + L)^-1 for a strictly lower [BT, BT] tile L (the oracle's `INV`). Inside the BC x BC
     diagonal blocks by forward substitution in fp32 (X_i = e_i - sum_{j<i} L_ij X_j, all blocks at once),
