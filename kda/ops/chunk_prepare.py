@@ -236,7 +236,7 @@ def _chunk_intra_kernel(
     (no scratch), then adds to row block r's strip of A_kk / A_qk: columns of earlier blocks through one
     dot anchored on the first row of block r, the diagonal block pairwise. Also writes block r's rows of
     Kd = 2^b k, Qd = scale 2^b q, Kr = 2^(b_last - b) k (l2-normalised) and, for r = 0, gt = 2^b_last.
-    This is the path of any gate; a bounded one takes `_chunk_intra_bounded_kernel`."""
+    This is the path of any gate; a bounded one takes `_chunk_prepare_kernel`."""
     i_p = tl.program_id(0)
     i_r = tl.program_id(1)
     i_hv = tl.program_id(2)
