@@ -27,7 +27,7 @@ def _interpreter_env(session) -> dict:
 
 @nox.session
 def tests(session):
-    """The test suite (on CPU the Triton kernels run in the interpreter), about 6 min on 2 cores.
+    """The test suite (on CPU the Triton kernels run in the interpreter), about 12 min on 2 cores.
 
     Installs the `reports` extra too: the harness tests write the plots."""
     _install(session, "test,reports")
@@ -37,7 +37,7 @@ def tests(session):
 
 @nox.session
 def accuracy(session):
-    """The accuracy harness, quick preset on CPU (3-7 min on 2 cores); `-- --preset full --device cuda` on a GPU.
+    """The accuracy harness, quick preset on CPU (about 8 min on 2 cores); `-- --preset full --device cuda` on a GPU.
 
     Writes accuracy_reports/<preset>-<device>/ (docs/accuracy.md)."""
     _install(session, "test,reports")
