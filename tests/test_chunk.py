@@ -6,20 +6,16 @@ and the 11-bit intermediates: NARROW_STATE_TOL below)."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import bits, make_inputs, on_cpu, poison_pool, rel_err, rounding_floor
+from helpers import bits, checked_call, make_inputs, on_cpu, poison_pool, rel_err, rounding_floor, run_planned
 
 import kda
 import kda_reference as ref
 from kda.accuracy.config import KERNEL_FP32_TERM, KERNEL_NARROW_TERM
 from kda.accuracy.prefill import kernel_bound
-from kda.contract import check_call
-from kda.ops.chunk import chunk_kda_fwd
 from kda.ops.common import tf32_round
 from kda.plan import chunk_plan
 
@@ -104,16 +100,6 @@ def test_strong_decay_and_correlated_keys(device):
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
 
 
-def _planned(kwargs, q, k, v, g, beta, **overrides):
-    """chunk_kda through a plan built with `overrides` (kda.plan.chunk_plan), and that plan."""
-    params = list(inspect.signature(kda.chunk_kda).parameters.values())[5:]
-    kw = {p.name: kwargs.get(p.name, p.default) for p in params}
-    scale, h0, final = kw.pop("scale"), kw.pop("initial_state"), kw.pop("output_final_state")
-    call = check_call("chunk_kda", q, k, v, g, beta, scale, h0, final, require_has_initial_state=True, **kw)
-    plan = chunk_plan(call, **overrides)
-    return (*chunk_kda_fwd(call, plan), plan, chunk_plan(call))
-
-
 @pytest.mark.parametrize("lower_bound", [-5.0, -5.2])
 @pytest.mark.parametrize("keys", ["random", "correlated"])
 @pytest.mark.parametrize("K", [32, 100])
@@ -134,7 +120,8 @@ def test_bounded_gate_prepare_forms(lower_bound, keys, K, device):
     ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kw))
     runs = {}
     for form in ("fused", "split"):
-        o, s, plan, default = _planned(kw, q, k, v, g, beta, prepare=form)
+        o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(prepare=form), **kw)
+        default = chunk_plan(checked_call(kda.chunk_kda, q, k, v, g, beta, **kw))
         assert plan.prepare == form
         assert default.prepare == ("fused" if lower_bound == -5.0 else "split")
         assert torch.isfinite(o).all() and torch.isfinite(s).all()
@@ -301,7 +288,7 @@ def test_segmented_walk_equals_the_plain_one(layout, device):
         kw_run = dict(kw)
         if "state_cache" in kw:
             kw_run["state_cache"] = kw["state_cache"].clone()
-        o, s, plan, _ = _planned(kw_run, q, k, v, g, beta, walk=walk, segment_chunks=2)
+        o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(walk=walk, segment_chunks=2), **kw_run)
         assert plan.walk == walk
         runs[walk] = (o, s if s is not None else kw_run["state_cache"])
     (o1, s1), (o2, s2) = runs["plain"], runs["segmented"]

@@ -37,6 +37,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     varlen = call.cu_seqlens is not None
     total = B * T
     NT = triton.cdiv(T, BT)
+    BK = max(16, triton.next_power_of_2(K))  # the K tile that covers K (walk) or its slices (split prepare)
     n_chunks = (T // BT + N) if varlen else B * NT  # prepare programs (`locate_block`)
     cu = call.cu_seqlens if varlen else call.q  # stand-in when dense
     ws_dtype, prec = plan.ws_dtype, plan.dot_prec
@@ -53,7 +54,6 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         A_log, dt_bias, lower_bound = gate_args(call)
         strides = (token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2))
         g_beta = (token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2))
-        BK = max(16, triton.next_power_of_2(K))
         BV = min(64, max(16, triton.next_power_of_2(V)))
         common = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
         if fused:
@@ -83,7 +83,6 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             )
 
     # the walk
-    BK = max(16, triton.next_power_of_2(K))
     BV = plan.walk_BV
     n_vb = triton.cdiv(V, BV)
     pools = st.pointers(gt_ws)
