@@ -158,9 +158,10 @@ def cmd_ncu(args) -> int:
         kernel = ["--kernel-name", f"regex:{args.kernel}"]
         forward = [a for a in forward if a not in ("--kernel", args.kernel)]
     # `call` brackets its one timed call with cudaProfilerStart/Stop: the warm-up calls are not profiled
-    cmd = ["ncu", "--profile-from-start", "off", *kernel, "--section", "SpeedOfLight",
-           "--section", "WarpStateStats", "--section", "Occupancy", sys.executable, str(Path(__file__).resolve()),
-           "call", *forward]
+    sections = ("SpeedOfLight", "WarpStateStats", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis",
+                "MemoryWorkloadAnalysis", "SchedulerStats", "SourceCounters")
+    cmd = ["ncu", "--profile-from-start", "off", *kernel, *(x for s in sections for x in ("--section", s)),
+           sys.executable, str(Path(__file__).resolve()), "call", *forward]
     print(shlex.join(cmd))
     if args.run:
         return subprocess.call(cmd)
