@@ -7,8 +7,8 @@
 
 The tool only calls the public functions (`kda.chunk_kda`, `kda.fused_recurrent_kda`) with the benchmark's
 inputs (bf16 q/k/v, Kimi's in-kernel lower-bound gate, q/k l2norm, beta sigmoid, K = V = 128) and reads
-what ran: it never selects a kernel variant by rewriting module globals. To time a variant, build it and
-run this tool on that tree. Shapes: `--op chunk` is a dense prefill `--B x --T` at `--H` heads with an fp32
+what ran: it never selects a kernel variant by rewriting module globals. `times --plan k=v,k=v` (repeatable)
+times `chunk_kda` under `kda.plan.chunk_plan(call, k=v, ...)` too, one variant per `--plan`, in one process. Shapes: `--op chunk` is a dense prefill `--B x --T` at `--H` heads with an fp32
 initial state; `--op decode` is one token for each of `--N` sequences through a paged pool of 4N slots
 (`--pool fp32|bf16|fp16`, `--layout v_first|k_first`, `--varlen` for the `cu_seqlens` + `cu_seqlens_cpu` form).
 """
@@ -16,7 +16,9 @@ initial state; `--op decode` is one token for each of `--N` sequences through a 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import inspect
 import pkgutil
 import shlex
 import subprocess
@@ -31,8 +33,21 @@ POOL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 K_DIM = V_DIM = 128
 
 
-def make_call(op: str, args: argparse.Namespace):
-    """A zero-argument callable issuing one public call with the benchmark's inputs."""
+def parse_plan(spec: str) -> dict:
+    """'walk_BV=64,walk_warps=8' -> {'walk_BV': 64, 'walk_warps': 8} (values as Python literals, else strings)."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, _, val = item.partition("=")
+        try:
+            out[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            out[key] = val
+    return out
+
+
+def make_call(op: str, args: argparse.Namespace, plan: dict | None = None):
+    """A zero-argument callable issuing one public call with the benchmark's inputs (for `chunk` with `plan`:
+    the same call through `kda.plan.chunk_plan(call, **plan)`)."""
     import kda
 
     dev, H = "cuda", args.H
@@ -49,6 +64,16 @@ def make_call(op: str, args: argparse.Namespace):
                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     if op == "chunk":
         h0 = 0.1 * torch.randn(args.B, H, K_DIM, V_DIM, device=dev)
+        if plan:
+            from kda.contract import check_call
+            from kda.ops.chunk import chunk_kda_fwd
+            from kda.plan import chunk_plan
+
+            params = list(inspect.signature(kda.chunk_kda).parameters.values())[8:]  # after output_final_state
+            kw = {p.name: flags.get(p.name, p.default) for p in params}
+            call = check_call("chunk_kda", q, k, v, g, beta, None, h0, True, require_has_initial_state=True, **kw)
+            chosen = chunk_plan(call, **plan)
+            return lambda: chunk_kda_fwd(call, chosen)
         return lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)
     v_first = args.layout == "v_first"
     plane = (H, V_DIM, K_DIM) if v_first else (H, K_DIM, V_DIM)
@@ -75,8 +100,10 @@ def warm(fn, n: int = 3) -> None:
 def cmd_times(args) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    for op in ops_for(args):
-        fn = make_call(op, args)
+    variants = [(op, None) for op in ops_for(args)]
+    variants += [("chunk", parse_plan(spec)) for spec in args.plan]
+    for op, plan in variants:
+        fn = make_call(op, args, plan)
         warm(fn)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.reps):
@@ -90,7 +117,8 @@ def cmd_times(args) -> int:
             if dev_us > 0:
                 rows.append((dev_us / args.reps, e.count // args.reps, e.key))
         rows.sort(reverse=True)
-        print(f"## {describe(op, args)}: GPU time per call, mean of {args.reps} calls (torch.profiler)")
+        label = describe(op, args) + (f", plan {plan}" if plan else "")
+        print(f"## {label}: GPU time per call, mean of {args.reps} calls (torch.profiler)")
         print("| kernel | us | launches |\n|---|---|---|")
         for us, count, name in rows:
             print(f"| {name} | {us:.1f} | {count} |")
@@ -193,6 +221,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         s.add_argument("--varlen", action="store_true", help="decode: cu_seqlens + cu_seqlens_cpu instead of [N, 1]")
         if name == "times":
             s.add_argument("--reps", type=int, default=3, help="calls profiled (default 3)")
+            s.add_argument("--plan", action="append", default=[], metavar="K=V,...",
+                           help="also time chunk_kda under chunk_plan(call, K=V, ...) (repeatable)")
         if name == "ncu":
             s.add_argument("--kernel", default=None, metavar="REGEX", help="only kernels whose name matches")
             s.add_argument("--run", action="store_true", help="run the command instead of printing it")

@@ -40,7 +40,10 @@ def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.conste
         ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
-            m = row_mask[:, None] & (cols < K)[None, :]
+            if K % BK == 0:
+                m = row_mask[:, None]
+            else:
+                m = row_mask[:, None] & (cols < K)[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
             ssq += tl.sum(x * x, 1)
         return 1.0 / tl.sqrt(ssq + 1e-6)
@@ -146,29 +149,35 @@ def _chunk_prepare_kernel(
     n_rows = tl.minimum(eos - t0, BT)
     o_t = tl.arange(0, BT)
     row_ok = o_t < n_rows
-    rows = t0 + o_t
-    q_h = q + i_h * s_qh
-    k_h = k + i_h * s_kh
-    g_h = g + i_hv * s_gh
+    # int64 bases at the chunk's first token, int32 offsets inside it (64-bit per-element addresses cost
+    # registers); no column mask where K slices cover K exactly (it would keep the accesses scalar)
+    EVEN_K: tl.constexpr = K % BK == 0
+    q_h = q + t0 * s_qt + i_h * s_qh
+    k_h = k + t0 * s_kt + i_h * s_kh
+    g_h = g + t0 * s_gt + i_hv * s_gh
+    ws_base = (t0 * HV + i_hv) * K
     HALF: tl.constexpr = BT // 2
-    rk = _qk_inv_norm(k_h, rows, row_ok, s_kt, K, BK, True)
-    rq = _qk_inv_norm(q_h, rows, row_ok, s_qt, K, BK, True) * scale
-    b_beta = _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
+    rk = _qk_inv_norm(k_h, o_t, row_ok, s_kt, K, BK, True)
+    rq = _qk_inv_norm(q_h, o_t, row_ok, s_qt, K, BK, True) * scale
+    b_beta = _load_beta(beta + t0 * s_bt, o_t, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
     first_half = (o_t < HALF)[:, None]
 
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    ws = rows[:, None] * (HV * K) + i_hv * K
+    ws = o_t[:, None] * (HV * K)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
-        m = row_ok[:, None] & col_ok[None, :]
+        if EVEN_K:
+            m = row_ok[:, None]
+        else:
+            m = row_ok[:, None] & col_ok[None, :]
         bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
-        b2 = tl.cumsum(_gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, True, True).to(CUMSUM_DTYPE), axis=0)
+        b2 = tl.cumsum(_gate_tile(g_h, o_t, cols, m, s_gt, a, bias, lower_bound, True, True).to(CUMSUM_DTYPE), axis=0)
         b2_last = _row_of(b2, o_t, BT - 1)  # rows past the sequence add 0
-        kn = tl.load(k_h + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        qn = tl.load(q_h + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+        kn = tl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        qn = tl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
         # 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j): each half against itself anchored at its middle row (each
         # factor <= 2^115), second-half rows against first-half columns at the second half's first row (<= 1);
         # one dot per quadrant, its operands zero outside it
@@ -193,29 +202,36 @@ def _chunk_prepare_kernel(
             A_qk += tl.dot(tf32_round(qn * r, DOT_PREC), kc, input_precision=DOT_PREC)
         # what the walk reads, and Kd parked in W's rows until X is known
         d = tl.exp2(b2.to(tl.float32))
-        tl.store(qd_ws + ws + cols[None, :], qn * d, mask=m)
-        tl.store(kr_ws + ws + cols[None, :], kn * tl.exp2((b2_last[None, :] - b2).to(tl.float32)), mask=m)
-        tl.store(w_ws + ws + cols[None, :], kn * d, mask=m)
+        tl.store(qd_ws + ws_base + ws + cols[None, :], qn * d, mask=m)
+        tl.store(kr_ws + ws_base + ws + cols[None, :], kn * tl.exp2((b2_last[None, :] - b2).to(tl.float32)), mask=m)
+        tl.store(w_ws + ws_base + ws + cols[None, :], kn * d, mask=m)
         tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2_last.to(tl.float32)), mask=col_ok)
 
     valid = row_ok[:, None] & row_ok[None, :]
     L = tl.where(valid & (o_t[None, :] < o_t[:, None]), A_kk * b_beta[:, None], 0.0)
     A_qk = tl.where(valid & (o_t[None, :] <= o_t[:, None]), A_qk, 0.0)
-    tl.store(aqk_ws + rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], A_qk, mask=row_ok[:, None])
+    tl.store(aqk_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :], A_qk, mask=row_ok[:, None])
 
     Xb = tf32_round(_unit_lower_inverse(L, BT, BC, DOT_PREC) * b_beta[None, :], DOT_PREC)
     tl.debug_barrier()  # Kd parked in W's rows by every thread before it is read back
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        m = row_ok[:, None] & (cols < K)[None, :]
-        kd = tf32_round(tl.load(w_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
+        if EVEN_K:
+            m = row_ok[:, None]
+        else:
+            m = row_ok[:, None] & (cols < K)[None, :]
+        kd = tf32_round(tl.load(w_ws + ws_base + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
         tl.debug_barrier()  # read by every thread before it is overwritten
-        tl.store(w_ws + ws + cols[None, :], tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
+        tl.store(w_ws + ws_base + ws + cols[None, :], tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
-        m = row_ok[:, None] & (cols < V)[None, :]
-        v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :],
+        if V % BV == 0:
+            m = row_ok[:, None]
+        else:
+            m = row_ok[:, None] & (cols < V)[None, :]
+        v_c = tl.load(v + t0 * s_vt + i_hv * s_vh + o_t[:, None] * s_vt + cols[None, :], mask=m,
+                      other=0.0).to(tl.float32)
+        tl.store(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + cols[None, :],
                  tl.dot(Xb, tf32_round(v_c, DOT_PREC), input_precision=DOT_PREC), mask=m)
 
 
@@ -309,12 +325,14 @@ def _chunk_intra_kernel(
     qk = acc_off_qk * (rq_r * scale)[:, None] * rk_all[None, :]
     m_off = ok_r[:, None] & before[None, :]
     tl.store(akk_ws + a_off + o_t[None, :], kk, mask=m_off)
-    tl.store(aqk_ws + a_off + o_t[None, :], qk, mask=m_off)
+    # A_qk's rows whole (zeros right of the diagonal block): the walk loads them unmasked along the row
+    tl.store(aqk_ws + a_off + o_t[None, :], tl.where(before[None, :], qk, 0.0),
+             mask=ok_r[:, None] & ((o_t < r0) | (o_t >= r0 + BC))[None, :])
     kk = tl.where(o_c[:, None] > o_c[None, :], acc_dg_kk, 0.0) * (rk_r * beta_r)[:, None] * rk_r[None, :]
     qk = tl.where(o_c[:, None] >= o_c[None, :], acc_dg_qk, 0.0) * (rq_r * scale)[:, None] * rk_r[None, :]
     m_dg = ok_r[:, None] & ok_r[None, :]
     tl.store(akk_ws + a_off + r0 + o_c[None, :], kk, mask=m_dg)
-    tl.store(aqk_ws + a_off + r0 + o_c[None, :], qk, mask=m_dg)
+    tl.store(aqk_ws + a_off + r0 + o_c[None, :], qk, mask=ok_r[:, None])  # zeros past the sequence
 
 
 

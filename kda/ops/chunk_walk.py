@@ -18,8 +18,9 @@ G chunks, S' = A_seg S + b_seg. Three launches:
 Serial depth 2 G + segments instead of the number of chunks, for about three times the work.
 
 Both read the initial state from, and write the final state to, the pools of `kda.plan.StatePlan`
-(dense or paged, in place, rounded to nearest in the storage dtype); the recurrence is in fp32. With tf32
-dots, the fp32 operands (S, U, fp32 workspaces) are rounded to nearest tf32 first (`tf32_round`).
+(dense or paged, in place, rounded to nearest in the storage dtype); the recurrence is in fp32. With fp16
+workspaces (16-bit inputs, q and k l2-normalised) the dots take fp16 operands, S and U scaled by a power of
+two; with tf32 dots on fp32 workspaces, the fp32 operands are rounded to nearest tf32 first (`tf32_round`).
 """
 
 from __future__ import annotations
@@ -32,44 +33,83 @@ from .common import locate_block, round_to, seq_bounds, slot_of, tf32_round
 
 @triton.jit
 def _ws_operand(x, PREC: tl.constexpr):
-    """A loaded workspace tile as an fp32 dot operand: fp16 ones are exact in tf32, fp32 ones are rounded."""
-    if x.dtype == tl.float32:
-        return tf32_round(x, PREC)
-    else:
-        return x.to(tl.float32)
+    """A loaded fp32 workspace tile as a dot operand: rounded to nearest tf32 for tf32 dots."""
+    return tf32_round(x, PREC)
+
+
+@triton.jit
+def _pow2_scale(x):
+    """A power of two p with max|x| p in [2^14, 2^15): x p fits fp16 (largest finite 65504) with its largest
+    entries at fp16's full 11-bit significand, as a tf32 operand would keep them; entries below 2^-28 of the
+    largest turn subnormal (absolute error under 2^-38 of the largest). p in [2^-126, 2^126]: exact, and so
+    is 1 / p; inf and NaN pass through x p."""
+    e = (tl.max(tl.abs(x)).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of max|x|
+    return (tl.minimum(tl.maximum(268 - e, 1), 253) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
           o_k, k_ok, o_c, c_ok,
           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-          HAS_U0: tl.constexpr, WRITE_O: tl.constexpr, DOT_PREC: tl.constexpr):
+          HAS_U0: tl.constexpr, WRITE_O: tl.constexpr, DOT_PREC: tl.constexpr,
+          EVEN_K: tl.constexpr, EVEN_C: tl.constexpr):
     """S [BK, BC] (columns o_c of the state, or of the identity for a segment operator) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
-    p_first + j. U = U0 - W S (no U0 without HAS_U0), O = Qd S + A_qk U (stored with WRITE_O),
-    S <- gt * S + Kr^T U."""
+    p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). U = U0 - W S (no U0 without HAS_U0), O = Qd S + A_qk U (stored with WRITE_O),
+    S <- gt * S + Kr^T U.
+    With fp16 workspaces (Qd, Kr, W, A_qk) the dots take fp16 operands: S and U enter scaled by a power of
+    two (`_pow2_scale`), so they keep tf32's significand within fp16's range, and the fp32 products are
+    scaled back exactly. fp16 dots run at twice the tf32 rate and the workspaces need no conversion."""
+    F16: tl.constexpr = w_ws.dtype.element_ty == tl.float16
     o_t = tl.arange(0, BT)
+    # int32 offsets inside a chunk from int64 chunk bases: 64-bit per-element addresses cost registers
+    ws_k = o_t[:, None] * (HV * K) + o_k[None, :]
     for t0 in range(t_begin, t_end, BT):
-        rows = t0 + o_t
-        row_ok = rows < t_end
-        m_k = row_ok[:, None] & k_ok[None, :]
-        m_c = row_ok[:, None] & c_ok[None, :]
-        ws_k = rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-        Sr = tf32_round(S, DOT_PREC)
-        w = _ws_operand(tl.load(w_ws + ws_k, mask=m_k, other=0.0), DOT_PREC)
-        U = -tl.dot(w, Sr, input_precision=DOT_PREC)
+        row_ok = o_t < t_end - t0
+        # no column mask where the tile covers the columns exactly: a mask that varies along a row keeps
+        # loads scalar (no 16-byte vectors, no asynchronous copies for the pipeliner)
+        if EVEN_K:
+            m_k = row_ok[:, None]
+        else:
+            m_k = row_ok[:, None] & k_ok[None, :]
+        if EVEN_C:
+            m_c = row_ok[:, None]
+        else:
+            m_c = row_ok[:, None] & c_ok[None, :]
+        base_k = (t0 * HV + i_hv) * K
+        w = tl.load(w_ws + base_k + ws_k, mask=m_k, other=0.0)
+        if F16:
+            ps = _pow2_scale(S)
+            Sr = (S * ps).to(tl.float16)
+            U = tl.dot(w, Sr) * (-1.0 / ps)
+        else:
+            Sr = tf32_round(S, DOT_PREC)
+            U = -tl.dot(_ws_operand(w, DOT_PREC), Sr, input_precision=DOT_PREC)
         if HAS_U0:
-            U += tl.load(u_ws + rows[:, None] * (HV * V) + i_hv * V + o_c[None, :], mask=m_c, other=0.0)
-        Ur = tf32_round(U, DOT_PREC)
+            U += tl.load(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_c[None, :], mask=m_c, other=0.0)
+        if F16:
+            pu = _pow2_scale(U)
+            Ur = (U * pu).to(tl.float16)
+        else:
+            Ur = tf32_round(U, DOT_PREC)
         if WRITE_O:
-            qd = _ws_operand(tl.load(qd_ws + ws_k, mask=m_k, other=0.0), DOT_PREC)
-            aqk = _ws_operand(tl.load(aqk_ws + rows[:, None] * (HV * BT) + i_hv * BT + o_t[None, :],
-                                      mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0), DOT_PREC)
-            out = tl.dot(qd, Sr, input_precision=DOT_PREC) + tl.dot(aqk, Ur, input_precision=DOT_PREC)
-            tl.store(o_h + rows[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty), mask=m_c)
-        kr = _ws_operand(tl.load(kr_ws + ws_k, mask=m_k, other=0.0), DOT_PREC)
+            qd = tl.load(qd_ws + base_k + ws_k, mask=m_k, other=0.0)
+            # the prepare stored A_qk's rows whole, zeros above the diagonal
+            aqk = tl.load(aqk_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
+                          mask=row_ok[:, None], other=0.0)
+            if F16:
+                out = tl.dot(qd, Sr) * (1.0 / ps) + tl.dot(aqk, Ur) * (1.0 / pu)
+            else:
+                out = (tl.dot(_ws_operand(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
+                       + tl.dot(_ws_operand(aqk, DOT_PREC), Ur, input_precision=DOT_PREC))
+            tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
+                     mask=m_c)
+        kr = tl.load(kr_ws + base_k + ws_k, mask=m_k, other=0.0)
         gt = tl.load(gt_ws + ((p_first + (t0 - t_begin) // BT) * HV + i_hv) * K + o_k, mask=k_ok, other=0.0)
-        S = S * gt[:, None] + tl.dot(tl.trans(kr), Ur, input_precision=DOT_PREC)
+        if F16:
+            S = S * gt[:, None] + tl.dot(tl.trans(kr), Ur) * (1.0 / pu)
+        else:
+            S = S * gt[:, None] + tl.dot(tl.trans(_ws_operand(kr, DOT_PREC)), Ur, input_precision=DOT_PREC)
     return S
 
 
@@ -156,7 +196,7 @@ def _chunk_state_kernel(
     else:
         p_first = _first_chunk_program(i_n, bos, bos, NT, IS_VARLEN, BT)
         S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
-                  o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC)
+                  o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
@@ -186,7 +226,8 @@ def _segment_summary_kernel(
         o_c = i_c * BV + tl.arange(0, BV)
         c_ok = o_c < V
         S = _walk(tl.zeros([BK, BV], dtype=tl.float32), s0, s_end, p_first, i_hv, w_ws, 0, w_ws, w_ws, u_ws,
-                  w_ws, kr_ws, gt_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, True, False, DOT_PREC)
+                  w_ws, kr_ws, gt_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, True, False, DOT_PREC,
+                  K == BK, V % BV == 0)
         off = ((i_s * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * V + o_c[None, :]
         tl.store(b_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
     else:
@@ -194,7 +235,8 @@ def _segment_summary_kernel(
         c_ok = o_c < K
         eye = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)
         S = _walk(eye, s0, s_end, p_first, i_hv, w_ws, 0, w_ws, w_ws, u_ws,
-                  w_ws, kr_ws, gt_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, False, False, DOT_PREC)
+                  w_ws, kr_ws, gt_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, False, False, DOT_PREC,
+                  K == BK, K % BV == 0)
         off = ((i_s * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * K + o_c[None, :]
         tl.store(a_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
 
@@ -267,4 +309,4 @@ def _segment_output_kernel(
         S = tl.load(h_seg + (base + o_k[:, None]) * V + o_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         p_first = _first_chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
         _walk(S, s0, s_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
-              o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC)
+              o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0)
