@@ -1,16 +1,18 @@
 """Where one `kda` call spends its GPU time: the profiling tool beside the benchmark (needs a CUDA device).
 
-    python benchmarks/kernel_profile.py times [--op chunk|decode] [shape options]   per-kernel CUDA time (torch.profiler)
-    python benchmarks/kernel_profile.py regs  [--op chunk|decode|both] [...]       registers, spills, shared memory
+    python benchmarks/kernel_profile.py times [--op chunk|decode] [shapes] [--plan K=V,..]  per-kernel CUDA time
+    python benchmarks/kernel_profile.py regs  [--op chunk|decode|both] [...]   registers, spills, shared memory
     python benchmarks/kernel_profile.py ncu   [--op ...] [--kernel REGEX] [--run]   the Nsight Compute command line
-    python benchmarks/kernel_profile.py call  [--op ...] [...]                     warm up, then one call (what ncu profiles)
+    python benchmarks/kernel_profile.py call  [--op ...] [...]   warm up, then one call (what ncu profiles)
 
-The tool only calls the public functions (`kda.chunk_kda`, `kda.fused_recurrent_kda`) with the benchmark's
+The tool calls the public functions (`kda.chunk_kda`, `kda.fused_recurrent_kda`) with the benchmark's
 inputs (bf16 q/k/v, Kimi's in-kernel lower-bound gate, q/k l2norm, beta sigmoid, K = V = 128) and reads
-what ran: it never selects a kernel variant by rewriting module globals. `times --plan k=v,k=v` (repeatable)
-times `chunk_kda` under `kda.plan.chunk_plan(call, k=v, ...)` too, one variant per `--plan`, in one process. Shapes: `--op chunk` is a dense prefill `--B x --T` at `--H` heads with an fp32
+what ran: it never selects a kernel variant by rewriting module globals. `times --plan k=v,k=v`
+(repeatable) also times `chunk_kda` under `kda.plan.chunk_plan(call, k=v, ...)`, one variant per `--plan`,
+in the same process. Shapes: `--op chunk` is a dense prefill `--B x --T` at `--H` heads with an fp32
 initial state; `--op decode` is one token for each of `--N` sequences through a paged pool of 4N slots
-(`--pool fp32|bf16|fp16`, `--layout v_first|k_first`, `--varlen` for the `cu_seqlens` + `cu_seqlens_cpu` form).
+(`--pool fp32|bf16|fp16`, `--layout v_first|k_first`, `--varlen` for the `cu_seqlens` + `cu_seqlens_cpu`
+form).
 """
 
 from __future__ import annotations
