@@ -128,7 +128,10 @@ class ChunkPlan:
     BC: int = SUB
     prepare_BK: int = 32  # K slice of the fused prepare
     prepare_warps: int = 4
+    prepare_stages: int = 1
+    prepare_maxnreg: int | None = None  # a register cap for the fused prepare (more programs per SM)
     cumsum_fp64: bool = True  # the fused prepare's cumulative decay in fp64 (fp32 inputs) or fp32
+    gate_pass: bool = False  # the fp32 cumsum in `_chunk_gate_kernel` before the fused prepare (fp32 only)
     walk_BV: int = 32
     walk_warps: int = 4
     walk_stages: int = 2
@@ -141,9 +144,8 @@ def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
     prec = dot_precision(call.q.dtype)
     ws_dtype = workspace_dtype(call)
     BK = max(16, triton.next_power_of_2(call.K))
-    # the walk: fp16 workspaces leave room in shared memory for a second stage of prefetched loads
-    stages = 2 if ws_dtype == torch.float16 else 1
     walk_BV = 32 if call.V > 16 else 16
+    stages = _walk_stages(BT, BK, walk_BV, ws_dtype.itemsize)
     programs = call.N * call.HV * triton.cdiv(call.V, walk_BV)
     plan = ChunkPlan(
         prepare="fused" if bounded_gate(call) else "split",
@@ -152,6 +154,17 @@ def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
         walk_BV=walk_BV, walk_stages=stages,
     )
     return replace(plan, **overrides) if overrides else plan
+
+
+# Hopper's shared memory per block (227 KiB), less what the walk keeps besides its prefetched chunks
+WALK_SMEM_BYTES = 227 * 1024 - 8192
+
+
+def _walk_stages(BT: int, BK: int, BV: int, ws_bytes: int) -> int:
+    """Chunks of W, Qd, Kr, A_qk and U0 in flight in the walk: as many as shared memory holds, at most 3
+    (at K = V = 128 with fp16 workspaces: 3 stages 587 us, 2 stages 756 us at 1x16384 H=32)."""
+    per_stage = (3 * BT * BK + BT * BT) * ws_bytes + BT * BV * 4
+    return max(1, min(3, WALK_SMEM_BYTES // per_stage))
 
 
 def _segment(call: KDACall, programs: int, BT: int) -> bool:

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..contract import KDACall
 from ..plan import ChunkPlan, chunk_plan, gate_args, output_buffer, state_plan
-from .chunk_prepare import _chunk_intra_kernel, _chunk_prepare_kernel, _chunk_solve_kernel
+from .chunk_prepare import _chunk_gate_kernel, _chunk_intra_kernel, _chunk_prepare_kernel, _chunk_solve_kernel
 from .chunk_walk import (
     _chunk_state_kernel,
     _segment_output_kernel,
@@ -57,13 +57,21 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         BV = min(64, max(16, triton.next_power_of_2(V)))
         common = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
         if fused:
+            gate = dict(HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None)
+            b2_ws = gt_ws
+            if plan.gate_pass:
+                b2_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
+                _chunk_gate_kernel[(n_chunks, HV, triton.cdiv(K, plan.prepare_BK))](
+                    g, A_log, dt_bias, cu, b2_ws, gt_ws, *g_beta[:2], T, N, NT, lower_bound,
+                    HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, **gate, num_warps=4, num_stages=1,
+                )
+            extra = {"maxnreg": plan.prepare_maxnreg} if plan.prepare_maxnreg else {}
             _chunk_prepare_kernel[(n_chunks, HV)](
-                q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws,
+                q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
                 *strides, token_stride(v, T), v.stride(2), *g_beta, T, N, NT, call.scale, lower_bound,
-                H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV,
-                HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None,
-                CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32,
-                num_warps=plan.prepare_warps, num_stages=1, **common,
+                H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV, **gate,
+                CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
+                num_warps=plan.prepare_warps, num_stages=plan.prepare_stages, **extra, **common,
             )
         else:
             akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)

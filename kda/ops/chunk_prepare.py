@@ -123,15 +123,55 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
 
 
 @triton.jit
+def _chunk_gate_kernel(
+    g, A_log, dt_bias, cu_seqlens, b2_ws, gt_ws,
+    s_gt, s_gh, T, N, NT, lower_bound,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+):
+    """The gate pass of the fused prepare (16-bit inputs): one program per (chunk, value head, K slice)
+    writes b2, the fp32 cumulative log2 decay from the chunk start (the cumsum `_chunk_prepare_kernel`
+    would take in its own loop), token-major like the workspaces, and gt = 2^b2_last. The prepare then
+    reads b2 and its anchor rows instead of scanning and reducing across its warps."""
+    i_p = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_k = tl.program_id(2)
+    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if t0 >= eos:
+        return
+    o_t = tl.arange(0, BT)
+    row_ok = o_t < eos - t0
+    cols = i_k * BK + tl.arange(0, BK)
+    col_ok = cols < K
+    if K % BK == 0:
+        m = row_ok[:, None]
+    else:
+        m = row_ok[:, None] & col_ok[None, :]
+    a = decay_rate(A_log, i_hv, HAS_A_LOG)
+    bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
+    gl = _gate_tile(g + t0 * s_gt + i_hv * s_gh, o_t, cols, m, s_gt, a, bias, lower_bound, True, True)
+    b2 = tl.cumsum(gl.to(tl.float32), axis=0)
+    tl.store(b2_ws + (t0 * HV + i_hv) * K + o_t[:, None] * (HV * K) + cols[None, :], b2, mask=m)
+    tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(tl.sum(gl.to(tl.float32), 0)), mask=col_ok)
+
+
+@triton.jit
+def _b2_row(b2_ws, ws_base, r, n_rows, cols, HV: tl.constexpr, K: tl.constexpr):
+    """b2 of chunk row r (the last row of the sequence where r is past it: rows past it add 0)."""
+    return tl.load(b2_ws + ws_base + tl.minimum(r, n_rows - 1) * (HV * K) + cols, mask=cols < K, other=0.0)
+
+
+@triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws,
+    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     T, N, NT, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, CUMSUM_DTYPE: tl.constexpr,
+    B2_FROM_WS: tl.constexpr,
 ):
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
@@ -173,18 +213,30 @@ def _chunk_prepare_kernel(
             m = row_ok[:, None]
         else:
             m = row_ok[:, None] & col_ok[None, :]
-        bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
-        b2 = tl.cumsum(_gate_tile(g_h, o_t, cols, m, s_gt, a, bias, lower_bound, True, True).to(CUMSUM_DTYPE), axis=0)
-        b2_last = _row_of(b2, o_t, BT - 1)  # rows past the sequence add 0
+        if B2_FROM_WS:  # written by `_chunk_gate_kernel`; rows past the sequence take its last row's
+            b2_last = _b2_row(b2_ws, ws_base, BT - 1, n_rows, cols, HV, K)
+            b2 = tl.load(b2_ws + ws_base + ws + cols[None, :], mask=m, other=0.0)
+            b2 = tl.where(row_ok[:, None], b2, b2_last[None, :])
+            b2_q1 = _b2_row(b2_ws, ws_base, HALF // 2, n_rows, cols, HV, K)
+            b2_q3 = _b2_row(b2_ws, ws_base, HALF + HALF // 2, n_rows, cols, HV, K)
+            b2_mid = _b2_row(b2_ws, ws_base, HALF, n_rows, cols, HV, K)
+        else:
+            bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
+            gl = _gate_tile(g_h, o_t, cols, m, s_gt, a, bias, lower_bound, True, True)
+            b2 = tl.cumsum(gl.to(CUMSUM_DTYPE), axis=0)
+            b2_last = _row_of(b2, o_t, BT - 1)  # rows past the sequence add 0
+            b2_q1 = _row_of(b2, o_t, HALF // 2)
+            b2_q3 = _row_of(b2, o_t, HALF + HALF // 2)
+            b2_mid = _row_of(b2, o_t, HALF)
         kn = tl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
         qn = tl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
         # 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j): each half against itself anchored at its middle row (each
         # factor <= 2^115), second-half rows against first-half columns at the second half's first row (<= 1);
         # one dot per quadrant, its operands zero outside it
-        anc = tl.where(first_half, _row_of(b2, o_t, HALF // 2)[None, :], _row_of(b2, o_t, HALF + HALF // 2)[None, :])
+        anc = tl.where(first_half, b2_q1[None, :], b2_q3[None, :])
         e_row = tl.exp2((b2 - anc).to(tl.float32))
         e_col = tl.exp2((anc - b2).to(tl.float32))
-        a_mid = _row_of(b2, o_t, HALF)[None, :]
+        a_mid = b2_mid[None, :]
         x_row = tl.where(first_half, 0.0, tl.exp2((b2 - a_mid).to(tl.float32)))
         x_col = tl.where(first_half, tl.exp2((a_mid - b2).to(tl.float32)), 0.0)
         for quadrant in tl.static_range(3):
@@ -205,7 +257,8 @@ def _chunk_prepare_kernel(
         tl.store(qd_ws + ws_base + ws + cols[None, :], qn * d, mask=m)
         tl.store(kr_ws + ws_base + ws + cols[None, :], kn * tl.exp2((b2_last[None, :] - b2).to(tl.float32)), mask=m)
         tl.store(w_ws + ws_base + ws + cols[None, :], kn * d, mask=m)
-        tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2_last.to(tl.float32)), mask=col_ok)
+        if not B2_FROM_WS:
+            tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2_last.to(tl.float32)), mask=col_ok)
 
     valid = row_ok[:, None] & row_ok[None, :]
     L = tl.where(valid & (o_t[None, :] < o_t[:, None]), A_kk * b_beta[:, None], 0.0)
