@@ -128,8 +128,6 @@ class ChunkPlan:
     BC: int = SUB
     prepare_BK: int = 32  # K slice of the fused prepare
     prepare_warps: int = 4
-    prepare_stages: int = 1
-    prepare_maxnreg: int | None = None  # a register cap for the fused prepare (more programs per SM)
     cumsum_fp64: bool = True  # the fused prepare's cumulative decay in fp64 (fp32 inputs) or fp32
     gate_pass: bool = False  # the fp32 cumsum in `_chunk_gate_kernel` before the fused prepare (fp32 only)
     walk_BV: int = 32
@@ -151,6 +149,7 @@ def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
         prepare="fused" if bounded_gate(call) else "split",
         walk="segmented" if _segment(call, programs, BT) else "plain",
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
+        gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
         walk_BV=walk_BV, walk_stages=stages,
     )
     return replace(plan, **overrides) if overrides else plan
@@ -162,7 +161,7 @@ WALK_SMEM_BYTES = 227 * 1024 - 8192
 
 def _walk_stages(BT: int, BK: int, BV: int, ws_bytes: int) -> int:
     """Chunks of W, Qd, Kr, A_qk and U0 in flight in the walk: as many as shared memory holds, at most 3
-    (at K = V = 128 with fp16 workspaces: 3 stages 587 us, 2 stages 756 us at 1x16384 H=32)."""
+    (each stage timed faster at K = V = 128 with fp16 workspaces: docs/performance.md)."""
     per_stage = (3 * BT * BK + BT * BT) * ws_bytes + BT * BV * 4
     return max(1, min(3, WALK_SMEM_BYTES // per_stage))
 

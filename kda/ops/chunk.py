@@ -65,13 +65,12 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
                     g, A_log, dt_bias, cu, b2_ws, gt_ws, *g_beta[:2], T, N, NT, lower_bound,
                     HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, **gate, num_warps=4, num_stages=1,
                 )
-            extra = {"maxnreg": plan.prepare_maxnreg} if plan.prepare_maxnreg else {}
             _chunk_prepare_kernel[(n_chunks, HV)](
                 q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
                 *strides, token_stride(v, T), v.stride(2), *g_beta, T, N, NT, call.scale, lower_bound,
                 H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV, **gate,
                 CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
-                num_warps=plan.prepare_warps, num_stages=plan.prepare_stages, **extra, **common,
+                num_warps=plan.prepare_warps, num_stages=1, **common,
             )
         else:
             akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)

@@ -64,7 +64,13 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
     o_t = tl.arange(0, BT)
     # int32 offsets inside a chunk from int64 chunk bases: 64-bit per-element addresses cost registers
     ws_k = o_t[:, None] * (HV * K) + o_k[None, :]
+    # gt one chunk ahead: a plain load, so its latency would otherwise sit on the step's serial chain
+    gt_ptr = gt_ws + (p_first * HV + i_hv) * K + o_k
+    gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
     for t0 in range(t_begin, t_end, BT):
+        gt = gt_next
+        gt_ptr += HV * K
+        gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t0 + BT < t_end), other=0.0)
         row_ok = o_t < t_end - t0
         # no column mask where the tile covers the columns exactly: a mask that varies along a row keeps
         # loads scalar (no 16-byte vectors, no asynchronous copies for the pipeliner)
@@ -105,7 +111,6 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
             tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
                      mask=m_c)
         kr = tl.load(kr_ws + base_k + ws_k, mask=m_k, other=0.0)
-        gt = tl.load(gt_ws + ((p_first + (t0 - t_begin) // BT) * HV + i_hv) * K + o_k, mask=k_ok, other=0.0)
         if F16:
             S = S * gt[:, None] + tl.dot(tl.trans(kr), Ur) * (1.0 / pu)
         else:
