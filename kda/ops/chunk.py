@@ -1,9 +1,11 @@
-"""`chunk_kda`'s launches: the prepare stage (`kda.ops.chunk_prepare`: every chunk in parallel), then the
-serial state walk (`kda.ops.chunk_walk`), as `kda.plan.ChunkPlan` says. Together they equal
-`kda_reference.chunk.chunk_kda` (and so `kda_reference.recurrent_kda`).
+"""`chunk_kda`'s launches: the prepare stage (`kda.ops.chunk_prepare`: every chunk in parallel, after the
+gate pass where the plan has one), then the serial state walk (`kda.ops.chunk_walk`), as
+`kda.plan.ChunkPlan` says. Together they equal `kda_reference.chunk.chunk_kda` (and so
+`kda_reference.recurrent_kda`).
 
 Workspaces, token-major `[B*T, HV, *]` (gt per chunk): Qd, Kr, W in the plan's workspace dtype, U0 in
-fp32, A_qk in the workspace dtype (fused prepare) or fp32 (split prepare, which also needs A_kk and Kd).
+fp32, A_qk in the workspace dtype (fused prepare) or fp32 (split prepare, which also needs A_kk and Kd),
+b2 in fp32 (the gate pass).
 Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds.
 """
 

@@ -22,7 +22,10 @@ Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
   the diagonal 16 x 16 blocks take 2^(b_i - b_j) pairwise (every exponent <= 0), the cumsum in fp64.
 
 The cumulative decay b2 is summed in float64 for fp32 inputs: kernels use differences b2_i - b2_j of tokens
-up to a chunk apart, and b2 reaches -460 within a chunk at lb = -5, where fp32 keeps 3e-5 absolute.
+up to a chunk apart, and b2 reaches -460 within a chunk at lb = -5, where fp32 keeps 3e-5 absolute. With
+16-bit inputs it is an fp32 sum, which `_chunk_gate_kernel` takes before the fused prepare
+(`ChunkPlan.gate_pass`): the prepare then loads b2 and its anchor rows instead of scanning and reducing
+across its warps in every K slice.
 """
 
 from __future__ import annotations
