@@ -167,12 +167,13 @@ def _walk_stages(BT: int, BK: int, BV: int, ws_bytes: int) -> int:
 
 
 def _segment(call: KDACall, programs: int, BT: int) -> bool:
-    """Segment the walk when the plain walk leaves most of the GPU idle (at most half as many programs as
-    SMs) and the sequences are long (on average at least 4 segments), from shapes alone: no sync."""
+    """Segment the walk when the plain walk would keep at most a third of the SMs busy (the segmented walk
+    does about three times its work: docs/performance.md) and the sequences are long (on average at least 4
+    segments), from shapes alone: no sync."""
     if interpreting() or call.q.device.type != "cuda":
         return False
     avg_chunks = (call.B * call.T) / max(call.N, 1) / BT
-    return 2 * programs <= _sm_count(call.q.device.index or 0) and avg_chunks >= 4 * SEGMENT_CHUNKS
+    return 3 * programs <= _sm_count(call.q.device.index or 0) and avg_chunks >= 4 * SEGMENT_CHUNKS
 
 
 @dataclass(frozen=True)

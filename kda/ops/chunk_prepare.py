@@ -87,12 +87,6 @@ def _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b2, 
 
 
 @triton.jit
-def _exp2v(x):
-    """2^x of a per-channel vector (fp64 or fp32) in fp32."""
-    return tl.exp2(x.to(tl.float32))
-
-
-@triton.jit
 def _row_of(x, o_t, r):
     """Row r of the tile x ([BT, C], rows o_t) as a [C] vector."""
     return tl.sum(tl.where(o_t[:, None] == r, x, 0.0), 0)
@@ -245,11 +239,9 @@ def _chunk_prepare_kernel(
         anc = tl.where(first_half, b2_q1[None, :], b2_q3[None, :])
         e_row = tl.exp2((b2 - anc).to(tl.float32))
         e_col = tl.exp2((anc - b2).to(tl.float32))
-        # every other factor is one of these two times a per-channel one (two tiles of exponentials instead of
-        # six): 2^(a - a') for anchors 16 rows apart is a normal fp32 (>= 2^-118); one farther apart may
-        # underflow only where the product it scales is itself below 2^-126
-        x_row = tl.where(first_half, 0.0, e_row * _exp2v(b2_q3 - b2_mid)[None, :])  # 2^(b_i - b_32)
-        x_col = tl.where(first_half, e_col * _exp2v(b2_mid - b2_q1)[None, :], 0.0)  # 2^(b_32 - b_j)
+        a_mid = b2_mid[None, :]
+        x_row = tl.where(first_half, 0.0, tl.exp2((b2 - a_mid).to(tl.float32)))
+        x_col = tl.where(first_half, tl.exp2((a_mid - b2).to(tl.float32)), 0.0)
         for quadrant in tl.static_range(3):
             if quadrant == 0:
                 r = tl.where(first_half, e_row, 0.0)
@@ -264,11 +256,9 @@ def _chunk_prepare_kernel(
             A_kk += tl.dot(tf32_round(kn * r, DOT_PREC), kc, input_precision=DOT_PREC)
             A_qk += tl.dot(tf32_round(qn * r, DOT_PREC), kc, input_precision=DOT_PREC)
         # what the walk reads, and Kd parked in W's rows until X is known
-        # 2^b_i and 2^(b_last - b_i) likewise (2^b_16 >= 2^-126 for |lb| <= 5.11: 17 tokens)
-        d = tl.where(first_half, e_row * _exp2v(b2_q1)[None, :], x_row * _exp2v(b2_mid)[None, :])
-        kr = tl.where(first_half, x_col * _exp2v(b2_last - b2_mid)[None, :], e_col * _exp2v(b2_last - b2_q3)[None, :])
+        d = tl.exp2(b2.to(tl.float32))
         tl.store(qd_ws + ws_base + ws + cols[None, :], qn * d, mask=m)
-        tl.store(kr_ws + ws_base + ws + cols[None, :], kn * kr, mask=m)
+        tl.store(kr_ws + ws_base + ws + cols[None, :], kn * tl.exp2((b2_last[None, :] - b2).to(tl.float32)), mask=m)
         tl.store(w_ws + ws_base + ws + cols[None, :], kn * d, mask=m)
         if not B2_FROM_WS:
             tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2_last.to(tl.float32)), mask=col_ok)
