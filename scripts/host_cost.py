@@ -6,8 +6,9 @@ At the benchmark's serving shapes (K = V = 128, bf16 q/k/v, fp32 raw gate with t
 gate, q/k l2norm and beta sigmoid in the kernel, fp32 state), per case: `kda.contract.check_call`, the
 plan (`decode_plan` or `chunk_plan`), and the whole public call with every Triton launch stubbed out
 (validation, plan, allocations, argument assembly: the Python around the launches), in microseconds per
-call (the best of 5 rounds of `--calls` calls). Triton's own launch cost is not in these numbers (it
-needs a GPU). The tensors live on the `meta` device by default: no memory behind them, so `torch.empty`
+call (the best of 5 rounds of `--calls` calls, timed by this thread's CPU time, `time.thread_time`, so
+that other processes on a shared machine do not count). Triton's own launch cost is not in these numbers
+(it needs a GPU). The tensors live on the `meta` device by default: no memory behind them, so `torch.empty`
 costs about what CUDA's caching allocator does (a CPU allocation of a large workspace costs more), and
 the CPU-only interpreter check is skipped as on a GPU. `--profile CASE` prints cProfile's top entries of
 that case's stubbed call.
@@ -110,10 +111,10 @@ def per_call_us(f, calls: int, rounds: int = 5) -> float:
     f()
     best = float("inf")
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         for _ in range(calls):
             f()
-        best = min(best, (time.perf_counter() - t0) / calls)
+        best = min(best, (time.thread_time() - t0) / calls)
     return best * 1e6
 
 
@@ -124,7 +125,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a case name (or a unique part of one) to profile")
     a = ap.parse_args()
     stub_launches()
-    print(f"torch {torch.__version__}, {a.device} tensors; us per call, best of 5 x {a.calls} calls")
+    print(f"torch {torch.__version__}, {a.device} tensors; CPU us per call, best of 5 x {a.calls} calls")
     print(f"{'case':40s} {'check_call':>10s} {'plan':>8s} {'call':>8s}")
     for name, (fn, args, kw) in cases(a.device).items():
         check = checked(fn, args, kw)
