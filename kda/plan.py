@@ -69,8 +69,9 @@ class StatePlan:
     def pointers(self, stand_in: torch.Tensor) -> tuple:
         """(src, dst, slot_of_seq, has_initial_state) with `stand_in` for the absent ones (never read: the
         kernels' matching constexpr flags are off)."""
-        return tuple(x if x is not None else stand_in
-                     for x in (self.src, self.dst, self.slot_of_seq, self.has_initial_state))
+        src, dst, slots, flags = self.src, self.dst, self.slot_of_seq, self.has_initial_state
+        return (stand_in if src is None else src, stand_in if dst is None else dst,
+                stand_in if slots is None else slots, stand_in if flags is None else flags)
 
     def flags(self, v_first: bool) -> dict:
         return dict(HAS_SRC=self.src is not None, HAS_DST=self.dst is not None, PAGED=self.paged,
