@@ -8,10 +8,23 @@ custom ops"."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import library
 from .contract import check_call
+
+
+@functools.cache
+def _launchers():
+    """(chunk_kda_fwd, fused_recurrent_kda_fwd), imported at the first call, not with this module (the
+    kernels are defined on import, which must follow TRITON_INTERPRET), and looked up once: an import
+    statement in the call path costs microseconds per call."""
+    from .ops.chunk import chunk_kda_fwd
+    from .ops.fused_recurrent import fused_recurrent_kda_fwd
+
+    return chunk_kda_fwd, fused_recurrent_kda_fwd
 
 
 def _through_op(op, q, k, v, g, beta, scale, initial_state, output_final_state, *, cu_seqlens_cpu, state_cache,
@@ -71,20 +84,25 @@ def chunk_kda(
     `has_initial_state` (bool `[N]`, required). fp32, fp16 or bf16 storage; the recurrence
     accumulates in fp32 and only the store rounds (to nearest even).
     """
-    kw = dict(
+    if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
+        return _through_op(
+            library.chunk_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+            state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
+            state_dtype=state_dtype, out=out,
+        )
+    # the plain path passes its keywords directly: a dict built for both paths costs a microsecond a call
+    call = check_call(
+        "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
         state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
-        state_dtype=state_dtype, out=out,
+        state_dtype=state_dtype, out=out, require_has_initial_state=True,
     )
-    if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
-        return _through_op(library.chunk_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state, **kw)
-    call = check_call("chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
-                      require_has_initial_state=True, **kw)
-    from .ops.chunk import chunk_kda_fwd
-
-    return chunk_kda_fwd(call)
+    return _launchers()[0](call)
 
 
 def fused_recurrent_kda(
@@ -127,18 +145,22 @@ def fused_recurrent_kda(
     the same seed and inputs give the same bits. Pass a different seed per decode step (e.g. the step
     number), or the same noise repeats every step.
     """
-    kw = dict(
+    if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
+        return _through_op(
+            library.fused_recurrent_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
+            state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
+            state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
+        )
+    call = check_call(
+        "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
         state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
         state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
+        require_has_initial_state=False,
     )
-    if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
-        return _through_op(library.fused_recurrent_kda_op, q, k, v, g, beta, scale, initial_state,
-                           output_final_state, **kw)
-    call = check_call("fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
-                      require_has_initial_state=False, **kw)
-    from .ops.fused_recurrent import fused_recurrent_kda_fwd
-
-    return fused_recurrent_kda_fwd(call, stochastic_rounding=stochastic_rounding, seed=seed)
+    return _launchers()[1](call, stochastic_rounding=stochastic_rounding, seed=seed)

@@ -48,9 +48,12 @@ def debug_enabled() -> bool:
     """`KDA_DEBUG` on turns on the checks that read device memory back to the host (they sync). Read at
     call time; an undocumented value raises instead of being taken as on or off."""
     value = os.environ.get("KDA_DEBUG", "")
-    if value.strip().lower() in DEBUG_OFF:
+    if not value:  # unset: the common case, no string work
         return False
-    if value.strip().lower() in DEBUG_ON:
+    word = value.strip().lower()
+    if word in DEBUG_OFF:
+        return False
+    if word in DEBUG_ON:
         return True
     raise ValueError(f"KDA_DEBUG={value!r} is not a documented value: use 1/true/on/yes to turn the debug "
                      "checks on, or 0/false/off/no (or leave it unset) for off")
@@ -61,9 +64,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class KDACall:
-    """A validated call. Shapes: q, k `[B, T, H, K]`; v `[B, T, HV, V]`; g `[B, T, HV, K]`; beta `[B, T, HV]`.
+    """A validated call, read-only by convention (not frozen: a frozen dataclass of this size costs several
+    microseconds to build, paid on every call). Shapes: q, k `[B, T, H, K]`; v `[B, T, HV, V]`; g
+    `[B, T, HV, K]`; beta `[B, T, HV]`.
 
     State is described uniformly as a source pool and a destination pool of dense planes:
     `state_mode` is "none", "dense" or "paged"; `state_in` is the pool read (the dense `initial_state`
@@ -109,14 +114,16 @@ class KDACall:
         return (self.HV, self.V, self.K) if self.state_v_first else (self.HV, self.K, self.V)
 
 
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _require_tensor(name: str, x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     return x
 
 
-def _require_float(name: str, x: torch.Tensor, allowed=None) -> None:
-    allowed = allowed or (torch.float32, torch.float16, torch.bfloat16)
+def _require_float(name: str, x: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
     if x.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
         raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
@@ -125,6 +132,12 @@ def _require_float(name: str, x: torch.Tensor, allowed=None) -> None:
 def _require_shape(name: str, x: torch.Tensor, shape: tuple, what: str) -> None:
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {what} = {list(shape)}, got {list(x.shape)}")
+
+
+def _bad_token_layout(strides: tuple, last: int, B: int, T: int) -> bool:
+    """`_check_token_layout`'s condition from one `stride()` tuple (`last`: the last dimension's size, 1 when
+    it need not be contiguous)."""
+    return (last > 1 and strides[-1] != 1) or (B > 1 and T > 1 and strides[0] != T * strides[1])
 
 
 def _check_token_layout(name: str, x: torch.Tensor, B: int, T: int, last_unit: bool = True) -> None:
@@ -139,15 +152,17 @@ def _check_token_layout(name: str, x: torch.Tensor, B: int, T: int, last_unit: b
 
 def _check_plane_pool(name: str, pool: torch.Tensor, plane: tuple[int, int, int], what: str) -> None:
     """A pool of dense planes: dims 1..3 contiguous, the slot stride at least one plane."""
-    if pool.dim() != 4 or tuple(pool.shape[1:]) != plane:
+    shape = pool.shape
+    if len(shape) != 4 or shape[1:] != plane:
         raise ValueError(f"{name} must have shape {what} = [*, {', '.join(map(str, plane))}], "
-                         f"got {list(pool.shape)}")
+                         f"got {list(shape)}")
     hv, a, b = plane
-    if (b > 1 and pool.stride(3) != 1) or (a > 1 and pool.stride(2) != b) or (hv > 1 and pool.stride(1) != a * b):
+    st = pool.stride()
+    if (b > 1 and st[3] != 1) or (a > 1 and st[2] != b) or (hv > 1 and st[1] != a * b):
         raise ValueError(f"{name} must hold dense [{hv}, {a}, {b}] planes (strides [*, {a * b}, {b}, 1]), "
-                         f"got strides {list(pool.stride())}")
-    if pool.shape[0] > 1 and pool.stride(0) < hv * a * b:
-        raise ValueError(f"{name}.stride(0) must be at least one plane ({hv * a * b}), got {pool.stride(0)}")
+                         f"got strides {list(st)}")
+    if shape[0] > 1 and st[0] < hv * a * b:
+        raise ValueError(f"{name}.stride(0) must be at least one plane ({hv * a * b}), got {st[0]}")
 
 
 def _check_state_pool(name: str, pool, plane: tuple[int, int, int], what: str, device: torch.device,
@@ -169,22 +184,20 @@ def _check_per_sequence(name: str, x, dtype: torch.dtype, N: int, device: torch.
     _require_tensor(name, x)
     if x.dtype != dtype:
         raise TypeError(f"{name} must be {str(dtype).replace('torch.', '')}, got {x.dtype}")
-    if tuple(x.shape) != (N,) or x.device != device:
+    if x.shape != (N,) or x.device != device:
         raise ValueError(f"{name} must be [N] = [{N}] on {device}, got {list(x.shape)} on {x.device}")
     if N > 1 and x.stride(0) != 1:
         raise ValueError(f"{name} must be contiguous")
 
 
 def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    start = x.data_ptr()
     if x.numel() == 0:
-        return (x.data_ptr(), x.data_ptr())
-    extent = sum((s - 1) * st for s, st in zip(x.shape, x.stride())) + 1
-    return (x.data_ptr(), x.data_ptr() + extent * x.element_size())
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
-    return a0 < b1 and b0 < a1
+        return (start, start)
+    extent = 1
+    for size, stride in zip(x.shape, x.stride()):
+        extent += (size - 1) * stride
+    return (start, start + extent * x.element_size())
 
 
 def check_call(
@@ -242,42 +255,59 @@ def check_call(
 
 def _check_inputs(fn: str, q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
     """q, k, v, g, beta: tensors on one device (CPU only in the interpreter), dtypes, shapes, head dims and
-    token strides. Returns (B, T, H, HV, K, V)."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _require_tensor(name, x)
+    token strides. Returns (B, T, H, HV, K, V). Each check is one condition on the hot path; the loops that
+    name the offending argument run only once a condition fails."""
+    named = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))
+    Tensor = torch.Tensor
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and isinstance(g, Tensor)
+            and isinstance(beta, Tensor)):
+        for name, x in named:
+            _require_tensor(name, x)
     device = q.device
-    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but q is on {device}; all tensors must share a device")
-    if device.type == "cpu" and not interpreting():
+    if k.device != device or v.device != device or g.device != device or beta.device != device:
+        for name, x in named[1:]:
+            if x.device != device:
+                raise ValueError(f"{name} is on {x.device} but q is on {device}; all tensors must share a device")
+    if q.is_cpu and not interpreting():
         raise ValueError(
             f"kda.{fn} got CPU tensors: the Triton kernels run on CPU only in the interpreter "
             "(set TRITON_INTERPRET=1 before importing kda; slow), or use the PyTorch oracle "
             f"kda_reference.{'chunk_kda' if fn == 'chunk_kda' else 'recurrent_kda'}")
+    dtype = q.dtype
     _require_float("q", q, INPUT_DTYPES)
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    if k.dtype != dtype or v.dtype != dtype:
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != dtype:
+                raise TypeError(f"{name} must have q's dtype {dtype}, got {x.dtype}")
     _require_float("g", g)
     _require_float("beta", beta)
-    if q.dim() != 4:
-        raise ValueError(f"q must be 4-D [B, T, H, K], got shape {list(q.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4:
-        raise ValueError(f"v must be 4-D [B, T, HV, V], got shape {list(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    _require_shape("k", k, (B, T, H, K), "[B, T, H, K]")
-    _require_shape("v", v, (B, T, HV, V), "[B, T, HV, V]")
-    _require_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
-    _require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    q_shape, v_shape = q.shape, v.shape
+    if len(q_shape) != 4:
+        raise ValueError(f"q must be 4-D [B, T, H, K], got shape {list(q_shape)}")
+    B, T, H, K = q_shape
+    if len(v_shape) != 4:
+        raise ValueError(f"v must be 4-D [B, T, HV, V], got shape {list(v_shape)}")
+    HV, V = v_shape[2], v_shape[3]
+    if k.shape != q_shape:
+        _require_shape("k", k, (B, T, H, K), "[B, T, H, K]")
+    if v_shape[0] != B or v_shape[1] != T:
+        _require_shape("v", v, (B, T, HV, V), "[B, T, HV, V]")
+    if g.shape != (B, T, HV, K):
+        _require_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    if beta.shape != (B, T, HV):
+        _require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
     if H < 1 or HV < 1 or HV % H != 0:
         raise ValueError(f"the value heads HV={HV} (v.shape[2]) must be a positive multiple of the q/k heads H={H}")
-    for dim_name, d in (("K", K), ("V", V)):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim {dim_name}={d} is outside the supported 1..{MAX_HEAD_DIM}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
-        _check_token_layout(name, x, B, T)
-    _check_token_layout("beta", beta, B, T, last_unit=False)
+    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
+        for dim_name, d in (("K", K), ("V", V)):
+            if not 1 <= d <= MAX_HEAD_DIM:
+                raise ValueError(f"head dim {dim_name}={d} is outside the supported 1..{MAX_HEAD_DIM}")
+    bad = _bad_token_layout
+    if (bad(q.stride(), K, B, T) or bad(k.stride(), K, B, T) or bad(v.stride(), V, B, T)
+            or bad(g.stride(), K, B, T) or bad(beta.stride(), 1, B, T)):
+        for name, x in named[:4]:
+            _check_token_layout(name, x, B, T)
+        _check_token_layout("beta", beta, B, T, last_unit=False)
     return B, T, H, HV, K, V
 
 
@@ -294,9 +324,10 @@ def _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int, K
     """The in-kernel gate's parameters: only with `use_gate_in_kernel`; A_log `[HV]`, dt_bias `[HV*K]` or
     `[HV, K]`, lower_bound finite and < 0. Returns lower_bound as a float (or None)."""
     if not use_gate_in_kernel:
-        for name, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
-            if x is not None:
-                raise ValueError(f"{name} is only used with use_gate_in_kernel=True; it was given without it")
+        if A_log is not None or dt_bias is not None or lower_bound is not None:
+            for name, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+                if x is not None:
+                    raise ValueError(f"{name} is only used with use_gate_in_kernel=True; it was given without it")
         return None
     if A_log is not None:
         _require_tensor("A_log", A_log)
@@ -309,7 +340,7 @@ def _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int, K
     if dt_bias is not None:
         _require_tensor("dt_bias", dt_bias)
         _require_float("dt_bias", dt_bias)
-        if tuple(dt_bias.shape) not in ((HV * K,), (HV, K)) or dt_bias.device != device:
+        if dt_bias.shape not in ((HV * K,), (HV, K)) or dt_bias.device != device:
             raise ValueError(f"dt_bias must be [HV*K] = [{HV * K}] or [HV, K] = [{HV}, {K}] on {device}, "
                              f"got {list(dt_bias.shape)} on {dt_bias.device}")
         if not dt_bias.is_contiguous():
@@ -348,8 +379,10 @@ def _check_sequences(cu_seqlens, cu_seqlens_cpu, q: torch.Tensor, B: int, T: int
         host = _host_bounds(cu_seqlens_cpu)
         if len(host) != N + 1:
             raise ValueError(f"cu_seqlens_cpu has {len(host)} entries, cu_seqlens has {N + 1}")
-        _check_bounds("cu_seqlens_cpu", host, T)
-        one_token_per_seq = host == list(range(N + 1))
+        # 0, 1, ..., N (a decode batch) are valid bounds when T == N: the general check is then redundant
+        one_token_per_seq = T == N and host == list(range(N + 1))
+        if not one_token_per_seq:
+            _check_bounds("cu_seqlens_cpu", host, T)
     if debug:
         dev = cu_seqlens.tolist()
         _check_bounds("cu_seqlens", dev, T)
@@ -400,9 +433,10 @@ def _check_state(fn: str, initial_state, output_final_state, state_cache, state_
             if len(set(live)) != len(live):
                 raise ValueError("state_indices names one slot twice (KDA_DEBUG check)")
         return "paged", state_cache, state_cache.dtype
-    for name, x in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
-        if x is not None:
-            raise ValueError(f"{name} belongs to the paged contract and needs state_cache")
+    if state_indices is not None or has_initial_state is not None:
+        for name, x in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
+            if x is not None:
+                raise ValueError(f"{name} belongs to the paged contract and needs state_cache")
     if initial_state is not None:
         _check_state_pool("initial_state", initial_state, plane, "[N, " + plane_txt, device, state_dtype)
         if initial_state.shape[0] != N:
@@ -420,15 +454,15 @@ def _check_out(out, inputs, state_in, B: int, T: int, HV: int, V: int, dtype, de
     if out is None:
         return
     _require_tensor("out", out)
-    if tuple(out.shape) != (B, T, HV, V) or out.dtype != dtype or out.device != device:
+    if out.shape != (B, T, HV, V) or out.dtype != dtype or out.device != device:
         raise ValueError(f"out must be [B, T, HV, V] = {[B, T, HV, V]} of dtype {dtype} on {device}, "
                          f"got {list(out.shape)} {out.dtype} on {out.device}")
     _check_token_layout("out", out, B, T)
-    for name, x in zip(("q", "k", "v", "g", "beta"), inputs):
-        if _overlaps(out, x):
+    o0, o1 = _byte_span(out)  # once, not once per tensor it is compared with
+    for name, x in zip(("q", "k", "v", "g", "beta", "the state"), (*inputs, state_in)):
+        # x's end is needed only when x starts before out's end
+        if x is not None and x.data_ptr() < o1 and o0 < _byte_span(x)[1]:
             raise ValueError(f"out overlaps {name}; it must be a separate buffer")
-    if state_in is not None and _overlaps(out, state_in):
-        raise ValueError("out overlaps the state; it must be a separate buffer")
 
 
 def _check_rounding(stochastic_rounding, seed, state_dtype: torch.dtype, mode: str, output_final_state) -> None:
@@ -449,12 +483,21 @@ def _check_rounding(stochastic_rounding, seed, state_dtype: torch.dtype, mode: s
 
 
 def _host_bounds(cu_seqlens_cpu) -> list[int]:
-    if isinstance(cu_seqlens_cpu, torch.Tensor):
-        if cu_seqlens_cpu.device.type != "cpu":
-            raise ValueError(f"cu_seqlens_cpu must live on the host, got a tensor on {cu_seqlens_cpu.device}")
-        return [int(x) for x in cu_seqlens_cpu.tolist()]
+    """The host bounds as a list of Python ints."""
+    bounds = cu_seqlens_cpu
+    if isinstance(bounds, torch.Tensor):
+        if not bounds.is_cpu:
+            raise ValueError(f"cu_seqlens_cpu must live on the host, got a tensor on {bounds.device}")
+        bounds = bounds.tolist()
+    if type(bounds) in (list, tuple):
+        try:
+            # an int sum (taken in C) means int entries only: nothing to convert, no O(N) Python loop
+            if type(sum(bounds)) is int:
+                return list(bounds)
+        except TypeError:
+            pass
     try:
-        return [int(x) for x in cu_seqlens_cpu]
+        return list(map(int, bounds))
     except TypeError:
         raise TypeError(f"cu_seqlens_cpu must be a CPU tensor or a sequence of ints, got "
                         f"{type(cu_seqlens_cpu).__name__}") from None
@@ -463,5 +506,5 @@ def _host_bounds(cu_seqlens_cpu) -> list[int]:
 def _check_bounds(name: str, bounds: list[int], T: int) -> None:
     if bounds[0] != 0 or bounds[-1] != T:
         raise ValueError(f"{name} must start at 0 and end at T={T}, got {bounds[0]} .. {bounds[-1]}")
-    if any(b < a for a, b in zip(bounds, bounds[1:])):
+    if sorted(bounds) != bounds:  # one C pass over sorted input
         raise ValueError(f"{name} must be non-decreasing")

@@ -16,7 +16,6 @@ import functools
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
 from .contract import KDACall, interpreting
 
@@ -29,9 +28,28 @@ SEGMENT_CHUNKS = 16  # G: chunks per segment of the segmented walk
 BOUNDED_GATE_MAX_LOG2_SPAN = 118.0
 
 
-@dataclass(frozen=True)
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` as plain Python: Triton's is a constexpr function, several microseconds a call."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` (n >= 0) as plain Python, for the same reason."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+@functools.cache
+def interpreted() -> bool:
+    """Whether the kernels run in the interpreter, read once: `triton.jit` chose the interpreter or the
+    compiler once, when the kernels of `kda.ops` were defined, so reading `TRITON_INTERPRET` at every call
+    would cost time without following a later change."""
+    return interpreting()
+
+
+@dataclass(slots=True)
 class StatePlan:
-    """Where the kernels read and write state: pools of dense planes (`KDACall` explains why)."""
+    """Where the kernels read and write state: pools of dense planes (`KDACall` explains why). Built per
+    call, read-only by convention (not frozen, which would cost microseconds per call)."""
 
     src: torch.Tensor | None  # the pool read (dense initial_state or the paged state_cache)
     dst: torch.Tensor | None  # the pool written (the dense final state, or state_cache itself: in place)
@@ -51,8 +69,9 @@ class StatePlan:
     def pointers(self, stand_in: torch.Tensor) -> tuple:
         """(src, dst, slot_of_seq, has_initial_state) with `stand_in` for the absent ones (never read: the
         kernels' matching constexpr flags are off)."""
-        return tuple(x if x is not None else stand_in
-                     for x in (self.src, self.dst, self.slot_of_seq, self.has_initial_state))
+        src, dst, slots, flags = self.src, self.dst, self.slot_of_seq, self.has_initial_state
+        return (stand_in if src is None else src, stand_in if dst is None else dst,
+                stand_in if slots is None else slots, stand_in if flags is None else flags)
 
     def flags(self, v_first: bool) -> dict:
         return dict(HAS_SRC=self.src is not None, HAS_DST=self.dst is not None, PAGED=self.paged,
@@ -87,7 +106,7 @@ def dot_precision(input_dtype: torch.dtype) -> str:
     """Precision of the fp32 dots: exact ("ieee") for fp32 inputs and in the interpreter (a caller passing
     fp32 asks for fp32 accuracy); tf32 for bf16/fp16 inputs, with every fp32 operand rounded to nearest
     tf32 before the dot (`kda.ops.common.tf32_round`), so its 2^-11 rounding stays below the inputs' own."""
-    if interpreting() or input_dtype == torch.float32:
+    if interpreted() or input_dtype == torch.float32:
         return "ieee"
     return "tf32"
 
@@ -101,12 +120,12 @@ def bounded_gate(call: KDACall) -> bool:
             and -call.lower_bound * LOG2E * 16 <= BOUNDED_GATE_MAX_LOG2_SPAN)
 
 
-def workspace_dtype(call: KDACall) -> torch.dtype:
+def workspace_dtype(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool) -> torch.dtype:
     """Storage of Qd, Kr, W and A_qk, the bulk of what the walk reads per chunk. fp16 when the inputs are
     16-bit and q, k are l2-normalised in the kernel: then |Qd| <= scale, |Kd|, |Kr| <= 1, |A_qk| <= scale,
     W = X diag(beta) Kd stays within fp16's range, and fp16's 11-bit significand is what the tf32 dots
     that consume them keep. Otherwise fp32 (raw q, k have no bound; fp32 inputs ask for fp32 accuracy)."""
-    if call.q.dtype != torch.float32 and call.use_qk_l2norm_in_kernel:
+    if input_dtype != torch.float32 and qk_l2norm_in_kernel:
         return torch.float16
     return torch.float32
 
@@ -138,21 +157,31 @@ class ChunkPlan:
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
     """The plan of a `chunk_kda` call (module docstring); `overrides` replace any field (tests)."""
-    BT = CHUNK
-    prec = dot_precision(call.q.dtype)
-    ws_dtype = workspace_dtype(call)
-    BK = max(16, triton.next_power_of_2(call.K))
-    walk_BV = 32 if call.V > 16 else 16
-    stages = _walk_stages(BT, BK, walk_BV, ws_dtype.itemsize)
-    programs = call.N * call.HV * triton.cdiv(call.V, walk_BV)
-    plan = ChunkPlan(
-        prepare="fused" if bounded_gate(call) else "split",
-        walk="segmented" if _segment(call, programs, BT) else "plain",
+    walk_BV = _walk_bv(call.V)
+    segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
+    plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented)
+    return replace(plan, **overrides) if overrides else plan
+
+
+def _walk_bv(V: int) -> int:
+    return 32 if V > 16 else 16
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool, K: int, V: int,
+                segmented: bool) -> ChunkPlan:
+    """`chunk_plan` from what determines it, cached: one frozen plan shared by every call that agrees."""
+    prec = dot_precision(input_dtype)
+    ws_dtype = workspace_dtype(input_dtype, qk_l2norm_in_kernel)
+    BK = max(16, next_power_of_2(K))
+    walk_BV = _walk_bv(V)
+    return ChunkPlan(
+        prepare="fused" if fused else "split",
+        walk="segmented" if segmented else "plain",
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
-        walk_BV=walk_BV, walk_stages=stages,
+        walk_BV=walk_BV, walk_stages=_walk_stages(CHUNK, BK, walk_BV, ws_dtype.itemsize),
     )
-    return replace(plan, **overrides) if overrides else plan
 
 
 # Hopper's shared memory per block (227 KiB), less what the walk keeps besides its prefetched chunks
@@ -170,7 +199,7 @@ def _segment(call: KDACall, programs: int, BT: int) -> bool:
     """Segment the walk when the plain walk would keep at most a third of the SMs busy (the segmented walk
     does about three times its work: docs/performance.md) and the sequences are long (on average at least 4
     segments), from shapes alone: no sync."""
-    if interpreting() or call.q.device.type != "cuda":
+    if not call.q.is_cuda or interpreted():
         return False
     avg_chunks = (call.B * call.T) / max(call.N, 1) / BT
     return 3 * programs <= _sm_count(call.q.device.index or 0) and avg_chunks >= 4 * SEGMENT_CHUNKS
@@ -199,15 +228,22 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -
     - One token per sequence (`KDACall.one_token_per_seq`) with a V-first pool: the one-token kernel, NSUB 4
       blocks of BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32.
     `overrides` replace any field (tests)."""
-    K, V, v_first = call.K, call.V, call.state_v_first
-    state_bytes = call.state_dtype.itemsize
-    BK = max(16, triton.next_power_of_2(K))
+    plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
+                        bool(stochastic_rounding))
+    return replace(plan, **overrides) if overrides else plan
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_token_per_seq: bool,
+                 stochastic_rounding: bool) -> DecodePlan:
+    """`decode_plan` from what determines it, cached: one frozen plan shared by every call that agrees."""
+    state_bytes = state_dtype.itemsize
+    BK = max(16, next_power_of_2(K))
     if v_first:
         BV = 8 if (V <= 8 or state_bytes == 2) else 16
     else:
-        BV = min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V)))
-    num_warps = 1 if interpreting() else max(1, min(8, BK * BV // 2048))
-    nsub = (4 if state_bytes == 2 else 1) if (call.one_token_per_seq and v_first) else 0
-    sr = SR_MODES[call.state_dtype] if stochastic_rounding else 0
-    plan = DecodePlan(BK, BV, num_warps, nsub, sr)
-    return replace(plan, **overrides) if overrides else plan
+        BV = min(64 if BK <= 128 else 32, max(16, next_power_of_2(V)))
+    num_warps = 1 if interpreted() else max(1, min(8, BK * BV // 2048))
+    nsub = (4 if state_bytes == 2 else 1) if (one_token_per_seq and v_first) else 0
+    sr = SR_MODES[state_dtype] if stochastic_rounding else 0
+    return DecodePlan(BK, BV, num_warps, nsub, sr)

@@ -208,11 +208,14 @@ def test_vectorised_recurrence_equals_the_oracle():
 def test_the_committed_quick_report_holds_on_this_tree(tmp_path, capsys):
     """The committed accuracy_reports/quick-cpu/report.json (read from git at HEAD, so a report the user
     regenerated in the working tree is not its own baseline) describes this tree: the quick preset's numbers
-    stay within --check's documented factor of it."""
+    stay within --check's documented factor of it. Every section but decode, whose long recurrences are
+    60% of the preset's work (`nox -s accuracy -- --check committed` runs it too); the decode kernels'
+    accuracy is held by tests/test_fused_recurrent.py against the oracle."""
     try:
         check.committed_report("quick", "cpu")
     except FileNotFoundError as err:
         pytest.skip(f"no committed quick-cpu report to compare with: {err}")
+    sections = "length,dtype_matrix,chunked_prefill,varlen,paged,adversarial"
     rc = main(["--preset", "quick", "--device", "cpu", "--out-dir", str(tmp_path), "--quiet", "--no-plots",
-               "--check", "committed"])
+               "--sections", sections, "--check", "committed"])
     assert rc == 0, capsys.readouterr().out[-3000:]

@@ -12,11 +12,10 @@ Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host c
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from ..contract import KDACall
-from ..plan import ChunkPlan, chunk_plan, gate_args, output_buffer, state_plan
+from ..plan import ChunkPlan, cdiv, chunk_plan, gate_args, next_power_of_2, output_buffer, state_plan
 from .chunk_prepare import _chunk_gate_kernel, _chunk_intra_kernel, _chunk_prepare_kernel, _chunk_solve_kernel
 from .chunk_walk import (
     _chunk_state_kernel,
@@ -38,8 +37,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     BT, dev = plan.BT, call.q.device
     varlen = call.cu_seqlens is not None
     total = B * T
-    NT = triton.cdiv(T, BT)
-    BK = max(16, triton.next_power_of_2(K))  # the K tile that covers K (walk) or its slices (split prepare)
+    NT = cdiv(T, BT)
+    BK = max(16, next_power_of_2(K))  # the K tile that covers K (walk) or its slices (split prepare)
     n_chunks = (T // BT + N) if varlen else B * NT  # prepare programs (`locate_block`)
     cu = call.cu_seqlens if varlen else call.q  # stand-in when dense
     ws_dtype, prec = plan.ws_dtype, plan.dot_prec
@@ -56,14 +55,14 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         A_log, dt_bias, lower_bound = gate_args(call)
         strides = (token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2))
         g_beta = (token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2))
-        BV = min(64, max(16, triton.next_power_of_2(V)))
+        BV = min(64, max(16, next_power_of_2(V)))
         common = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
         if fused:
             gate = dict(HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None)
             b2_ws = gt_ws
             if plan.gate_pass:
                 b2_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
-                _chunk_gate_kernel[(n_chunks, HV, triton.cdiv(K, plan.prepare_BK))](
+                _chunk_gate_kernel[(n_chunks, HV, cdiv(K, plan.prepare_BK))](
                     g, A_log, dt_bias, cu, b2_ws, gt_ws, *g_beta[:2], T, N, NT, lower_bound,
                     HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, **gate, num_warps=4, num_stages=1,
                 )
@@ -93,7 +92,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
 
     # the walk
     BV = plan.walk_BV
-    n_vb = triton.cdiv(V, BV)
+    n_vb = cdiv(V, BV)
     pools = st.pointers(gt_ws)
     flags = st.flags(call.state_v_first)
     walk_ws = (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws)
@@ -106,14 +105,14 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         )
         return o, st.final_state
     G = plan.segment_chunks
-    NSEG = triton.cdiv(T, BT * G)
+    NSEG = cdiv(T, BT * G)
     n_seg = (T // (BT * G) + N) if varlen else B * NSEG
     a_seg = torch.empty((max(n_seg, 1), HV, K, K), dtype=torch.float32, device=dev)
     b_seg = torch.empty((max(n_seg, 1), HV, K, V), dtype=torch.float32, device=dev)
     h_seg = torch.empty((max(n_seg, 1), HV, K, V), dtype=torch.float32, device=dev)
     shape = dict(HV=HV, K=K, V=V, BT=BT, G=G, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec)
     if n_seg > 0:
-        _segment_summary_kernel[(n_vb + triton.cdiv(K, BV), n_seg, HV)](
+        _segment_summary_kernel[(n_vb + cdiv(K, BV), n_seg, HV)](
             cu, w_ws, u_ws, kr_ws, gt_ws, a_seg, b_seg, T, N, NT, NSEG, **shape,
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )

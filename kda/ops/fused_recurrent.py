@@ -67,8 +67,8 @@ import triton
 import triton.language as tl
 
 from ..contract import KDACall
-from ..plan import DecodePlan, decode_plan, gate_args, output_buffer, state_plan
-from .common import decay_rate, dt_bias_slice, kda_gate_log2, round_to, seq_bounds, slot_of, token_stride
+from ..plan import DecodePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
+from .common import decay_rate, dt_bias_slice, kda_gate_log2, round_to, seq_bounds, slot_of
 
 # store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
 # 1 stochastic bf16, 2 stochastic fp16
@@ -362,18 +362,20 @@ def fused_recurrent_kda_fwd(
     (o, final_state); final_state is None for the paged contract (the pool is written in place) and when no
     final state was asked for."""
     plan = plan or decode_plan(call, stochastic_rounding)
-    T, H, HV, K, V, N = call.T, call.H, call.HV, call.K, call.V, call.N
     o = output_buffer(call)
     st = state_plan(call)
+    N = call.N
     if N == 0:
         return o, st.final_state
+    T, H, HV, K, V = call.T, call.H, call.HV, call.K, call.V
     varlen = call.cu_seqlens is not None
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     A_log, dt_bias, lower_bound = gate_args(call)
     BK, BV = plan.BK, plan.BV
-    strides = (token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2),
-               token_stride(v, T), v.stride(2), token_stride(g, T), g.stride(2),
-               token_stride(beta, T), beta.stride(2), token_stride(o, T), o.stride(2),
+    # one stride() tuple per tensor; the token stride is stride(1), or stride(0) when T == 1 (`token_stride`)
+    t = 1 if T > 1 else 0
+    sq, sk, sv, sg, sb, so = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride(), o.stride()
+    strides = (sq[t], sq[2], sk[t], sk[2], sv[t], sv[2], sg[t], sg[2], sb[t], sb[2], so[t], so[2],
                st.src_stride, st.dst_stride)
     flags = dict(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
@@ -386,12 +388,12 @@ def fused_recurrent_kda_fwd(
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
-        _fused_recurrent_one_token_kernel[(triton.cdiv(V, rows), N, HV)](
+        _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, call.scale, lower_bound, seed,
             int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
         )
     else:
-        _fused_recurrent_kda_kernel[(triton.cdiv(V, BV), N, HV)](
+        _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
             T, call.scale, lower_bound, seed,
             IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags,
