@@ -299,9 +299,9 @@ def _check_inputs(fn: str, q, k, v, g, beta) -> tuple[int, int, int, int, int, i
     if H < 1 or HV < 1 or HV % H != 0:
         raise ValueError(f"the value heads HV={HV} (v.shape[2]) must be a positive multiple of the q/k heads H={H}")
     if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
-        for dim_name, d in (("K", K), ("V", V)):
+        for dim_name, d, where in (("K", K, "q.shape[3], k.shape[3]"), ("V", V, "v.shape[3]")):
             if not 1 <= d <= MAX_HEAD_DIM:
-                raise ValueError(f"head dim {dim_name}={d} is outside the supported 1..{MAX_HEAD_DIM}")
+                raise ValueError(f"head dim {dim_name}={d} ({where}) is outside the supported 1..{MAX_HEAD_DIM}")
     bad = _bad_token_layout
     if (bad(q.stride(), K, B, T) or bad(k.stride(), K, B, T) or bad(v.stride(), V, B, T)
             or bad(g.stride(), K, B, T) or bad(beta.stride(), 1, B, T)):
@@ -312,7 +312,8 @@ def _check_inputs(fn: str, q, k, v, g, beta) -> tuple[int, int, int, int, int, i
 
 
 def _check_scale(scale, K: int) -> float:
-    """None means K ** -0.5; otherwise a finite Python number."""
+    """None means K ** -0.5; otherwise a finite Python number, of any sign (zero or a negative scale is
+    well-defined arithmetic, as in fla; docs/contract.md)."""
     if scale is None:
         return K ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import bits, make_inputs, poison_pool
+from helpers import bits, make_inputs, on_cpu, poison_pool
 
 import kda
 from kda import contract
@@ -223,6 +223,10 @@ CATALOG = [
     ("scale inf", lambda: dict(scale=float("inf")), "scale"),
     ("scale a bool", lambda: dict(scale=True), "scale"),
     ("scale a tensor", lambda: dict(scale=torch.tensor(0.5)), "scale"),
+    # head sizes past the supported 256
+    ("K above 256", lambda: dict(q=_z(1, 6, 1, 257), k=_z(1, 6, 1, 257), g=_z(1, 6, 2, 257),
+                                 state_cache=_z(4, 2, 8, 257)), "q"),
+    ("V above 256", lambda: dict(v=_z(1, 6, 2, 257), state_cache=_z(4, 2, 257, 8), out=_z(1, 6, 2, 257)), "v"),
 ]
 
 
@@ -350,3 +354,19 @@ def test_kda_debug_rejects_any_other_value_at_call_time(monkeypatch, value):
     for fn in FNS:
         info = _call(fn)
         assert "KDA_DEBUG" in str(info.value)
+
+
+@pytest.mark.parametrize("fn,ref_fn", [(kda.chunk_kda, "chunk_kda"), (kda.fused_recurrent_kda, "recurrent_kda")],
+                         ids=["chunk_kda", "fused_recurrent_kda"])
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+def test_any_finite_scale_is_used_as_given(fn, ref_fn, scale):
+    """Zero and negative scales are arithmetic, not errors (docs/contract.md): the output equals the oracle's."""
+    import kda_reference
+
+    q, k, v, g, beta, kw = make_inputs(1, 70, 1, 2, 16, 8, seed=4, device=DEVICE)
+    o, _ = fn(q, k, v, g, beta, scale, **kw)
+    ro, _ = getattr(kda_reference, ref_fn)(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale, **on_cpu(kw))
+    if scale == 0.0:
+        assert torch.equal(o, torch.zeros_like(o))
+    else:
+        assert (o.double().cpu() - ro).norm() <= 1e-5 * ro.norm()
