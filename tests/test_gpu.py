@@ -167,3 +167,48 @@ def test_decode_replays_in_a_cuda_graph_bitwise():
     torch.cuda.synchronize()
     assert torch.equal(bits(out), bits(eager_out))
     assert torch.equal(bits(pool), bits(eager_pool))
+
+
+def test_prefill_graph_replays_with_new_bounds_bitwise():
+    """One captured varlen paged `chunk_kda` call, replayed after writing three different `cu_seqlens` of the
+    same total into its bounds tensor (empty sequences, a padding slot), gives the eager call's bits for
+    each: chunks map to sequences on the device, so a graph needs no recapture when the bounds move."""
+    T, H, K, V = 448, 2, 128, 128
+    q, k, v, g, beta, kw = make_inputs(1, T, H, H, K, V, dtype=torch.bfloat16, gate="lower_bound", device="cuda",
+                                       seed=8, normalize_k=False, beta_sigmoid=True)
+    kw["use_qk_l2norm_in_kernel"] = True
+    layouts = [[0, 100, 100, 300, 448], [0, 0, 64, 380, 448], [0, 448, 448, 448, 448]]
+    idx = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device="cuda")  # sequence 1 is padding
+    has = torch.tensor([True, True, False, True], device="cuda")
+    start = 0.1 * torch.randn(8, H, V, K, device="cuda")
+    pool = start.clone()
+    cu = torch.tensor(layouts[0], dtype=torch.int32, device="cuda")
+    out = torch.empty(v.shape, dtype=v.dtype, device="cuda")
+
+    def call():
+        kda.chunk_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, has_initial_state=has,
+                      cu_seqlens=cu, state_v_first=True, out=out, **kw)
+
+    eager = []
+    for bounds in layouts:
+        cu.copy_(torch.tensor(bounds, dtype=torch.int32))
+        pool.copy_(start)
+        call()
+        torch.cuda.synchronize()
+        eager.append((out.clone(), pool.clone()))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()  # warm-up on a side stream before capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for bounds, (eager_out, eager_pool) in zip(layouts, eager):
+        cu.copy_(torch.tensor(bounds, dtype=torch.int32))
+        pool.copy_(start)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), bits(eager_out)), bounds
+        assert torch.equal(bits(pool), bits(eager_pool)), bounds
