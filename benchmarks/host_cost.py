@@ -1,6 +1,6 @@
 """Host (Python) cost of one `kda` call on CPU, the kernel launches replaced by no-ops.
 
-    TRITON_INTERPRET=1 python3 scripts/host_cost.py [--calls 2000] [--device meta|cpu] [--profile CASE]
+    TRITON_INTERPRET=1 python3 benchmarks/host_cost.py [--calls 2000] [--device meta|cpu] [--profile CASE]
 
 At the benchmark's serving shapes (K = V = 128, bf16 q/k/v, fp32 raw gate with the in-kernel lower-bound
 gate, q/k l2norm and beta sigmoid in the kernel, fp32 state), per case: `kda.contract.check_call`, the
