@@ -217,11 +217,11 @@ def test_narrow_state_rounds_once_on_store(storage, device):
     assert s2.dtype == storage
 
 
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])  # the fused prepare, the split one
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_narrow_inputs_within_rounding_floor(dtype, device):
+def test_narrow_inputs_within_rounding_floor(dtype, gate, device):
     B, T, H, HV, K, V = 1, 96, 2, 2, 32, 32
-    q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device,
-                                       seed=5)
+    q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, dtype=dtype, gate=gate, device=device, seed=5)
     kw.update(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     o, s, ro, rs = _both(dict(kw, output_final_state=True), q, k, v, g, beta)
     floor = rounding_floor(ro, dtype)

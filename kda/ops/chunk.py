@@ -3,9 +3,8 @@ gate pass where the plan has one), then the serial state walk (`kda.ops.chunk_wa
 `kda.plan.ChunkPlan` says. Together they equal `kda_reference.chunk.chunk_kda` (and so
 `kda_reference.recurrent_kda`).
 
-Workspaces, token-major `[B*T, HV, *]` (gt per chunk): Qd, Kr, W in the plan's workspace dtype, U0 in
-fp32, A_qk in the workspace dtype (fused prepare) or fp32 (split prepare, which also needs A_kk and Kd),
-b2 in fp32 (the gate pass).
+Workspaces, token-major `[B*T, HV, *]` (gt per chunk): Qd, Kr, W and A_qk in the plan's workspace dtype
+(the walk's dot operands), U0 in fp32, A_kk and Kd in fp32 (split prepare), b2 in fp32 (the gate pass).
 Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds.
 """
 
@@ -47,7 +46,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     u_ws = torch.empty((total, HV, V), dtype=torch.float32, device=dev)
     qd_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     kr_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
-    aqk_ws = torch.empty((total, HV, BT), dtype=ws_dtype if fused else torch.float32, device=dev)
+    aqk_ws = torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
     gt_ws = torch.empty((max(n_chunks, 1), HV, K), dtype=torch.float32, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
