@@ -127,6 +127,7 @@ def fused_recurrent_kda(
     state_cache: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     stochastic_rounding: bool = False,
@@ -144,6 +145,15 @@ def fused_recurrent_kda(
     stochastically instead of to nearest even, with noise drawn from `seed` and the element's position:
     the same seed and inputs give the same bits. Pass a different seed per decode step (e.g. the step
     number), or the same noise repeats every step.
+
+    Speculative verify (vLLM's spec-decode convention, docs/contract.md): `state_indices` int32
+    `[N, T_max]` (T_max >= the longest sequence) stores the state after token j of sequence n in slot
+    `state_indices[n, j]` (< 0: not kept), and `num_accepted_tokens` int32 `[N]` (optional, values
+    1..T_max, only with the 2-D form) starts sequence n from slot
+    `state_indices[n, num_accepted_tokens[n] - 1]`, the state after its last accepted draft, instead of
+    `state_indices[n, 0]`; that read slot < 0 marks a padding sequence. `has_initial_state[n]` false still
+    starts from zeros without a read. The call equals its tokens decoded one call at a time (the carried
+    state is rounded to the pool's dtype after every token). Not with `stochastic_rounding`.
     """
     if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
         return _through_op(
@@ -153,6 +163,7 @@ def fused_recurrent_kda(
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
             state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
             state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
+            num_accepted_tokens=num_accepted_tokens,
         )
     call = check_call(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -161,6 +172,6 @@ def fused_recurrent_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
         state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
         state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
-        require_has_initial_state=False,
+        require_has_initial_state=False, num_accepted_tokens=num_accepted_tokens,
     )
     return _launchers()[1](call, stochastic_rounding=stochastic_rounding, seed=seed)

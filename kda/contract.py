@@ -27,6 +27,14 @@ Decisions where the contract is silent (also in `docs/contract.md`):
 - `KDA_DEBUG` (read at every call) adds the checks that need a device-to-host read (a sync):
   `cu_seqlens` values, slot indices in range and unique among non-padding sequences. It accepts only
   unset, "", 0/false/off/no (off) and 1/true/on/yes (on), in any case; anything else raises.
+- Speculative verify (`fused_recurrent_kda` only): `state_indices` int32 `[N, T_max]` (stride 1 along
+  T_max; T_max >= the longest sequence, checked when the lengths are known on the host: dense, or
+  `cu_seqlens_cpu`) names the slot receiving the state after each token (< 0: not kept), and
+  `num_accepted_tokens` int32 `[N]` (only with the 2-D form) picks the column the initial state is read
+  from (`num_accepted_tokens[n] - 1`, else column 0); a read slot < 0 marks a padding sequence. Values
+  (accepted counts in 1..T_max, slots in range, written slots distinct, no sequence reading a slot another
+  writes) are checked under KDA_DEBUG or when the indices live on the CPU. `stochastic_rounding` is not
+  available with it (each token's rounding would need its own noise stream).
 """
 
 from __future__ import annotations
@@ -107,6 +115,10 @@ class KDACall:
     # every sequence holds exactly one token, known without reading the device: dense with T == 1, or
     # varlen whose host copy of the bounds (cu_seqlens_cpu) is 0, 1, ..., N (a decode batch)
     one_token_per_seq: bool = False
+    # speculative verify: state_indices is [N, T_max] (the slot after each token); num_accepted_tokens
+    # int32 [N] or None picks the column the initial state is read from
+    verify: bool = False
+    num_accepted_tokens: torch.Tensor | None = None
 
     @property
     def state_plane_shape(self) -> tuple[int, int, int]:
@@ -224,9 +236,11 @@ def check_call(
     require_has_initial_state: bool,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    num_accepted_tokens=None,
 ) -> KDACall:
     """Validate one call of `fn` ("chunk_kda" or "fused_recurrent_kda") and return its `KDACall`.
-    `stochastic_rounding` and `seed` are `fused_recurrent_kda`'s (the defaults stand for `chunk_kda`)."""
+    `stochastic_rounding`, `seed` and `num_accepted_tokens` are `fused_recurrent_kda`'s (the defaults stand
+    for `chunk_kda`)."""
     debug = debug_enabled()
     B, T, H, HV, K, V = _check_inputs(fn, q, k, v, g, beta)
     device = q.device
@@ -237,8 +251,16 @@ def check_call(
     mode, state_in, final_dtype = _check_state(
         fn, initial_state, output_final_state, state_cache, state_indices, has_initial_state, state_dtype,
         state_v_first, require_has_initial_state, HV, K, V, N, device, debug)
+    verify = mode == "paged" and state_indices.dim() == 2
+    if verify or num_accepted_tokens is not None:
+        _check_verify(fn, verify, state_indices, num_accepted_tokens, state_cache, cu_seqlens, cu_seqlens_cpu,
+                      B, T, N, device, debug)
+        one_token_per_seq = False  # the one-token kernel serves the plain path only
     _check_out(out, (q, k, v, g, beta), state_in, B, T, HV, V, v.dtype, device)
     _check_rounding(stochastic_rounding, seed, final_dtype, mode, output_final_state)
+    if verify and stochastic_rounding:
+        raise ValueError("stochastic_rounding=True is not available with state_indices of shape [N, T_max] "
+                         "(speculative verify): each token's rounding would need its own noise stream")
     return KDACall(
         q=q, k=k, v=v, g=g, beta=beta, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, scale=scale,
         cu_seqlens=cu_seqlens, state_mode=mode, state_in=state_in,
@@ -249,7 +271,8 @@ def check_call(
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
         use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
         use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        one_token_per_seq=one_token_per_seq,
+        one_token_per_seq=one_token_per_seq, verify=verify,
+        num_accepted_tokens=num_accepted_tokens if verify else None,
     )
 
 
@@ -421,13 +444,14 @@ def _check_state(fn: str, initial_state, output_final_state, state_cache, state_
         if output_final_state:
             raise ValueError("output_final_state=True with state_cache: the paged contract writes the final "
                              "state into state_cache in place and returns final_state=None")
-        _check_per_sequence("state_indices", state_indices, torch.int32, N, device)
+        if not (isinstance(state_indices, torch.Tensor) and state_indices.dim() == 2):
+            _check_per_sequence("state_indices", state_indices, torch.int32, N, device)
         if has_initial_state is not None:
             _check_per_sequence("has_initial_state", has_initial_state, torch.bool, N, device)
         elif require_has_initial_state:
             raise ValueError(f"{fn} with state_cache needs has_initial_state (bool [N]); "
                              "pass torch.ones(N, dtype=torch.bool) if every slot holds a state")
-        if debug and N > 0:
+        if debug and N > 0 and state_indices.dim() == 1:
             live = [i for i in state_indices.tolist() if i >= 0]
             if any(i >= state_cache.shape[0] for i in live):
                 raise ValueError(f"state_indices has a slot >= slots={state_cache.shape[0]} (KDA_DEBUG check)")
@@ -447,6 +471,68 @@ def _check_state(fn: str, initial_state, output_final_state, state_cache, state_
     if final_dtype not in STATE_DTYPES:
         raise TypeError(f"state_dtype must be one of float32, float16, bfloat16, got {final_dtype}")
     return "none", None, final_dtype
+
+
+def _check_verify(fn: str, verify: bool, state_indices, num_accepted_tokens, state_cache, cu_seqlens,
+                  cu_seqlens_cpu, B: int, T: int, N: int, device, debug: bool) -> None:
+    """Speculative verify: `state_indices` int32 `[N, T_max]` with stride 1 along T_max and T_max >= every
+    sequence's length where the lengths are known on the host; `num_accepted_tokens` int32 `[N]`, only with
+    it. The values are read (`_check_verify_values`) under KDA_DEBUG or when they live on the CPU."""
+    if num_accepted_tokens is not None and not verify:
+        raise ValueError("num_accepted_tokens needs state_cache and state_indices of shape [N, T_max] "
+                         "(speculative verify)")
+    if fn != "fused_recurrent_kda":
+        raise ValueError(f"state_indices of shape [N, T_max] (speculative verify) is only accepted by "
+                         f"fused_recurrent_kda; {fn} takes state_indices of shape [N]")
+    if state_indices.dtype != torch.int32:
+        raise TypeError(f"state_indices must be int32, got {state_indices.dtype}")
+    T_max = state_indices.shape[1]
+    if state_indices.shape[0] != N or state_indices.device != device:
+        raise ValueError(f"state_indices must be [N] = [{N}] or [N, T_max] = [{N}, T_max] on {device}, got "
+                         f"{list(state_indices.shape)} on {state_indices.device}")
+    if T_max > 1 and state_indices.stride(1) != 1:
+        raise ValueError(f"state_indices [N, T_max] must have stride 1 along T_max, got strides "
+                         f"{state_indices.stride()}")
+    host = None  # the bounds, where known on the host without a sync
+    if cu_seqlens is None:
+        lengths = [T] * N
+    else:
+        host = _host_bounds(cu_seqlens_cpu) if cu_seqlens_cpu is not None else None
+        if host is None and (debug or cu_seqlens.is_cpu):
+            host = cu_seqlens.tolist()
+        lengths = None if host is None else [b - a for a, b in zip(host, host[1:])]
+    if lengths and max(lengths) > T_max:
+        raise ValueError(f"state_indices [N, T_max] needs T_max >= the longest sequence ({max(lengths)}), "
+                         f"got T_max={T_max}")
+    if num_accepted_tokens is not None:
+        _check_per_sequence("num_accepted_tokens", num_accepted_tokens, torch.int32, N, device)
+    if N > 0 and (debug or state_indices.is_cpu) and lengths is not None:
+        _check_verify_values(state_indices, num_accepted_tokens, lengths, state_cache.shape[0])
+
+
+def _check_verify_values(state_indices, num_accepted_tokens, lengths: list[int], slots: int) -> None:
+    """The values of a verify call (they need a device read): accepted counts in 1..T_max; every slot used
+    (the read slot, and the slots written within each sequence's length) below `slots`; written slots
+    distinct; no sequence reads a slot that another writes (a race between programs)."""
+    T_max = state_indices.shape[1]
+    columns = [0] * len(lengths)
+    if num_accepted_tokens is not None:
+        accepted = num_accepted_tokens.tolist()
+        if any(not 1 <= a <= T_max for a in accepted):
+            raise ValueError(f"num_accepted_tokens must lie in 1 .. T_max={T_max}, got {accepted}")
+        columns = [a - 1 for a in accepted]
+    rows = state_indices.tolist()
+    reads = [row[c] for row, c in zip(rows, columns)]
+    writes = [[s for s in row[:n] if s >= 0] if r >= 0 else [] for row, n, r in zip(rows, lengths, reads)]
+    flat = [s for w in writes for s in w]
+    if any(s >= slots for s in flat + reads):
+        raise ValueError(f"state_indices has a slot >= slots={slots}")
+    if len(set(flat)) != len(flat):
+        raise ValueError("state_indices names one slot twice among the slots written")
+    owner = {s: n for n, w in enumerate(writes) for s in w}
+    for n, r in enumerate(reads):
+        if r >= 0 and owner.get(r, n) != n:
+            raise ValueError(f"state_indices: sequence {n} reads slot {r}, which sequence {owner[r]} writes")
 
 
 def _check_out(out, inputs, state_in, B: int, T: int, HV: int, V: int, dtype, device) -> None:

@@ -21,6 +21,26 @@ Decisions (the contract in /work/shared/CONTRACT.md is silent on these for an or
 - ``state_indices`` may be int32 or int64. Because the oracle runs on the host anyway, it always checks what
   the kernels check only under ``KDA_DEBUG=1``: ``cu_seqlens`` values, ``cu_seqlens_cpu == cu_seqlens``,
   slot indices in range and unique.
+
+Speculative verify (``recurrent_kda`` only; ``chunk_kda`` raises, as ``kda.chunk_kda`` does):
+
+- ``state_indices`` of shape ``[N, T_max]`` (``T_max`` >= the longest sequence) keeps the state after
+  every token: the state after token ``j`` of sequence ``n`` is stored in slot ``state_indices[n, j]``, or
+  nowhere when that entry is < 0. Entries past a sequence's length are ignored.
+- Sequence ``n`` starts from slot ``state_indices[n, num_accepted_tokens[n] - 1]`` (the state after its
+  last accepted draft of the previous verify step) when ``num_accepted_tokens`` (``[N]``, values in
+  ``1 .. T_max``) is given, else from ``state_indices[n, 0]``. That read slot < 0 makes ``n`` a padding
+  sequence: no read, no write, zero output rows (as a 1-D slot < 0 does).
+- ``has_initial_state[n]`` false starts ``n`` from zeros without reading any slot, whatever
+  ``num_accepted_tokens[n]`` says (the flag decides whether a state is read, ``num_accepted_tokens``
+  where it is read from).
+- A verify call is, by definition, its tokens decoded one call at a time: after each token the carried
+  state is rounded to the pool's dtype, as a one-token call's store rounds it, whether or not the token's
+  slot keeps it. A verify call and a chain of one-token calls therefore give the same states and outputs.
+  An empty sequence keeps no state (no token, no slot written).
+- Slots written (non-negative entries within each sequence's length) must be distinct over the call,
+  and no sequence may read a slot that another sequence writes (checked always here, under
+  ``KDA_DEBUG=1`` or on CPU by ``kda``).
 """
 
 from __future__ import annotations
@@ -62,8 +82,11 @@ def run_kda(
     state_dtype: torch.dtype | None,
     out: Tensor | None,
     compute_dtype: torch.dtype,
+    num_accepted_tokens: Tensor | None = None,
+    allow_verify: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Check the arguments, then run ``sequence_fn`` on every (sequence, value head); see the module doc."""
+    """Check the arguments, then run ``sequence_fn`` on every (sequence, value head); see the module doc.
+    ``allow_verify``: whether 2-D ``state_indices`` (speculative verify) is accepted (``recurrent_kda``)."""
     _check_tensors(q, k, v, g, beta)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -74,6 +97,17 @@ def run_kda(
         N, HV, K, V, initial_state, output_final_state, state_v_first, state_cache, state_indices,
         has_initial_state, state_dtype,
     )
+    verify = state_cache is not None and isinstance(state_indices, Tensor) and state_indices.dim() == 2
+    if verify and not allow_verify:
+        raise ValueError("state_indices of shape [N, T_max] (speculative verify) is only available in "
+                         "recurrent_kda (token by token)")
+    if num_accepted_tokens is not None and not verify:
+        raise ValueError("num_accepted_tokens needs state_indices of shape [N, T_max] (speculative verify) "
+                         "with state_cache")
+    slots_of = None  # verify: per sequence (read slot, [slot after token j])
+    if verify:
+        slots_of = _verify_slots(state_indices, num_accepted_tokens, [end - start for _, start, end in sequences],
+                                 state_cache.shape[0])
     _check_out(out, (B, T, HV, V), q, k, v, g, beta)
     if scale is None:
         scale = K**-0.5
@@ -109,7 +143,11 @@ def run_kda(
     heads_per_qk_head = HV // H
     for n, (row, start, end) in enumerate(sequences):
         slot = None
-        if state_cache is not None:
+        if slots_of is not None:
+            slot, token_slots = slots_of[n]  # read slot; slot after each token
+            if slot < 0:  # padding sequence: no read, no write, output rows stay zero
+                continue
+        elif state_cache is not None:
             slot = int(state_indices[n])
             if slot < 0:  # padding sequence: no read, no write, output rows stay zero
                 continue
@@ -121,6 +159,18 @@ def run_kda(
                 state = from_stored(state_cache[slot, j])
             else:
                 state = zeros_kv
+            if slots_of is not None:
+                # verify: one decode call per token; each stores (rounded) and the next starts from the store
+                for t in range(start, end):
+                    o_tok, state = sequence_fn(
+                        q[row, t:t + 1, hq], k[row, t:t + 1, hq], v[row, t:t + 1, j],
+                        g[row, t:t + 1, j], beta[row, t:t + 1, j], float(scale), state,
+                    )
+                    o[row, t, j] = o_tok[0]
+                    state = state.to(state_cache.dtype).to(compute_dtype)  # a decode call's store rounding
+                    if token_slots[t - start] >= 0:
+                        state_cache[token_slots[t - start], j].copy_(to_stored(state))
+                continue
             o_seq, state = sequence_fn(
                 q[row, start:end, hq], k[row, start:end, hq], v[row, start:end, j],
                 g[row, start:end, j], beta[row, start:end, j], float(scale), state,
@@ -246,10 +296,10 @@ def _check_state(
         raise ValueError("output_final_state=True is not available with state_cache: the paged contract "
                          "writes the final state into the pool and returns None")
     if (not isinstance(state_indices, Tensor) or state_indices.dtype not in (torch.int32, torch.int64)
-            or state_indices.shape != (N,)):
-        raise ValueError(f"state_indices must be an int32 (or int64) tensor of shape [N] = ({N},), "
-                         f"got {_describe(state_indices)}")
-    named = [i for i in state_indices.tolist() if i >= 0]
+            or state_indices.dim() not in (1, 2) or state_indices.shape[0] != N):
+        raise ValueError(f"state_indices must be an int32 (or int64) tensor of shape [N] = ({N},) or "
+                         f"[N, T_max] = ({N}, T_max), got {_describe(state_indices)}")
+    named = [i for i in state_indices.tolist() if i >= 0] if state_indices.dim() == 1 else []
     if any(i >= slots for i in named) or len(set(named)) != len(named):
         raise ValueError(f"state_indices must name distinct slots in [0, {slots}) or be < 0 (padding), "
                          f"got {state_indices.tolist()}")
@@ -260,6 +310,45 @@ def _check_state(
         raise ValueError(f"has_initial_state must be a bool tensor of shape [N] = ({N},), "
                          f"got {_describe(has_initial_state)}")
     return state_cache.dtype
+
+
+def _verify_slots(state_indices: Tensor, num_accepted_tokens: Tensor | None, lengths: list[int],
+                  slots: int) -> list[tuple[int, list[int]]]:
+    """Speculative verify: per sequence n, (the slot its initial state is read from, the slot receiving the
+    state after each of its tokens). The read slot is ``state_indices[n, num_accepted_tokens[n] - 1]``
+    (``state_indices[n, 0]`` without ``num_accepted_tokens``); < 0 marks a padding sequence (no token
+    slots then). Checks the shapes and every value used (see the module doc)."""
+    N, T_max = state_indices.shape
+    if lengths and max(lengths) > T_max:
+        raise ValueError(f"state_indices [N, T_max] needs T_max >= the longest sequence ({max(lengths)}), "
+                         f"got T_max={T_max}")
+    if num_accepted_tokens is None:
+        columns = [0] * N
+    else:
+        if (not isinstance(num_accepted_tokens, Tensor)
+                or num_accepted_tokens.dtype not in (torch.int32, torch.int64)
+                or num_accepted_tokens.shape != (N,)):
+            raise ValueError(f"num_accepted_tokens must be an int32 (or int64) tensor of shape [N] = ({N},), "
+                             f"got {_describe(num_accepted_tokens)}")
+        accepted = num_accepted_tokens.tolist()
+        if any(not 1 <= a <= T_max for a in accepted):
+            raise ValueError(f"num_accepted_tokens must lie in 1 .. T_max={T_max}, got {accepted}")
+        columns = [a - 1 for a in accepted]
+    rows = state_indices.tolist()
+    result = []
+    for n in range(N):
+        read = rows[n][columns[n]]
+        result.append((read, rows[n][:lengths[n]] if read >= 0 else []))
+    written = [s for _, token_slots in result for s in token_slots if s >= 0]
+    used = written + [read for read, _ in result if read >= 0]
+    if any(s >= slots for s in used):
+        raise ValueError(f"state_indices must name slots in [0, {slots}) or be < 0, got {rows}")
+    if len(set(written)) != len(written):
+        raise ValueError(f"state_indices names one slot twice among the slots written, got {rows}")
+    for n, (read, token_slots) in enumerate(result):
+        if read >= 0 and read in set(written) - set(token_slots):
+            raise ValueError(f"state_indices: sequence {n} reads slot {read}, which another sequence writes")
+    return result
 
 
 def _check_out(out: Tensor | None, shape: tuple, *inputs: Tensor) -> None:

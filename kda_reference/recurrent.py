@@ -53,6 +53,7 @@ def recurrent_kda(
     state_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    num_accepted_tokens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The KDA oracle: the exact recurrence, token by token, in ``compute_dtype`` (float64 by default).
 
@@ -70,6 +71,15 @@ def recurrent_kda(
     no read or write) and ``has_initial_state`` (false: start from zeros without reading the slot),
     written in place. In-kernel options (l2norm of q, k; sigmoid of beta; the gate from raw ``g`` with
     ``A_log``, ``dt_bias``, ``lower_bound``) are applied first, in ``compute_dtype``: see ``prepare_inputs``.
+
+    Speculative verify (vLLM's spec-decode convention): ``state_indices`` ``[N, T_max]`` stores the state
+    after token ``j`` of sequence ``n`` in slot ``state_indices[n, j]`` (``< 0``: not kept), and
+    ``num_accepted_tokens`` ``[N]`` (optional, values ``1 .. T_max``) makes sequence ``n`` start from slot
+    ``state_indices[n, num_accepted_tokens[n] - 1]`` (the state after its last accepted draft) instead of
+    ``state_indices[n, 0]``; that read slot ``< 0`` marks a padding sequence. ``has_initial_state[n]``
+    false still means zeros, no read. A verify call equals its tokens decoded one call at a time: the
+    carried state is rounded to the pool's dtype after every token, as each call's store would. The
+    defaults (1-D ``state_indices``, no ``num_accepted_tokens``) are the plain paged contract above.
 
     Returns ``(o, final_state)``:
 
@@ -93,5 +103,5 @@ def recurrent_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         state_v_first=state_v_first, state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state, state_dtype=state_dtype, out=out,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, num_accepted_tokens=num_accepted_tokens, allow_verify=True,
     )

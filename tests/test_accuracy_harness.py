@@ -65,7 +65,8 @@ def test_tiny_preset_writes_the_report(baseline):
     numbers = list(_numbers(rep))
     assert len(numbers) > 500 and all(math.isfinite(x) for x in numbers)
     sections = {e["section"] for e in rep["entries"]}
-    assert sections == {"decode", "length", "dtype_matrix", "chunked_prefill", "varlen", "paged", "adversarial"}
+    assert sections == {"decode", "length", "dtype_matrix", "chunked_prefill", "varlen", "paged", "adversarial",
+                        "spec_verify"}
     env = rep["meta"]["environment"]
     assert env["seed"] == 0 and env["torch"] and env["triton"] and env["device"] == DEVICE
     # the volatile metadata is in meta.json and in report.md's one delimited block, never in report.json

@@ -7,6 +7,8 @@
 - `torch.compile(fullgraph=True)` of a tiny layer (Linear -> q, k, v; a paged chunked prefill; a paged
   decode step on the same pool) equals the eager layer bit for bit, outputs and pool.
 - A plain call never goes through the dispatcher (the ops' real implementations count their runs).
+- Speculative verify (`state_indices` `[N, T_max]`, `num_accepted_tokens`): opcheck of
+  `kda::fused_recurrent_kda`, and a compiled verify step equal to the eager one.
 """
 
 import pytest
@@ -62,6 +64,20 @@ def paged_case(fn: str):
     return (q, k, v, g, beta), kw
 
 
+def verify_case(fn: str):
+    """Speculative verify: varlen lengths 3, 1, 2 (host bounds given) into a K-first fp32 pool of 10 slots,
+    the last sequence padding, states read from the column of each sequence's last accepted draft."""
+    assert fn == "fused_recurrent_kda"
+    bounds = [0, 3, 4, 6]
+    q, k, v, g, beta, _ = make_inputs(1, bounds[-1], H, HV, K, V, device=DEVICE, seed=4)
+    kw = op_kwargs(fn, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=DEVICE),
+                   cu_seqlens_cpu=torch.tensor(bounds), state_v_first=False, state_cache=pool_of(10, False),
+                   state_indices=torch.tensor([[0, 1, 2], [3, 4, 5], [-1, 6, 7]], dtype=torch.int32, device=DEVICE),
+                   num_accepted_tokens=torch.tensor([2, 3, 1], dtype=torch.int32, device=DEVICE),
+                   out=torch.empty_like(v))
+    return (q, k, v, g, beta), kw
+
+
 OPS = {"chunk_kda": library.chunk_kda_op, "fused_recurrent_kda": library.fused_recurrent_kda_op}
 
 
@@ -75,6 +91,35 @@ def test_opcheck(fn, case, util):
     failure from leaking into the next and names the failing sub-test."""
     args, kw = (dense_case if case == "dense" else paged_case)(fn)
     torch.library.opcheck(OPS[fn], args, kw, test_utils=util)
+
+
+@pytest.mark.parametrize("util", OPCHECK_UTILS)
+def test_opcheck_verify(util):
+    """The speculative verify form of `kda::fused_recurrent_kda` (2-D state_indices, num_accepted_tokens)."""
+    args, kw = verify_case("fused_recurrent_kda")
+    torch.library.opcheck(OPS["fused_recurrent_kda"], args, kw, test_utils=util)
+
+
+def test_compile_fullgraph_verify_step():
+    """A compiled verify step (fullgraph, aot_eager) equals the eager one bit for bit, outputs and pool."""
+    (q, k, v, g, beta), kw = verify_case("fused_recurrent_kda")
+
+    def step(q, k, v, g, beta, pool, cu, idx, accepted):
+        return kda.fused_recurrent_kda(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=[0, 3, 4, 6],
+                                       state_cache=pool, state_indices=idx, num_accepted_tokens=accepted,
+                                       state_v_first=False)[0]
+
+    pool0 = kw["state_cache"]
+    rest = (kw["cu_seqlens"], kw["state_indices"], kw["num_accepted_tokens"])
+    with torch.no_grad():
+        pool_e = pool0.clone()
+        o_e = step(q, k, v, g, beta, pool_e, *rest)
+        before = library.calls["fused_recurrent_kda"]
+        pool_c = pool0.clone()
+        o_c = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, g, beta, pool_c, *rest)
+    assert library.calls["fused_recurrent_kda"] == before + 1
+    assert same_bits(o_c, o_e) and same_bits(pool_c, pool_e) and not same_bits(pool_e, pool0)
+    assert same_bits(pool_e[8:], pool0[8:])  # never named
 
 
 def test_fake_final_state_shapes():

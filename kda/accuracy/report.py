@@ -142,7 +142,7 @@ def markdown(report: dict, run_meta: dict, plots: list[str] = PLOT_FILES) -> str
     L += _verdict_md(report)
     for section, fn in (("decode", _decode_md), ("length", _length_md), ("dtype_matrix", _matrix_md),
                         ("chunked_prefill", _chunked_md), ("varlen", _varlen_md), ("paged", _paged_md),
-                        ("adversarial", _adversarial_md)):
+                        ("adversarial", _adversarial_md), ("spec_verify", _spec_verify_md)):
         if section in meta["sections"]:
             L += fn(report, plots) if section in ("decode", "length", "chunked_prefill") else fn(report)
     fails = failed_checks(report["entries"])
@@ -397,6 +397,29 @@ def _varlen_md(report: dict) -> list[str]:
             for x in ents]
     L += _table(["layout", "lengths", "kernel", "state", "max seq out err", "max seq state err",
                  "empty: state bits kept", "bound", "finite"], rows)
+    return L
+
+
+def _spec_verify_md(report: dict) -> list[str]:
+    ents = _by_section(report, "spec_verify")
+    if not ents:
+        return []
+    p = ents[0]["params"]
+    L = ["## Speculative verify", ""]
+    L += [f"A verify call of {p['drafts']} drafts per sequence (`state_indices` [N, {p['drafts']}] = "
+          f"{p['state_indices']}, the last sequence padding), then a continuation of lengths {p['continuation']} "
+          f"from `num_accepted_tokens` = {p['accepted']} (drafts rejected) with `state_indices` "
+          f"{p['continuation_state_indices']}, fp32 inputs, V-first pools of {p['slots']} slots poisoned with "
+          "NaN / 1e30. Errors against the float64 oracle on the same calls (which rounds the carried state to the "
+          "pool's dtype after every token, as the kernel does); `step`: the accepted drafts and the continuation "
+          "decoded one call per token, compared with the verify path (bitwise on CPU; the checks ask for "
+          "rounding, since a GPU V-first one-token call runs another binary).", ""]
+    names = list(ents[0]["checks"])
+    rows = [[x["params"]["state"], e(x["metrics"]["verify_out_rel"]), e(x["metrics"]["continue_out_rel"]),
+             e(x["metrics"]["state_rel"]), e(x["info"]["step_out_bitwise"]), e(x["info"]["step_state_bitwise"]),
+             *(e(x["checks"][n]) for n in names)] for x in ents]
+    L += _table(["state", "verify out err", "continuation out err", "state err", "step out bitwise",
+                 "step state bitwise", *names], rows)
     return L
 
 

@@ -220,7 +220,7 @@ def _fused_recurrent_kda_kernel(
     q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
-    src_stride, dst_stride,
+    src_stride, dst_stride, s_idx, num_accepted,
     T, scale, lower_bound, seed,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
@@ -228,9 +228,16 @@ def _fused_recurrent_kda_kernel(
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
+    VERIFY: tl.constexpr = False, HAS_ACCEPTED: tl.constexpr = False,
 ):
     """Any number of tokens per sequence (varlen, empty sequences): one program per (V block of BV rows,
-    sequence, value head) walks its sequence's tokens."""
+    sequence, value head) walks its sequence's tokens.
+
+    VERIFY (speculative verify; `state_indices` [N, T_max] as `slot_of_seq`, row stride `s_idx`): the
+    state is read from the slot in column `num_accepted[n] - 1` (HAS_ACCEPTED) or 0 of row n (< 0: a
+    padding sequence); after each token j it is rounded to the pool's dtype (as a one-token call's store
+    rounds it, so the call equals its tokens decoded one call at a time) and stored to slot
+    `slot_of_seq[n, j]` when that is >= 0. There is no final store then: the last token's slot is it."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -238,7 +245,14 @@ def _fused_recurrent_kda_kernel(
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_v, v_ok, tile_off, tile_ok = _tile(i_v, BV, BK, K, V, V_FIRST)
 
-    slot = slot_of(slot_of_seq, i_n, PAGED)
+    if VERIFY:
+        row = slot_of_seq + i_n.to(tl.int64) * s_idx  # this sequence's slots, one per token
+        col = i_n.to(tl.int64) * 0
+        if HAS_ACCEPTED:
+            col = tl.load(num_accepted + i_n).to(tl.int64) - 1
+        slot = tl.load(row + col).to(tl.int64)
+    else:
+        slot = slot_of(slot_of_seq, i_n, PAGED)
     o_h = o + i_hv * s_oh
     if slot < 0:
         # padding sequence: no read, no write of state; its output rows are zeros
@@ -263,10 +277,17 @@ def _fused_recurrent_kda_kernel(
         v_t = tl.load(v_h + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
         S, o_t = _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST)
         tl.store(o_h + t * s_ot + o_v, round_to(o_t, o.dtype.element_ty), mask=v_ok)
+        if VERIFY:
+            S = round_to(S, state_dst.dtype.element_ty).to(tl.float32)  # the state a decode call would store
+            keep = tl.load(row + (t - bos)).to(tl.int64)
+            if keep >= 0:
+                _store_state(S, state_dst + keep * dst_stride + i_hv * (K * V), tile_off, tile_ok,
+                             (keep * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
 
     if HAS_DST:
-        _store_state(S, state_dst + slot * dst_stride + i_hv * (K * V), tile_off, tile_ok,
-                     (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
+        if not VERIFY:
+            _store_state(S, state_dst + slot * dst_stride + i_hv * (K * V), tile_off, tile_ok,
+                         (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
 
 
 @triton.jit
@@ -377,6 +398,12 @@ def fused_recurrent_kda_fwd(
     sq, sk, sv, sg, sb, so = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride(), o.stride()
     strides = (sq[t], sq[2], sk[t], sk[2], sv[t], sv[2], sg[t], sg[2], sb[t], sb[2], so[t], so[2],
                st.src_stride, st.dst_stride)
+    if call.verify:  # speculative verify: state_indices [N, T_max] and its row stride
+        accepted = call.num_accepted_tokens
+        verify_args = (call.state_indices.stride(0), q if accepted is None else accepted)
+        verify_flags = dict(VERIFY=True, HAS_ACCEPTED=accepted is not None)
+    else:
+        verify_args, verify_flags = (0, q), {}
     flags = dict(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
@@ -395,7 +422,7 @@ def fused_recurrent_kda_fwd(
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
-            T, call.scale, lower_bound, seed,
-            IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags,
+            *verify_args, T, call.scale, lower_bound, seed,
+            IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags, **verify_flags,
         )
     return o, st.final_state
