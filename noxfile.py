@@ -27,7 +27,7 @@ def _interpreter_env(session) -> dict:
 
 @nox.session
 def tests(session):
-    """The test suite (on CPU the Triton kernels run in the interpreter), about 12 min on 2 cores.
+    """The test suite (on CPU the Triton kernels run in the interpreter), about 6 min on 2 cores.
 
     Installs the `reports` extra too: the harness tests write the plots."""
     _install(session, "test,reports")
