@@ -5,7 +5,7 @@ sequence's initial state (zeros, dense `initial_state`, or a slot of the paged `
 (sequence, value head) at a time to a `SequenceFn` that does the math in `compute_dtype`, and stores the
 result. The two public functions differ only in the `SequenceFn` they pass.
 
-Decisions (the contract in /work/shared/CONTRACT.md is silent on these for an oracle):
+Decisions where the interface (docs/contract.md) leaves an oracle a choice:
 
 - ``o`` is returned in ``compute_dtype`` (float64 by default: the exact answer, not rounded to v's
   dtype). With ``out=``, ``o`` is copied into ``out`` (rounded to ``out.dtype``) and ``out`` is returned.
