@@ -98,6 +98,8 @@ def chunk_kda(
     out: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
     chunk_size: int = 64,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA in the chunked form (``chunk_sequence``), with exactly the contract of ``recurrent_kda``.
 
@@ -110,7 +112,8 @@ def chunk_kda(
         S <- Diag(exp(b_C)) S + (exp(b_C - b) * K)^T U
 
     In float64 it equals ``recurrent_kda`` to about 1e-14 relative. ``chunk_size`` (default 64) is the
-    chunk length C; any C >= 1 gives the same answer up to rounding.
+    chunk length C; any C >= 1 gives the same answer up to rounding. Prefix-cache checkpoints
+    (``checkpoint_every``, ``checkpoint_indices``) as in ``recurrent_kda``.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
@@ -126,5 +129,5 @@ def chunk_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         state_v_first=state_v_first, state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state, state_dtype=state_dtype, out=out,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
     )

@@ -41,6 +41,19 @@ Speculative verify (``recurrent_kda`` only; ``chunk_kda`` raises, as ``kda.chunk
 - Slots written (non-negative entries within each sequence's length) must be distinct over the call,
   and no sequence may read a slot that another sequence writes (checked always here, under
   ``KDA_DEBUG=1`` or on CPU by ``kda``).
+
+Prefix-cache checkpoints (both functions here; in ``kda`` they are ``chunk_kda``'s, not built yet):
+
+- ``checkpoint_every`` (a positive multiple of 64, the kernels' chunk, so that a checkpoint lands on a chunk
+  boundary of the walk) and ``checkpoint_indices`` (int32 or int64 ``[N, C]``), given together and only
+  with ``state_cache``: the state after the first ``(j + 1) * checkpoint_every`` tokens of sequence ``n`` in
+  this call is stored in slot ``checkpoint_indices[n, j]`` when that entry is >= 0 and the sequence is that
+  long; entries past it are ignored. An engine that caches a state per block aligns its prefill chunks to
+  blocks, so offsets count from the sequence's first token in the call.
+- A checkpoint is rounded to the pool's dtype on store, as the final state is; the recurrence goes on from
+  the unrounded state. A padding sequence writes no checkpoint.
+- Checkpoint slots used must be distinct, must not be a slot any sequence's final state is written to, and
+  must not be a slot any sequence reads.
 """
 
 from __future__ import annotations
@@ -84,6 +97,8 @@ def run_kda(
     compute_dtype: torch.dtype,
     num_accepted_tokens: Tensor | None = None,
     allow_verify: bool = False,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Check the arguments, then run ``sequence_fn`` on every (sequence, value head); see the module doc.
     ``allow_verify``: whether 2-D ``state_indices`` (speculative verify) is accepted (``recurrent_kda``)."""
@@ -108,6 +123,8 @@ def run_kda(
     if verify:
         slots_of = _verify_slots(state_indices, num_accepted_tokens, [end - start for _, start, end in sequences],
                                  state_cache.shape[0])
+    checkpoints = _checkpoint_slots(checkpoint_every, checkpoint_indices, state_cache, state_indices,
+                                    has_initial_state, [end - start for _, start, end in sequences], verify)
     _check_out(out, (B, T, HV, V), q, k, v, g, beta)
     if scale is None:
         scale = K**-0.5
@@ -171,11 +188,19 @@ def run_kda(
                     if token_slots[t - start] >= 0:
                         state_cache[token_slots[t - start], j].copy_(to_stored(state))
                 continue
-            o_seq, state = sequence_fn(
-                q[row, start:end, hq], k[row, start:end, hq], v[row, start:end, j],
-                g[row, start:end, j], beta[row, start:end, j], float(scale), state,
-            )
-            o[row, start:end, j] = o_seq
+            # the sequence in pieces that end at its checkpoints (multiples of the chunk: the same arithmetic)
+            reached = checkpoints[n] if checkpoints is not None else []
+            t0 = start
+            for c, t1 in enumerate([start + (c + 1) * checkpoint_every for c in range(len(reached))] + [end]):
+                if t1 > t0:
+                    o_seq, state = sequence_fn(
+                        q[row, t0:t1, hq], k[row, t0:t1, hq], v[row, t0:t1, j],
+                        g[row, t0:t1, j], beta[row, t0:t1, j], float(scale), state,
+                    )
+                    o[row, t0:t1, j] = o_seq
+                t0 = t1
+                if c < len(reached) and reached[c] >= 0:
+                    state_cache[reached[c], j].copy_(to_stored(state))  # rounded to the pool dtype; go on unrounded
             if slot is not None:
                 state_cache[slot, j].copy_(to_stored(state))  # in place; copy_ rounds to the pool dtype
             elif final_state is not None:
@@ -349,6 +374,36 @@ def _verify_slots(state_indices: Tensor, num_accepted_tokens: Tensor | None, len
         if read >= 0 and read in set(written) - set(token_slots):
             raise ValueError(f"state_indices: sequence {n} reads slot {read}, which another sequence writes")
     return result
+
+
+def _checkpoint_slots(checkpoint_every, checkpoint_indices, state_cache, state_indices, has_initial_state,
+                      lengths: list[int], verify: bool) -> list[list[int]] | None:
+    """Prefix-cache checkpoints: per sequence, the slot of each checkpoint it reaches (entries < 0 store
+    nothing; none for a padding sequence), or None without checkpoints. Checks them (see the module doc)."""
+    if checkpoint_every is None and checkpoint_indices is None:
+        return None
+    if checkpoint_every is None or checkpoint_indices is None:
+        raise ValueError("checkpoint_every and checkpoint_indices are given together")
+    if state_cache is None or verify:
+        raise ValueError("checkpoint_indices needs state_cache with state_indices of shape [N] (not verify)")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every <= 0 \
+            or checkpoint_every % 64 != 0:
+        raise ValueError(f"checkpoint_every must be a positive multiple of 64, got {checkpoint_every!r}")
+    N = len(lengths)
+    if (not isinstance(checkpoint_indices, Tensor) or checkpoint_indices.dtype not in (torch.int32, torch.int64)
+            or checkpoint_indices.dim() != 2 or checkpoint_indices.shape[0] != N):
+        raise ValueError(f"checkpoint_indices must be an int32 (or int64) tensor of shape [N, C] = ({N}, C), "
+                         f"got {_describe(checkpoint_indices)}")
+    rows, finals = checkpoint_indices.tolist(), state_indices.tolist()
+    reached = [row[:lengths[n] // checkpoint_every] if finals[n] >= 0 else [] for n, row in enumerate(rows)]
+    used = [s for row in reached for s in row if s >= 0]
+    slots = state_cache.shape[0]
+    read = [s for n, s in enumerate(finals) if s >= 0 and (has_initial_state is None or bool(has_initial_state[n]))]
+    if (any(s >= slots for s in used) or len(set(used)) != len(used)
+            or set(used) & {s for s in finals if s >= 0} or set(used) & set(read)):
+        raise ValueError(f"checkpoint_indices must name distinct slots in [0, {slots}) that no sequence reads "
+                         f"or ends in (state_indices {finals}), got {rows}")
+    return reached
 
 
 def _check_out(out: Tensor | None, shape: tuple, *inputs: Tensor) -> None:

@@ -54,6 +54,8 @@ def recurrent_kda(
     out: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
     num_accepted_tokens: Tensor | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The KDA oracle: the exact recurrence, token by token, in ``compute_dtype`` (float64 by default).
 
@@ -92,7 +94,9 @@ def recurrent_kda(
       rounded to ``state_cache.dtype`` the same way.
 
     Other decisions (ValueErrors for options that would be silently ignored, always-on index checks) are
-    listed in ``kda_reference.contract``.
+    listed in ``kda_reference.contract``. ``checkpoint_every`` and ``checkpoint_indices`` store the state at
+    every ``checkpoint_every`` tokens of a sequence into pool slots (prefix-cache checkpoints; the module
+    doc of ``kda_reference.contract``).
     """
     return run_kda(
         recurrent_sequence, q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -104,4 +108,5 @@ def recurrent_kda(
         state_v_first=state_v_first, state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state, state_dtype=state_dtype, out=out,
         compute_dtype=compute_dtype, num_accepted_tokens=num_accepted_tokens, allow_verify=True,
+        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
     )

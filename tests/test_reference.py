@@ -534,3 +534,77 @@ def test_unknown_keyword_and_positional_out_are_type_errors(kda):
 def test_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda(*oracle_inputs(1, 4, 1, 2, 3, 4), chunk_size=0)
+
+
+def _checkpoint_call(fn, lengths, every, ckpt, pool_dtype=torch.float32, seed=3):
+    """A paged call over sequences of `lengths` with checkpoints; returns (pool after, pool before, inputs)."""
+    N, H, HV, K, V = len(lengths), 1, 2, 8, 4
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    q, k, v, g, beta = oracle_inputs(1, bounds[-1], H, HV, K, V, seed=seed)
+    slots = 12
+    gen = torch.Generator().manual_seed(seed)
+    pool = (torch.randn(slots, HV, K, V, generator=gen, dtype=torch.float64)).to(pool_dtype)
+    before = pool.clone()
+    kw = dict(state_cache=pool, state_indices=torch.arange(N, dtype=torch.int32),
+              has_initial_state=torch.ones(N, dtype=torch.bool), cu_seqlens=torch.tensor(bounds),
+              checkpoint_every=every, checkpoint_indices=torch.tensor(ckpt, dtype=torch.int32))
+    fn(q, k, v, g, beta, **kw)
+    return pool, before, (q, k, v, g, beta, bounds)
+
+
+@pytest.mark.parametrize("fn", [recurrent_kda, chunk_kda], ids=["recurrent", "chunk"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_checkpoints_equal_the_state_of_the_call_cut_there(fn, pool_dtype):
+    """Sequences of 200, 0 and 128 tokens, a checkpoint every 64: each checkpoint slot holds the final state
+    of the same sequence cut after that many tokens (stored once in the pool's dtype); a checkpoint at a
+    sequence's end equals its final state; slots no one names keep their bits; the final states do not
+    change with checkpoints."""
+    lengths, every = [200, 0, 128], 64
+    ckpt = [[4, -1, 5, 11], [6, 7, -1, -1], [8, 9, 10, -1]]  # 0 reaches 3 and skips its second; 1 none; 2 two
+    pool, before, (q, k, v, g, beta, bounds) = _checkpoint_call(fn, lengths, every, ckpt, pool_dtype)
+    plain = before.clone()
+    fn(q, k, v, g, beta, state_cache=plain, state_indices=torch.arange(3, dtype=torch.int32),
+       has_initial_state=torch.ones(3, dtype=torch.bool), cu_seqlens=torch.tensor(bounds))
+    assert torch.equal(pool[:3], plain[:3])
+    for n, row in enumerate(ckpt):
+        for c, slot in enumerate(row[: lengths[n] // every]):
+            if slot < 0:
+                continue
+            cut = bounds[n] + (c + 1) * every
+            _, s = fn(q[:, bounds[n]:cut], k[:, bounds[n]:cut], v[:, bounds[n]:cut], g[:, bounds[n]:cut],
+                      beta[:, bounds[n]:cut], initial_state=before[n:n + 1].double(), output_final_state=True,
+                      state_dtype=torch.float64)
+            assert torch.equal(pool[slot], s[0].to(pool_dtype)), (n, c)
+    assert torch.equal(pool[2], pool[9])  # sequence 2's checkpoint at its end (128) is its final state
+    for slot in (3, 6, 7, 10, 11):  # named by no sequence, or by checkpoints past a sequence's end
+        assert torch.equal(pool[slot], before[slot])
+
+
+def test_checkpoints_of_the_two_oracles_agree():
+    lengths, every, ckpt = [130, 256], 128, [[5, 6], [7, 8]]
+    a, _, _ = _checkpoint_call(recurrent_kda, lengths, every, ckpt, torch.float64)
+    b, _, _ = _checkpoint_call(chunk_kda, lengths, every, ckpt, torch.float64)
+    assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("over,word", [
+    (dict(checkpoint_every=100), "checkpoint_every"),
+    (dict(checkpoint_every=None), "checkpoint_every"),
+    (dict(checkpoint_indices=torch.tensor([[5], [6]])), "checkpoint_indices"),  # int64 is fine, shape [N]
+    (dict(checkpoint_indices=torch.tensor([[5.0], [6.0], [7.0]])), "checkpoint_indices"),
+    (dict(checkpoint_indices=torch.tensor([[5], [5], [7]], dtype=torch.int32)), "checkpoint_indices"),
+    (dict(checkpoint_indices=torch.tensor([[0], [6], [7]], dtype=torch.int32)), "checkpoint_indices"),  # a final slot
+    (dict(checkpoint_indices=torch.tensor([[12], [6], [7]], dtype=torch.int32)), "checkpoint_indices"),
+])
+def test_bad_checkpoints_raise_naming_the_argument(over, word):
+    q, k, v, g, beta = oracle_inputs(1, 192, 1, 2, 8, 4)
+    pool = torch.zeros(12, 2, 8, 4, dtype=torch.float64)
+    kw = dict(state_cache=pool, state_indices=torch.arange(3, dtype=torch.int32),
+              has_initial_state=torch.ones(3, dtype=torch.bool), cu_seqlens=torch.tensor([0, 64, 128, 192]),
+              checkpoint_every=64, checkpoint_indices=torch.tensor([[5], [6], [7]], dtype=torch.int32))
+    kw.update(over)
+    with pytest.raises(ValueError, match=word):
+        chunk_kda(q, k, v, g, beta, **kw)
+    assert torch.equal(pool, torch.zeros_like(pool))
