@@ -246,15 +246,15 @@ def check_call(
     device = q.device
     scale = _check_scale(scale, K)
     lower_bound = _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, device)
-    N, one_token_per_seq = _check_sequences(cu_seqlens, cu_seqlens_cpu, q, B, T, debug)
+    N, one_token_per_seq, host_bounds = _check_sequences(cu_seqlens, cu_seqlens_cpu, q, B, T, debug)
     state_v_first = _check_state_layout(state_v_first, state_cache)
     mode, state_in, final_dtype = _check_state(
         fn, initial_state, output_final_state, state_cache, state_indices, has_initial_state, state_dtype,
         state_v_first, require_has_initial_state, HV, K, V, N, device, debug)
     verify = mode == "paged" and state_indices.dim() == 2
     if verify or num_accepted_tokens is not None:
-        _check_verify(fn, verify, state_indices, num_accepted_tokens, state_cache, cu_seqlens, cu_seqlens_cpu,
-                      B, T, N, device, debug)
+        _check_verify(fn, verify, state_indices, num_accepted_tokens, state_cache, cu_seqlens, host_bounds,
+                      T, N, device, debug)
         one_token_per_seq = False  # the one-token kernel serves the plain path only
     _check_out(out, (q, k, v, g, beta), state_in, B, T, HV, V, v.dtype, device)
     _check_rounding(stochastic_rounding, seed, final_dtype, mode, output_final_state)
@@ -378,14 +378,17 @@ def _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int, K
     return float(lower_bound)
 
 
-def _check_sequences(cu_seqlens, cu_seqlens_cpu, q: torch.Tensor, B: int, T: int, debug: bool) -> tuple[int, bool]:
+def _check_sequences(cu_seqlens, cu_seqlens_cpu, q: torch.Tensor, B: int, T: int,
+                     debug: bool) -> tuple[int, bool, list[int] | None]:
     """A dense batch (N = B) or varlen (B == 1, `cu_seqlens` [N+1] on the device, its host copy checked
-    when given; the device values only under KDA_DEBUG). Returns (N, one_token_per_seq): every sequence
-    holds one token, known without reading the device."""
+    when given; the device values only under KDA_DEBUG). Returns (N, one_token_per_seq, host):
+    `one_token_per_seq`, every sequence holds one token, known without reading the device; `host`, the
+    varlen bounds as Python ints where they are on the host (`cu_seqlens_cpu`, or read under KDA_DEBUG),
+    else None."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
-        return B, T == 1
+        return B, T == 1, None
     _require_tensor("cu_seqlens", cu_seqlens)
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
@@ -398,7 +401,7 @@ def _check_sequences(cu_seqlens, cu_seqlens_cpu, q: torch.Tensor, B: int, T: int
     if B != 1:
         raise ValueError(f"cu_seqlens (varlen) needs B == 1, got q of shape {list(q.shape)}")
     N = cu_seqlens.numel() - 1
-    one_token_per_seq = False
+    one_token_per_seq, host = False, None
     if cu_seqlens_cpu is not None:
         host = _host_bounds(cu_seqlens_cpu)
         if len(host) != N + 1:
@@ -410,9 +413,10 @@ def _check_sequences(cu_seqlens, cu_seqlens_cpu, q: torch.Tensor, B: int, T: int
     if debug:
         dev = cu_seqlens.tolist()
         _check_bounds("cu_seqlens", dev, T)
-        if cu_seqlens_cpu is not None and dev != _host_bounds(cu_seqlens_cpu):
+        if host is not None and dev != host:
             raise ValueError("cu_seqlens_cpu differs from cu_seqlens (KDA_DEBUG check)")
-    return N, one_token_per_seq
+        host = dev
+    return N, one_token_per_seq, host
 
 
 def _check_state_layout(state_v_first, state_cache) -> bool:
@@ -474,10 +478,11 @@ def _check_state(fn: str, initial_state, output_final_state, state_cache, state_
 
 
 def _check_verify(fn: str, verify: bool, state_indices, num_accepted_tokens, state_cache, cu_seqlens,
-                  cu_seqlens_cpu, B: int, T: int, N: int, device, debug: bool) -> None:
+                  host_bounds: list[int] | None, T: int, N: int, device, debug: bool) -> None:
     """Speculative verify: `state_indices` int32 `[N, T_max]` with stride 1 along T_max and T_max >= every
-    sequence's length where the lengths are known on the host; `num_accepted_tokens` int32 `[N]`, only with
-    it. The values are read (`_check_verify_values`) under KDA_DEBUG or when they live on the CPU."""
+    sequence's length where the lengths are known on the host (`host_bounds` from `_check_sequences`);
+    `num_accepted_tokens` int32 `[N]`, only with it. The values are read (`_check_verify_values`) under
+    KDA_DEBUG or when they live on the CPU."""
     if num_accepted_tokens is not None and not verify:
         raise ValueError("num_accepted_tokens needs state_cache and state_indices of shape [N, T_max] "
                          "(speculative verify)")
@@ -493,12 +498,11 @@ def _check_verify(fn: str, verify: bool, state_indices, num_accepted_tokens, sta
     if T_max > 1 and state_indices.stride(1) != 1:
         raise ValueError(f"state_indices [N, T_max] must have stride 1 along T_max, got strides "
                          f"{state_indices.stride()}")
-    host = None  # the bounds, where known on the host without a sync
     if cu_seqlens is None:
         lengths = [T] * N
     else:
-        host = _host_bounds(cu_seqlens_cpu) if cu_seqlens_cpu is not None else None
-        if host is None and (debug or cu_seqlens.is_cpu):
+        host = host_bounds
+        if host is None and cu_seqlens.is_cpu:  # on the CPU the read costs no sync
             host = cu_seqlens.tolist()
         lengths = None if host is None else [b - a for a, b in zip(host, host[1:])]
     if lengths and max(lengths) > T_max:
