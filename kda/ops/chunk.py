@@ -22,7 +22,7 @@ from .chunk_walk import (
     _segment_scan_kernel,
     _segment_summary_kernel,
 )
-from .common import token_stride
+from .common import token_head_strides
 
 
 def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -52,8 +52,9 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     if total > 0:  # else only empty sequences: the walk copies their states
         A_log, dt_bias, lower_bound = gate_args(call)
-        strides = (token_stride(q, T), q.stride(2), token_stride(k, T), k.stride(2))
-        g_beta = (token_stride(g, T), g.stride(2), token_stride(beta, T), beta.stride(2))
+        strides = (*token_head_strides(q, T), *token_head_strides(k, T))
+        g_beta = (*token_head_strides(g, T), *token_head_strides(beta, T))
+        v_strides = token_head_strides(v, T)
         BV = min(64, max(16, next_power_of_2(V)))
         common = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
         if fused:
@@ -67,7 +68,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
                 )
             _chunk_prepare_kernel[(n_chunks, HV)](
                 q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
-                *strides, token_stride(v, T), v.stride(2), *g_beta, T, N, NT, call.scale, lower_bound,
+                *strides, *v_strides, *g_beta, T, N, NT, call.scale, lower_bound,
                 H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV, **gate,
                 CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
                 num_warps=plan.prepare_warps, num_stages=1, **common,
@@ -84,7 +85,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
                 USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **common,
             )
             _chunk_solve_kernel[(n_chunks, HV)](
-                v, beta, cu, akk_ws, kd_ws, w_ws, u_ws, token_stride(v, T), v.stride(2), g_beta[2], g_beta[3],
+                v, beta, cu, akk_ws, kd_ws, w_ws, u_ws, *v_strides, g_beta[2], g_beta[3],
                 T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=min(32, BK), BV=BV, INV_PREC="ieee",
                 num_warps=4, num_stages=1, **common,
             )
@@ -95,7 +96,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     pools = st.pointers(gt_ws)
     flags = st.flags(call.state_v_first)
     walk_ws = (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws)
-    s_ot, s_oh = token_stride(o, T), o.stride(2)
+    s_ot, s_oh = token_head_strides(o, T)
     if plan.walk == "plain":
         _chunk_state_kernel[(n_vb, N, HV)](
             o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, T, NT,

@@ -133,7 +133,9 @@ def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.cons
     return i_n, bos, t0, eos
 
 
-def token_stride(x, T: int) -> int:
-    """The one stride of the flattened [B*T] token axis: stride(1), or stride(0) when T == 1 (the
+def token_head_strides(x, T: int) -> tuple[int, int]:
+    """(token stride, head stride) of a `[B, T, heads, ...]` tensor from one `stride()` call. The token
+    stride is the one stride of the flattened [B*T] token axis: stride(1), or stride(0) when T == 1 (the
     contract then leaves stride(1) free, e.g. a [B, 1, ...] slice of a longer buffer)."""
-    return x.stride(1) if T > 1 else x.stride(0)
+    st = x.stride()
+    return (st[1] if T > 1 else st[0]), st[2]

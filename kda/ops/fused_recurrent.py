@@ -68,7 +68,7 @@ import triton.language as tl
 
 from ..contract import KDACall
 from ..plan import DecodePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
-from .common import decay_rate, dt_bias_slice, kda_gate_log2, round_to, seq_bounds, slot_of
+from .common import decay_rate, dt_bias_slice, kda_gate_log2, round_to, seq_bounds, slot_of, token_head_strides
 
 # store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
 # 1 stochastic bf16, 2 stochastic fp16
@@ -393,10 +393,8 @@ def fused_recurrent_kda_fwd(
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     A_log, dt_bias, lower_bound = gate_args(call)
     BK, BV = plan.BK, plan.BV
-    # one stride() tuple per tensor; the token stride is stride(1), or stride(0) when T == 1 (`token_stride`)
-    t = 1 if T > 1 else 0
-    sq, sk, sv, sg, sb, so = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride(), o.stride()
-    strides = (sq[t], sq[2], sk[t], sk[2], sv[t], sv[2], sg[t], sg[2], sb[t], sb[2], so[t], so[2],
+    strides = (*token_head_strides(q, T), *token_head_strides(k, T), *token_head_strides(v, T),
+               *token_head_strides(g, T), *token_head_strides(beta, T), *token_head_strides(o, T),
                st.src_stride, st.dst_stride)
     if call.verify:  # speculative verify: state_indices [N, T_max] and its row stride
         accepted = call.num_accepted_tokens
