@@ -32,12 +32,6 @@ from .common import locate_block, round_to, seq_bounds, slot_of, tf32_round
 
 
 @triton.jit
-def _ws_operand(x, PREC: tl.constexpr):
-    """A loaded fp32 workspace tile as a dot operand: rounded to nearest tf32 for tf32 dots."""
-    return tf32_round(x, PREC)
-
-
-@triton.jit
 def _pow2_scale(x):
     """A power of two p with max|x| p in [2^14, 2^15): x p fits fp16 (largest finite 65504) with its largest
     entries at fp16's full 11-bit significand, as a tf32 operand would keep them; entries below 2^-28 of the
@@ -90,7 +84,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
             U = tl.dot(w, Sr) * (-1.0 / ps)
         else:
             Sr = tf32_round(S, DOT_PREC)
-            U = -tl.dot(_ws_operand(w, DOT_PREC), Sr, input_precision=DOT_PREC)
+            U = -tl.dot(tf32_round(w, DOT_PREC), Sr, input_precision=DOT_PREC)
         if HAS_U0:
             U += tl.load(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_c[None, :], mask=m_c, other=0.0)
         if F16:
@@ -106,15 +100,15 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
             if F16:
                 out = tl.dot(qd, Sr) * (1.0 / ps) + tl.dot(aqk, Ur) * (1.0 / pu)
             else:
-                out = (tl.dot(_ws_operand(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
-                       + tl.dot(_ws_operand(aqk, DOT_PREC), Ur, input_precision=DOT_PREC))
+                out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
+                       + tl.dot(tf32_round(aqk, DOT_PREC), Ur, input_precision=DOT_PREC))
             tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
                      mask=m_c)
         kr = tl.load(kr_ws + base_k + ws_k, mask=m_k, other=0.0)
         if F16:
             S = S * gt[:, None] + tl.dot(tl.trans(kr), Ur) * (1.0 / pu)
         else:
-            S = S * gt[:, None] + tl.dot(tl.trans(_ws_operand(kr, DOT_PREC)), Ur, input_precision=DOT_PREC)
+            S = S * gt[:, None] + tl.dot(tl.trans(tf32_round(kr, DOT_PREC)), Ur, input_precision=DOT_PREC)
     return S
 
 
