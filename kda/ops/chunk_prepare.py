@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import decay_rate, dt_bias_slice, kda_gate_log2, locate_block, tf32_round
+from .common import decay_rate, dt_bias_slice, kda_gate_log2, locate_block, tf32_round, tile_mask
 
 
 @triton.jit
@@ -43,10 +43,7 @@ def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.conste
         ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
-            if K % BK == 0:
-                m = row_mask[:, None]
-            else:
-                m = row_mask[:, None] & (cols < K)[None, :]
+            m = tile_mask(row_mask, cols < K, K % BK == 0)
             x = tl.load(x_ptr + rows[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
             ssq += tl.sum(x * x, 1)
         return 1.0 / tl.sqrt(ssq + 1e-6)
@@ -146,10 +143,7 @@ def _chunk_gate_kernel(
     row_ok = o_t < eos - t0
     cols = i_k * BK + tl.arange(0, BK)
     col_ok = cols < K
-    if K % BK == 0:
-        m = row_ok[:, None]
-    else:
-        m = row_ok[:, None] & col_ok[None, :]
+    m = tile_mask(row_ok, col_ok, K % BK == 0)
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
     bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
     gl = _gate_tile(g + t0 * s_gt + i_hv * s_gh, o_t, cols, m, s_gt, a, bias, lower_bound, True, True)
@@ -193,7 +187,7 @@ def _chunk_prepare_kernel(
     o_t = tl.arange(0, BT)
     row_ok = o_t < n_rows
     # int64 bases at the chunk's first token, int32 offsets inside it (64-bit per-element addresses cost
-    # registers); no column mask where K slices cover K exactly (it would keep the accesses scalar)
+    # registers); no column mask where K slices cover K exactly (`tile_mask`)
     EVEN_K: tl.constexpr = K % BK == 0
     q_h = q + t0 * s_qt + i_h * s_qh
     k_h = k + t0 * s_kt + i_h * s_kh
@@ -212,10 +206,7 @@ def _chunk_prepare_kernel(
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
-        if EVEN_K:
-            m = row_ok[:, None]
-        else:
-            m = row_ok[:, None] & col_ok[None, :]
+        m = tile_mask(row_ok, col_ok, EVEN_K)
         if B2_FROM_WS:  # written by `_chunk_gate_kernel`; rows past the sequence take its last row's
             b2_last = _b2_row(b2_ws, ws_base, BT - 1, n_rows, cols, HV, K)
             b2 = tl.load(b2_ws + ws_base + ws + cols[None, :], mask=m, other=0.0)
@@ -272,19 +263,13 @@ def _chunk_prepare_kernel(
     tl.debug_barrier()  # Kd parked in W's rows by every thread before it is read back
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        if EVEN_K:
-            m = row_ok[:, None]
-        else:
-            m = row_ok[:, None] & (cols < K)[None, :]
+        m = tile_mask(row_ok, cols < K, EVEN_K)
         kd = tf32_round(tl.load(w_ws + ws_base + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
         tl.debug_barrier()  # read by every thread before it is overwritten
         tl.store(w_ws + ws_base + ws + cols[None, :], tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
-        if V % BV == 0:
-            m = row_ok[:, None]
-        else:
-            m = row_ok[:, None] & (cols < V)[None, :]
+        m = tile_mask(row_ok, cols < V, V % BV == 0)
         v_c = tl.load(v + t0 * s_vt + i_hv * s_vh + o_t[:, None] * s_vt + cols[None, :], mask=m,
                       other=0.0).to(tl.float32)
         tl.store(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + cols[None, :],

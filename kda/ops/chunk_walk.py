@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import locate_block, round_to, seq_bounds, slot_of, tf32_round
+from .common import locate_block, round_to, seq_bounds, slot_of, tf32_round, tile_mask
 
 
 @triton.jit
@@ -66,16 +66,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
         gt_ptr += HV * K
         gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t0 + BT < t_end), other=0.0)
         row_ok = o_t < t_end - t0
-        # no column mask where the tile covers the columns exactly: a mask that varies along a row keeps
-        # loads scalar (no 16-byte vectors, no asynchronous copies for the pipeliner)
-        if EVEN_K:
-            m_k = row_ok[:, None]
-        else:
-            m_k = row_ok[:, None] & k_ok[None, :]
-        if EVEN_C:
-            m_c = row_ok[:, None]
-        else:
-            m_c = row_ok[:, None] & c_ok[None, :]
+        m_k = tile_mask(row_ok, k_ok, EVEN_K)
+        m_c = tile_mask(row_ok, c_ok, EVEN_C)
         base_k = (t0 * HV + i_hv) * K
         w = tl.load(w_ws + base_k + ws_k, mask=m_k, other=0.0)
         if F16:

@@ -67,6 +67,17 @@ def tf32_round(x, PREC: tl.constexpr):
 
 
 @triton.jit
+def tile_mask(row_ok, col_ok, FULL: tl.constexpr):
+    """The mask of a [rows, cols] tile: `row_ok` alone where every column is in range (FULL), so that it is
+    constant along a row and the accesses stay 16-byte vectors the pipeliner can copy asynchronously (a
+    mask that varies along a row keeps them scalar)."""
+    if FULL:
+        return row_ok[:, None]
+    else:
+        return row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
 def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
     """Flat token range [bos, eos) of sequence i_n (varlen: from cu_seqlens on the device)."""
     if IS_VARLEN:
