@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 import kda  # noqa: E402
 from kda import plan as kplan  # noqa: E402
+from kda.api import check_call_args  # noqa: E402
 from kda.contract import check_call  # noqa: E402
 
 K_DIM = V_DIM = 128
@@ -94,17 +95,9 @@ def cases(dev: str) -> dict:
 
 
 def checked(fn, args, kw):
-    """`check_call` as the public function makes it."""
-    import inspect
-
-    params = list(inspect.signature(fn).parameters.values())[5:]
-    full = {p.name: kw.get(p.name, p.default) for p in params}
-    for p, a in zip(params, args[5:]):
-        full[p.name] = a
-    scale, h0, final = full.pop("scale"), full.pop("initial_state"), full.pop("output_final_state")
-    name = fn.__name__
-    return lambda: check_call(name, *args[:5], scale, h0, final,
-                              require_has_initial_state=name == "chunk_kda", **full)
+    """`check_call` as the public function makes it (its arguments assembled once, outside the timing)."""
+    positional, keywords = check_call_args(fn, *args, **kw)
+    return lambda: check_call(*positional, **keywords)
 
 
 def per_call_us(f, calls: int, rounds: int = 5) -> float:

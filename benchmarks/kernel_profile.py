@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import inspect
 import pkgutil
 import shlex
 import subprocess
@@ -67,13 +66,13 @@ def make_call(op: str, args: argparse.Namespace, plan: dict | None = None):
     if op == "chunk":
         h0 = 0.1 * torch.randn(args.B, H, K_DIM, V_DIM, device=dev)
         if plan:
+            from kda.api import check_call_args
             from kda.contract import check_call
             from kda.ops.chunk import chunk_kda_fwd
             from kda.plan import chunk_plan
 
-            params = list(inspect.signature(kda.chunk_kda).parameters.values())[8:]  # after output_final_state
-            kw = {p.name: flags.get(p.name, p.default) for p in params}
-            call = check_call("chunk_kda", q, k, v, g, beta, None, h0, True, require_has_initial_state=True, **kw)
+            positional, keywords = check_call_args(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
+            call = check_call(*positional, **keywords)
             chosen = chunk_plan(call, **plan)
             return lambda: chunk_kda_fwd(call, chosen)
         return lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)

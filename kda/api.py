@@ -9,6 +9,7 @@ custom ops"."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -25,6 +26,19 @@ def _launchers():
     from .ops.fused_recurrent import fused_recurrent_kda_fwd
 
     return chunk_kda_fwd, fused_recurrent_kda_fwd
+
+
+def check_call_args(fn, *args, **kwargs) -> tuple[tuple, dict]:
+    """The arguments with which the public `fn` (`chunk_kda` or `fused_recurrent_kda`) would call
+    `kda.contract.check_call` for these arguments (its defaults filled in), for tools that validate or plan
+    a call without launching it: `check_call(*positional, **keywords)` is the `KDACall` that `kda.plan`
+    builds plans from. Unknown keywords raise `TypeError` as the call would."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    kw = bound.arguments
+    positional = (fn.__name__, *(kw.pop(n) for n in ("q", "k", "v", "g", "beta", "scale", "initial_state",
+                                                       "output_final_state")))
+    return positional, dict(kw, require_has_initial_state=fn.__name__ == "chunk_kda")
 
 
 def _through_op(op, q, k, v, g, beta, scale, initial_state, output_final_state, *, cu_seqlens_cpu, state_cache,

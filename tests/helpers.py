@@ -107,17 +107,11 @@ def on_cpu(kwargs: dict) -> dict:
 def checked_call(fn, q, k, v, g, beta, **kwargs):
     """The validated call (`kda.contract.KDACall`) that `fn` (`kda.chunk_kda` or `kda.fused_recurrent_kda`)
     makes of these arguments: what `kda.plan` builds a plan from."""
-    import inspect
-
-    import kda
+    from kda.api import check_call_args
     from kda.contract import check_call
 
-    params = list(inspect.signature(fn).parameters.values())[5:]
-    kw = {p.name: kwargs.pop(p.name, p.default) for p in params}
-    assert not kwargs, f"not arguments of {fn.__name__}: {sorted(kwargs)}"
-    scale, h0, final = kw.pop("scale"), kw.pop("initial_state"), kw.pop("output_final_state")
-    return check_call(fn.__name__, q, k, v, g, beta, scale, h0, final,
-                      require_has_initial_state=fn is kda.chunk_kda, **kw)
+    positional, keywords = check_call_args(fn, q, k, v, g, beta, **kwargs)
+    return check_call(*positional, **keywords)
 
 
 def run_planned(fn, q, k, v, g, beta, plan_overrides: dict, **kwargs):
