@@ -46,6 +46,9 @@ def interpreted() -> bool:
     return interpreting()
 
 
+DENSE_SLOTS = 2**31 - 1  # the slot bound of the dense contract, whose slot of sequence n is n
+
+
 @dataclass(slots=True)
 class StatePlan:
     """Where the kernels read and write state: pools of dense planes (`KDACall` explains why). Built per
@@ -65,6 +68,11 @@ class StatePlan:
     @property
     def dst_stride(self) -> int:
         return self.dst.stride(0) if self.dst is not None else 0
+
+    @property
+    def slot_count(self) -> int:
+        """Slots a kernel may address: the paged pool's; dense state is addressed by sequence (always in range)."""
+        return self.src.shape[0] if self.paged else DENSE_SLOTS
 
     def pointers(self, stand_in: torch.Tensor) -> tuple:
         """(src, dst, slot_of_seq, has_initial_state) with `stand_in` for the absent ones (never read: the

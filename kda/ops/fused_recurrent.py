@@ -215,12 +215,12 @@ def _first_state(src_plane, has_initial_state, i_n, i_vb, BV: tl.constexpr, BK: 
     return S
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "n_slots"])
 def _fused_recurrent_kda_kernel(
     q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
-    src_stride, dst_stride, s_idx, num_accepted,
+    src_stride, dst_stride, n_slots, s_idx, idx_cols, num_accepted,
     T, scale, lower_bound, seed,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
@@ -250,9 +250,11 @@ def _fused_recurrent_kda_kernel(
         col = i_n.to(tl.int64) * 0
         if HAS_ACCEPTED:
             col = tl.load(num_accepted + i_n).to(tl.int64) - 1
-        slot = tl.load(row + col).to(tl.int64)
+        col_ok = (col >= 0) & (col < idx_cols)  # a count outside 1..T_max reads nothing: a no-op sequence
+        slot = tl.where(col_ok, tl.load(row + tl.where(col_ok, col, 0)).to(tl.int64), -1)
     else:
         slot = slot_of(slot_of_seq, i_n, PAGED)
+    slot = tl.where(slot < n_slots, slot, -1)  # a slot past the pool: a no-op sequence, never an access
     o_h = o + i_hv * s_oh
     if slot < 0:
         # padding sequence: no read, no write of state; its output rows are zeros
@@ -279,8 +281,9 @@ def _fused_recurrent_kda_kernel(
         tl.store(o_h + t * s_ot + o_v, round_to(o_t, o.dtype.element_ty), mask=v_ok)
         if VERIFY:
             S = round_to(S, state_dst.dtype.element_ty).to(tl.float32)  # the state a decode call would store
-            keep = tl.load(row + (t - bos)).to(tl.int64)
-            if keep >= 0:
+            # tokens past the row (T_max shorter than the sequence) and slots past the pool keep nothing
+            keep = tl.load(row + (t - bos), mask=(t - bos) < idx_cols, other=-1).to(tl.int64)
+            if (keep >= 0) & (keep < n_slots):
                 _store_state(S, state_dst + keep * dst_stride + i_hv * (K * V), tile_off, tile_ok,
                              (keep * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
 
@@ -304,12 +307,12 @@ def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, 
         _store_state(S, dst_plane, tile_off, tile_ok, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
 
 
-@triton.jit(do_not_specialize=["seed", "paged"])
+@triton.jit(do_not_specialize=["seed", "paged", "n_slots"])
 def _fused_recurrent_one_token_kernel(
     q, k, v, g, beta, o, A_log, dt_bias,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
-    src_stride, dst_stride,
+    src_stride, dst_stride, n_slots,
     scale, lower_bound, seed, paged,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr,
@@ -338,6 +341,7 @@ def _fused_recurrent_one_token_kernel(
     i_vb = i_v * NSUB
 
     slot = slot_of(slot_of_seq, i_n, paged)  # a run-time flag: both contracts run the same binary
+    slot = tl.where(slot < n_slots, slot, -1)  # a slot past the pool: a no-op sequence, never an access
     o_h = o + i_hv * s_oh
     if slot < 0:
         o_v = i_vb * BV + tl.arange(0, NSUB * BV)
@@ -398,10 +402,11 @@ def fused_recurrent_kda_fwd(
                st.src_stride, st.dst_stride)
     if call.verify:  # speculative verify: state_indices [N, T_max] and its row stride
         accepted = call.num_accepted_tokens
-        verify_args = (call.state_indices.stride(0), q if accepted is None else accepted)
+        idx = call.state_indices
+        verify_args = (idx.stride(0), idx.shape[1], q if accepted is None else accepted)
         verify_flags = dict(VERIFY=True, HAS_ACCEPTED=accepted is not None)
     else:
-        verify_args, verify_flags = (0, q), {}
+        verify_args, verify_flags = (0, 0, q), {}
     flags = dict(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
@@ -414,13 +419,14 @@ def fused_recurrent_kda_fwd(
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
         _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
-            q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, call.scale, lower_bound, seed,
+            q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, call.scale,
+            lower_bound, seed,
             int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
-            *verify_args, T, call.scale, lower_bound, seed,
+            st.slot_count, *verify_args, T, call.scale, lower_bound, seed,
             IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags, **verify_flags,
         )
     return o, st.final_state
