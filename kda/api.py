@@ -75,6 +75,8 @@ def chunk_kda(
     has_initial_state: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (prefill, any length). Must equal `kda_reference.chunk_kda` and
     `kda_reference.recurrent_kda`:
@@ -97,6 +99,15 @@ def chunk_kda(
     through `state_indices` (int32 `[N]`, `< 0` = padding: no read, no write, zero output rows) and
     `has_initial_state` (bool `[N]`, required). fp32, fp16 or bf16 storage; the recurrence
     accumulates in fp32 and only the store rounds (to nearest even).
+
+    Prefix-cache checkpoints (paged only): `checkpoint_every` (a positive multiple of 64) and
+    `checkpoint_indices` (int32 or int64 `[N, C]`, stride 1 along C), given together. The state after the
+    first `(j + 1) * checkpoint_every` tokens of sequence n in this call (offsets count from its first token
+    here) is stored, in the pool's dtype and layout, to slot `checkpoint_indices[n, j]` during the same walk,
+    when that entry is >= 0 and the sequence is that long (a sequence ending exactly there stores it too: it
+    equals the final state); the walk goes on from the unrounded state. Padding sequences store nothing;
+    a slot outside the pool is skipped. Checkpoint slots must be distinct and differ from every slot in
+    `state_indices` (checked under KDA_DEBUG, or on CPU).
     """
     if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
         return _through_op(
@@ -105,7 +116,8 @@ def chunk_kda(
             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
             state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
-            state_dtype=state_dtype, out=out,
+            state_dtype=state_dtype, out=out, checkpoint_every=checkpoint_every,
+            checkpoint_indices=checkpoint_indices,
         )
     # the plain path passes its keywords directly: a dict built for both paths costs a microsecond a call
     call = check_call(
@@ -115,6 +127,7 @@ def chunk_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
         state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
         state_dtype=state_dtype, out=out, require_has_initial_state=True,
+        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
     )
     return _launchers()[0](call)
 

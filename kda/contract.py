@@ -35,6 +35,13 @@ Decisions where the contract is silent (also in `docs/contract.md`):
   (accepted counts in 1..T_max, slots in range, written slots distinct, no sequence reading a slot another
   writes) are checked under KDA_DEBUG or when the indices live on the CPU. `stochastic_rounding` is not
   available with it (each token's rounding would need its own noise stream).
+- Prefix-cache checkpoints (`chunk_kda` only): `checkpoint_every` (a positive multiple of 64, the walk's
+  chunk) and `checkpoint_indices` (int32 or int64 `[N, C]`, stride 1 along C), given together and only
+  with `state_cache`: the state after the first `(j + 1) * checkpoint_every` tokens of sequence n goes to
+  slot `checkpoint_indices[n, j]` when that entry is >= 0 and the sequence reaches the offset. The slot
+  values (in range, distinct, no sequence's final or read slot) are checked under KDA_DEBUG or when the
+  indices live on the CPU, where the sequence lengths are known on the host; without that the kernel
+  skips a slot outside the pool instead of writing it.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ import torch
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+# checkpoint_every must be a multiple of the walk's chunk (kda.plan.CHUNK), so that a checkpoint lands on a
+# chunk boundary of the walk
+CHECKPOINT_MULTIPLE = 64
 DEBUG_OFF = ("", "0", "false", "off", "no")
 DEBUG_ON = ("1", "true", "on", "yes")
 
@@ -119,6 +129,10 @@ class KDACall:
     # int32 [N] or None picks the column the initial state is read from
     verify: bool = False
     num_accepted_tokens: torch.Tensor | None = None
+    # prefix-cache checkpoints (chunk_kda, paged): the state after every `checkpoint_every` tokens of sequence
+    # n to slot checkpoint_indices[n, j] (int32/int64 [N, C]; < 0: not kept); 0 and None without them
+    checkpoint_every: int = 0
+    checkpoint_indices: torch.Tensor | None = None
 
     @property
     def state_plane_shape(self) -> tuple[int, int, int]:
@@ -237,10 +251,12 @@ def check_call(
     stochastic_rounding: bool = False,
     seed: int = 0,
     num_accepted_tokens=None,
+    checkpoint_every=None,
+    checkpoint_indices=None,
 ) -> KDACall:
     """Validate one call of `fn` ("chunk_kda" or "fused_recurrent_kda") and return its `KDACall`.
     `stochastic_rounding`, `seed` and `num_accepted_tokens` are `fused_recurrent_kda`'s (the defaults stand
-    for `chunk_kda`)."""
+    for `chunk_kda`); `checkpoint_every` and `checkpoint_indices` are `chunk_kda`'s."""
     debug = debug_enabled()
     B, T, H, HV, K, V = _check_inputs(fn, q, k, v, g, beta)
     device = q.device
@@ -256,6 +272,12 @@ def check_call(
         _check_verify(fn, verify, state_indices, num_accepted_tokens, state_cache, cu_seqlens, host_bounds,
                       T, N, device, debug)
         one_token_per_seq = False  # the one-token kernel serves the plain path only
+    if checkpoint_every is not None or checkpoint_indices is not None:
+        checkpoint_every = _check_checkpoints(
+            checkpoint_every, checkpoint_indices, mode, verify, state_cache, state_indices, has_initial_state,
+            cu_seqlens, host_bounds, T, N, device, debug)
+    else:
+        checkpoint_every = 0
     _check_out(out, (q, k, v, g, beta), state_in, B, T, HV, V, v.dtype, device)
     _check_rounding(stochastic_rounding, seed, final_dtype, mode, output_final_state)
     if verify and stochastic_rounding:
@@ -273,6 +295,7 @@ def check_call(
         use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         one_token_per_seq=one_token_per_seq, verify=verify,
         num_accepted_tokens=num_accepted_tokens if verify else None,
+        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
     )
 
 
@@ -537,6 +560,73 @@ def _check_verify_values(state_indices, num_accepted_tokens, lengths: list[int],
     for n, r in enumerate(reads):
         if r >= 0 and owner.get(r, n) != n:
             raise ValueError(f"state_indices: sequence {n} reads slot {r}, which sequence {owner[r]} writes")
+
+
+def _check_checkpoints(checkpoint_every, checkpoint_indices, mode: str, verify: bool, state_cache, state_indices,
+                       has_initial_state, cu_seqlens, host_bounds: list[int] | None, T: int, N: int, device,
+                       debug: bool) -> int:
+    """Prefix-cache checkpoints (`kda_reference.contract`'s rules and messages): both arguments or neither,
+    a pool with 1-D `state_indices`, `checkpoint_every` a positive multiple of 64, `checkpoint_indices` an
+    int32/int64 `[N, C]` tensor on the call's device with stride 1 along C. The slot values are read
+    (`_check_checkpoint_values`) under KDA_DEBUG or when they live on the CPU, where the lengths are known
+    on the host. Returns `checkpoint_every`."""
+    if checkpoint_every is None or checkpoint_indices is None:
+        given, missing = (("checkpoint_indices", "checkpoint_every") if checkpoint_every is None
+                          else ("checkpoint_every", "checkpoint_indices"))
+        raise ValueError(f"{given} was given without {missing}: checkpoint_every and checkpoint_indices are "
+                         "given together")
+    if mode != "paged" or verify:
+        raise ValueError("checkpoint_indices needs state_cache with state_indices of shape [N] (not verify): "
+                         "checkpoints are stored in pool slots")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+        raise TypeError(f"checkpoint_every must be a positive multiple of {CHECKPOINT_MULTIPLE} (an int), "
+                        f"got {checkpoint_every!r}")
+    if checkpoint_every <= 0 or checkpoint_every % CHECKPOINT_MULTIPLE != 0:
+        raise ValueError(f"checkpoint_every must be a positive multiple of {CHECKPOINT_MULTIPLE}, "
+                         f"got {checkpoint_every!r}")
+    _require_tensor("checkpoint_indices", checkpoint_indices)
+    if checkpoint_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"checkpoint_indices must be int32 or int64, got {checkpoint_indices.dtype}")
+    if checkpoint_indices.dim() != 2 or checkpoint_indices.shape[0] != N or checkpoint_indices.device != device:
+        raise ValueError(f"checkpoint_indices must be [N, C] = [{N}, C] on {device}, got "
+                         f"{list(checkpoint_indices.shape)} on {checkpoint_indices.device}")
+    if checkpoint_indices.shape[1] > 1 and checkpoint_indices.stride(1) != 1:
+        raise ValueError(f"checkpoint_indices [N, C] must have stride 1 along C, got strides "
+                         f"{checkpoint_indices.stride()}")
+    if N > 0 and (debug or checkpoint_indices.is_cpu):
+        if cu_seqlens is None:
+            lengths = [T] * N
+        else:
+            host = host_bounds
+            if host is None and cu_seqlens.is_cpu:  # on the CPU the read costs no sync
+                host = cu_seqlens.tolist()
+            lengths = None if host is None else [b - a for a, b in zip(host, host[1:])]
+        if lengths is not None:
+            _check_checkpoint_values(checkpoint_every, checkpoint_indices, state_cache.shape[0], state_indices,
+                                     has_initial_state, lengths)
+    return checkpoint_every
+
+
+def _check_checkpoint_values(checkpoint_every: int, checkpoint_indices, slots: int, state_indices,
+                             has_initial_state, lengths: list[int]) -> None:
+    """The checkpoint slots a call writes (entries >= 0 of the checkpoints each non-padding sequence reaches)
+    must lie in [0, slots), be distinct, and be no slot a final state is written to or read from (a race
+    between programs). Entries past a sequence's length are not checked, as they are not written."""
+    rows, finals = checkpoint_indices.tolist(), state_indices.tolist()
+    reached = [row[:n // checkpoint_every] if s >= 0 else [] for row, n, s in zip(rows, lengths, finals)]
+    used = [s for row in reached for s in row if s >= 0]
+    if any(s >= slots for s in used):
+        raise ValueError(f"checkpoint_indices has a slot >= slots={slots}, got {rows}")
+    if len(set(used)) != len(used):
+        raise ValueError(f"checkpoint_indices names one slot twice among the checkpoints written, got {rows}")
+    flags = has_initial_state.tolist() if has_initial_state is not None else [True] * len(finals)
+    ends = {s for s in finals if s >= 0}  # every slot read (flag true) is also a slot written at the end
+    clash = set(used) & ends
+    if clash:
+        n = next(i for i, s in enumerate(finals) if s in clash)
+        what = "reads and ends in" if flags[n] else "ends in"
+        raise ValueError(f"checkpoint_indices names slot {finals[n]}, which sequence {n} {what} "
+                         f"(state_indices {finals}); checkpoint slots must be distinct from those")
 
 
 def _check_out(out, inputs, state_in, B: int, T: int, HV: int, V: int, dtype, device) -> None:

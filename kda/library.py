@@ -13,6 +13,8 @@ The ops' schema differs from the public signature where the dispatcher needs it:
 - `cu_seqlens_cpu` is a CPU tensor or None (the wrapper turns a list or tuple into a tensor).
 - `fused_recurrent_kda`'s `num_accepted_tokens` (speculative verify) comes last, after `seed`; the pool
   (`state_cache`) is the only state it mutates, whatever the shape of `state_indices`.
+- `chunk_kda`'s `checkpoint_every` and `checkpoint_indices` (prefix-cache checkpoints) come last, after
+  `out`; the checkpoints go into `state_cache`, already declared mutated.
 
 The real implementations run `kda.contract.check_call` (every check of the contract) and then the
 kernels. The fake implementations compute the final state's shape and dtype from the arguments alone, by
@@ -44,6 +46,7 @@ def chunk_kda_op(
     cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, state_v_first: bool | None,
     state_cache: torch.Tensor | None, state_indices: torch.Tensor | None,
     has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
+    checkpoint_every: int | None = None, checkpoint_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kda.chunk_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
     call = check_call("chunk_kda", require_has_initial_state=True, **locals())  # the parameters, by name
@@ -94,7 +97,7 @@ def fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_
 def _chunk_kda_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens,
                     cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype,
-                    out):
+                    out, checkpoint_every=None, checkpoint_indices=None):
     return fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
                             state_dtype)
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .contract import KDACall, interpreting
+from .contract import CHECKPOINT_MULTIPLE, KDACall, interpreting
 
 LOG2E = 1.4426950408889634
 CHUNK = 64  # BT: tokens per chunk of the prepare stage and the walk
+assert CHECKPOINT_MULTIPLE % CHUNK == 0  # every checkpoint offset is a chunk end of the walk
 SUB = 16  # BC: rows of the diagonal blocks inverted by forward substitution
 SEGMENT_CHUNKS = 16  # G: chunks per segment of the segmented walk
 # The fused prepare anchors each 32-row half of a chunk at its middle row: a factor 2^(b_i - a) spans at most

@@ -42,7 +42,7 @@ Speculative verify (``recurrent_kda`` only; ``chunk_kda`` raises, as ``kda.chunk
   and no sequence may read a slot that another sequence writes (checked always here, under
   ``KDA_DEBUG=1`` or on CPU by ``kda``).
 
-Prefix-cache checkpoints (both functions here; in ``kda`` they are ``chunk_kda``'s, not built yet):
+Prefix-cache checkpoints (both functions here; in ``kda`` they are ``chunk_kda``'s):
 
 - ``checkpoint_every`` (a positive multiple of 64, the kernels' chunk, so that a checkpoint lands on a chunk
   boundary of the walk) and ``checkpoint_indices`` (int32 or int64 ``[N, C]``), given together and only

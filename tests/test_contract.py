@@ -237,6 +237,46 @@ def test_catalog_bad_input_raises_naming_the_argument_and_writes_nothing(fn, nam
     assert _names(word, str(info.value)), str(info.value)
 
 
+def _ckpt(**over):
+    """Prefix-cache checkpoints for the base call, valid but for what `over` replaces. Slots 5 and 6 lie past
+    the pool of 4, but the base call's sequences (2 and 4 tokens) reach no checkpoint, so no slot value is in
+    play: the value checks are in tests/test_checkpoints.py."""
+    return {**dict(checkpoint_every=64, checkpoint_indices=_i32(5, 6).view(2, 1)), **over}
+
+
+# chunk_kda only: fused_recurrent_kda has no checkpoint keywords (an unknown keyword there, TypeError)
+CHECKPOINT_CATALOG = [
+    ("checkpoint_every without checkpoint_indices", lambda: dict(checkpoint_every=64), "checkpoint_indices"),
+    ("checkpoint_indices without checkpoint_every", lambda: _ckpt(checkpoint_every=None), "checkpoint_every"),
+    ("checkpoints without a pool", lambda: _dense(**_ckpt()), "checkpoint_indices"),
+    ("checkpoints with a dense initial_state", lambda: _dense(initial_state=_z(2, 2, 8, 8), **_ckpt()),
+     "checkpoint_indices"),
+    ("checkpoint_every not a multiple of 64", lambda: _ckpt(checkpoint_every=100), "checkpoint_every"),
+    ("checkpoint_every 32", lambda: _ckpt(checkpoint_every=32), "checkpoint_every"),
+    ("checkpoint_every zero", lambda: _ckpt(checkpoint_every=0), "checkpoint_every"),
+    ("checkpoint_every negative", lambda: _ckpt(checkpoint_every=-64), "checkpoint_every"),
+    ("checkpoint_every a float", lambda: _ckpt(checkpoint_every=64.0), "checkpoint_every"),
+    ("checkpoint_every a bool", lambda: _ckpt(checkpoint_every=True), "checkpoint_every"),
+    ("checkpoint_every a tensor", lambda: _ckpt(checkpoint_every=torch.tensor(64)), "checkpoint_every"),
+    ("checkpoint_indices a list", lambda: _ckpt(checkpoint_indices=[[5], [6]]), "checkpoint_indices"),
+    ("checkpoint_indices float", lambda: _ckpt(checkpoint_indices=_z(2, 1)), "checkpoint_indices"),
+    ("checkpoint_indices int16", lambda: _ckpt(checkpoint_indices=_i32(5, 6).view(2, 1).to(torch.int16)),
+     "checkpoint_indices"),
+    ("checkpoint_indices 1-D", lambda: _ckpt(checkpoint_indices=_i32(5, 6)), "checkpoint_indices"),
+    ("checkpoint_indices wrong N", lambda: _ckpt(checkpoint_indices=_i32(5, 6, 7).view(3, 1)), "checkpoint_indices"),
+    ("checkpoint_indices on another device",
+     lambda: _ckpt(checkpoint_indices=_z(2, 1, dtype=torch.int32, device="meta")), "checkpoint_indices"),
+    ("checkpoint_indices strided along C", lambda: _ckpt(checkpoint_indices=_i32(5, 0, 6, 0).view(2, 2)[:, :1]
+                                                          .expand(2, 2)), "checkpoint_indices"),
+]
+
+
+@pytest.mark.parametrize("name,make,word", CHECKPOINT_CATALOG, ids=[c[0] for c in CHECKPOINT_CATALOG])
+def test_checkpoint_catalog_raises_naming_the_argument_and_writes_nothing(name, make, word):
+    info = _call(kda.chunk_kda, **make())
+    assert _names(word, str(info.value)), str(info.value)
+
+
 # Device-only values: checked on the host under KDA_DEBUG=1 (they need a device-to-host read).
 DEBUG_CATALOG = [
     ("cu_seqlens not starting at 0", lambda: dict(cu_seqlens=_i32(1, 2, 6)), "cu_seqlens"),

@@ -9,6 +9,8 @@
 - A plain call never goes through the dispatcher (the ops' real implementations count their runs).
 - Speculative verify (`state_indices` `[N, T_max]`, `num_accepted_tokens`): opcheck of
   `kda::fused_recurrent_kda`, and a compiled verify step equal to the eager one.
+- Prefix-cache checkpoints (`checkpoint_every`, `checkpoint_indices`): opcheck of `kda::chunk_kda`, and a
+  compiled prefill with checkpoints equal to the eager one.
 """
 
 import pytest
@@ -78,6 +80,20 @@ def verify_case(fn: str):
     return (q, k, v, g, beta), kw
 
 
+def checkpoint_case(fn: str):
+    """Prefix-cache checkpoints: varlen lengths 70 and 64 (host bounds given) into a K-first fp32 pool of 6
+    slots, a checkpoint every 64 tokens (sequence 1 ends at its checkpoint), int64 indices."""
+    assert fn == "chunk_kda"
+    bounds = [0, 70, 134]
+    q, k, v, g, beta, _ = make_inputs(1, bounds[-1], H, HV, K, V, device=DEVICE, seed=5)
+    kw = op_kwargs(fn, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=DEVICE),
+                   cu_seqlens_cpu=torch.tensor(bounds), state_v_first=False, state_cache=pool_of(6, False),
+                   state_indices=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                   has_initial_state=torch.tensor([True, True], device=DEVICE), out=torch.empty_like(v),
+                   checkpoint_every=64, checkpoint_indices=torch.tensor([[2, 5], [3, 4]], device=DEVICE))
+    return (q, k, v, g, beta), kw
+
+
 OPS = {"chunk_kda": library.chunk_kda_op, "fused_recurrent_kda": library.fused_recurrent_kda_op}
 
 
@@ -120,6 +136,37 @@ def test_compile_fullgraph_verify_step():
     assert library.calls["fused_recurrent_kda"] == before + 1
     assert same_bits(o_c, o_e) and same_bits(pool_c, pool_e) and not same_bits(pool_e, pool0)
     assert same_bits(pool_e[8:], pool0[8:])  # never named
+
+
+@pytest.mark.parametrize("util", OPCHECK_UTILS)
+def test_opcheck_checkpoints(util):
+    """`kda::chunk_kda` with prefix-cache checkpoints (`checkpoint_every`, `checkpoint_indices`)."""
+    args, kw = checkpoint_case("chunk_kda")
+    torch.library.opcheck(OPS["chunk_kda"], args, kw, test_utils=util)
+
+
+def test_compile_fullgraph_checkpoint_prefill():
+    """A compiled prefill with checkpoints (fullgraph, aot_eager) equals the eager one bit for bit, outputs
+    and pool (checkpoint slots included)."""
+    (q, k, v, g, beta), kw = checkpoint_case("chunk_kda")
+
+    def step(q, k, v, g, beta, pool, cu, idx, has, ckpt):
+        return kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=[0, 70, 134], state_cache=pool,
+                             state_indices=idx, has_initial_state=has, state_v_first=False, checkpoint_every=64,
+                             checkpoint_indices=ckpt)[0]
+
+    pool0 = kw["state_cache"]
+    rest = (kw["cu_seqlens"], kw["state_indices"], kw["has_initial_state"], kw["checkpoint_indices"])
+    with torch.no_grad():
+        pool_e = pool0.clone()
+        o_e = step(q, k, v, g, beta, pool_e, *rest)
+        before = library.calls["chunk_kda"]
+        pool_c = pool0.clone()
+        o_c = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, g, beta, pool_c, *rest)
+    assert library.calls["chunk_kda"] == before + 1
+    assert same_bits(o_c, o_e) and same_bits(pool_c, pool_e)
+    assert not same_bits(pool_e[[2, 3]], pool0[[2, 3]])  # the checkpoints reached
+    assert same_bits(pool_e[[4, 5]], pool0[[4, 5]])  # entries past the sequences' ends
 
 
 def test_fake_final_state_shapes():

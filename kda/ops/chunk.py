@@ -6,6 +6,8 @@ gate pass where the plan has one), then the serial state walk (`kda.ops.chunk_wa
 Workspaces, token-major `[B*T, HV, *]` (gt per chunk): Qd, Kr, W and A_qk in the plan's workspace dtype
 (the walk's dot operands), U0 in fp32, A_kk and Kd in fp32 (split prepare), b2 in fp32 (the gate pass).
 Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds.
+Prefix-cache checkpoints are stored by the walk (plain, or the segmented walk's output kernel) as it passes
+them: no extra pass.
 """
 
 from __future__ import annotations
@@ -97,11 +99,16 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     flags = st.flags(call.state_v_first)
     walk_ws = (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws)
     s_ot, s_oh = token_head_strides(o, T)
+    ckpt = call.checkpoint_indices
+    has_ckpt = ckpt is not None
+    # checkpoint row, row stride, columns, spacing, pool slots (a stand-in and zeros without checkpoints)
+    ck_args = ((ckpt, ckpt.stride(0), ckpt.shape[1], call.checkpoint_every, call.state_in.shape[0]) if has_ckpt
+               else (gt_ws, 0, 0, BT, 0))
     if plan.walk == "plain":
         _chunk_state_kernel[(n_vb, N, HV)](
-            o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, T, NT,
+            o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, T, NT,
             HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec, **flags,
-            num_warps=plan.walk_warps, num_stages=plan.walk_stages,
+            HAS_CHECKPOINTS=has_ckpt, num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
         return o, st.final_state
     G = plan.segment_chunks
@@ -122,7 +129,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     )
     if n_seg > 0:
         _segment_output_kernel[(n_vb, n_seg, HV)](
-            o, cu, *walk_ws, h_seg, pools[2], s_ot, s_oh, T, N, NT, NSEG,
-            PAGED=st.paged, **shape, num_warps=plan.walk_warps, num_stages=plan.walk_stages,
+            o, cu, *walk_ws, h_seg, pools[2], s_ot, s_oh, pools[1], st.dst_stride, *ck_args, T, N, NT, NSEG,
+            PAGED=st.paged, **shape, HAS_CHECKPOINTS=has_ckpt, V_FIRST=has_ckpt and call.state_v_first,
+            num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
     return o, st.final_state

@@ -17,6 +17,11 @@ G chunks, S' = A_seg S + b_seg. Three launches:
 - `_segment_output_kernel`, every segment in parallel: the walk from its incoming state, writing o.
 Serial depth 2 G + segments instead of the number of chunks, for about three times the work.
 
+Prefix-cache checkpoints (the state after every `checkpoint_every` tokens of a sequence, into pool slots)
+are stored by whichever kernel walks the chunk that ends at the offset: the plain walk, or the segmented
+walk's output kernel (which recomputes every chunk's state from its segment's incoming state anyway), so
+neither path adds a pass.
+
 Both read the initial state from, and write the final state to, the pools of `kda.plan.StatePlan`
 (dense or paged, in place, rounded to nearest in the storage dtype); the recurrence is in fp32. With fp16
 workspaces (16-bit inputs, q and k l2-normalised) the dots take fp16 operands, S and U scaled by a power of
@@ -46,14 +51,22 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
           o_k, k_ok, o_c, c_ok,
           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
           HAS_U0: tl.constexpr, WRITE_O: tl.constexpr, DOT_PREC: tl.constexpr,
-          EVEN_K: tl.constexpr, EVEN_C: tl.constexpr):
+          EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
+          ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
+          HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False):
     """S [BK, BC] (columns o_c of the state, or of the identity for a segment operator) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). U = U0 - W S (no U0 without HAS_U0), O = Qd S + A_qk U (stored with WRITE_O),
     S <- gt * S + Kr^T U.
     With fp16 workspaces (Qd, Kr, W, A_qk) the dots take fp16 operands: S and U enter scaled by a power of
     two (`_pow2_scale`), so they keep tf32's significand within fp16's range, and the fp32 products are
-    scaled back exactly. fp16 dots run at twice the tf32 rate and the workspaces need no conversion."""
+    scaled back exactly. fp16 dots run at twice the tf32 rate and the workspaces need no conversion.
+    HAS_CHECKPOINTS (a sequence starting at token seq_start; `ck_row` its n_ck checkpoint slots): after a
+    whole chunk that ends (j + 1) * ck_every tokens into the sequence, S (columns o_c of the state) is
+    stored to slot ck_row[j] of `pool` (rounded to its dtype, in its layout) when that slot is in
+    [0, n_slots); the walk goes on from the unrounded S. ck_every is a multiple of BT and t_begin - seq_start
+    a multiple of BT, so every checkpoint offset is a chunk end. The next slot is loaded a checkpoint ahead,
+    off the step's serial chain."""
     F16: tl.constexpr = w_ws.dtype.element_ty == tl.float16
     o_t = tl.arange(0, BT)
     # int32 offsets inside a chunk from int64 chunk bases: 64-bit per-element addresses cost registers
@@ -61,6 +74,10 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
     # gt one chunk ahead: a plain load, so its latency would otherwise sit on the step's serial chain
     gt_ptr = gt_ws + (p_first * HV + i_hv) * K + o_k
     gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
+    if HAS_CHECKPOINTS:
+        ck_j = (t_begin - seq_start) // ck_every  # the first checkpoint a chunk of this walk can end at
+        ck_at = seq_start + (ck_j + 1) * ck_every  # its token
+        ck_slot = tl.load(ck_row + ck_j, mask=ck_j < n_ck, other=-1).to(tl.int64)
     for t0 in range(t_begin, t_end, BT):
         gt = gt_next
         gt_ptr += HV * K
@@ -101,6 +118,15 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
             S = S * gt[:, None] + tl.dot(tl.trans(kr), Ur) * (1.0 / pu)
         else:
             S = S * gt[:, None] + tl.dot(tl.trans(tf32_round(kr, DOT_PREC)), Ur, input_precision=DOT_PREC)
+        if HAS_CHECKPOINTS:
+            if t0 + BT == ck_at:
+                if (t0 + BT <= t_end) & (ck_slot >= 0) & (ck_slot < n_slots):  # a whole chunk, a slot in the pool
+                    # the tile's offsets formed here, not kept live through the loop (a [BK, BC] int32 tile)
+                    tl.store(pool + ck_slot * pool_stride + _plane_offsets(i_hv, o_k, o_c, K, V, V_FIRST),
+                             round_to(S, pool.dtype.element_ty), mask=k_ok[:, None] & c_ok[None, :])
+                ck_j += 1
+                ck_at += ck_every
+                ck_slot = tl.load(ck_row + ck_j, mask=ck_j < n_ck, other=-1).to(tl.int64)
     return S
 
 
@@ -167,14 +193,18 @@ def _chunk_state_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_ot, s_oh, src_stride, dst_stride,
+    checkpoint_indices, s_ck, n_ck, ck_every, n_slots,
     T, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
+    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
 ):
-    """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence."""
+    """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
+    HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
+    s_ck, n_ck columns, one every ck_every tokens) stored into the pool `state_dst` of n_slots slots as
+    the walk passes them (`_walk`)."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S = _sequence_tile(
@@ -187,7 +217,9 @@ def _chunk_state_kernel(
     else:
         p_first = _first_chunk_program(i_n, bos, bos, NT, IS_VARLEN, BT)
         S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
-                  o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0)
+                  o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
+                  checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride,
+                  n_slots, HAS_CHECKPOINTS, V_FIRST)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
@@ -273,13 +305,17 @@ def _segment_scan_kernel(
 def _segment_output_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, h_seg, slot_of_seq,
     s_ot, s_oh,
+    state_dst, dst_stride, checkpoint_indices, s_ck, n_ck, ck_every, n_slots,
     T, N, NT, NSEG,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False,
 ):
     """One program per (V block, segment, value head): the walk from the segment's incoming state,
-    writing o (zeros for a padding sequence)."""
+    writing o (zeros for a padding sequence). HAS_CHECKPOINTS: the checkpoints that fall in the segment
+    stored as in `_chunk_state_kernel` (segments start at chunk boundaries of the sequence, so the walk
+    passes the same chunk ends)."""
     i_v = tl.program_id(0)
     i_s = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -300,4 +336,6 @@ def _segment_output_kernel(
         S = tl.load(h_seg + (base + o_k[:, None]) * V + o_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         p_first = _first_chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
         _walk(S, s0, s_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
-              o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0)
+              o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
+              checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
+              HAS_CHECKPOINTS, V_FIRST)
