@@ -318,6 +318,41 @@ def test_segmented_walk_equals_the_plain_one(layout, device):
         assert rel_err(o2, ro) < FP32_TOL and rel_err(s2, rs) < FP32_TOL
 
 
+@pytest.mark.parametrize("walk", ["plain", "segmented"])
+def test_a_slot_past_the_pool_makes_a_no_op_sequence(walk, device):
+    """The kernels' guard for what the host does not read without KDA_DEBUG: the call is validated with good
+    slots, then sequence 1's slot is overwritten with one past the pool before the launch. That sequence
+    becomes a no-op (zero output rows, no state read or written, the storage past the pool keeps its bits);
+    sequence 0 and its slot are exactly as in the good call."""
+    import dataclasses
+
+    from kda.ops.chunk import chunk_kda_fwd
+
+    H, HV, K, V = 1, 2, 16, 16
+    bounds = [0, 150, 300]
+    q, k, v, g, beta, kw = make_inputs(1, 300, H, HV, K, V, gate="lower_bound", device=device, seed=41)
+    storage = poison_pool(6, (HV, K, V), torch.float32, device)
+    for s in (0, 1):
+        storage[s] = torch.randn(HV, K, V).to(device)
+    pool = storage[:4]
+    kw.update(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device), state_cache=pool,
+              state_indices=torch.tensor([0, 1], dtype=torch.int32, device=device), state_v_first=False,
+              has_initial_state=torch.ones(2, dtype=torch.bool, device=device), use_qk_l2norm_in_kernel=True)
+    runs = {}
+    for bad in (False, True):
+        before = storage.clone()
+        call = checked_call(kda.chunk_kda, q, k, v, g, beta, **kw)
+        if bad:
+            call = dataclasses.replace(call, state_indices=torch.tensor([0, 5], dtype=torch.int32, device=device))
+        o, _ = chunk_kda_fwd(call, chunk_plan(call, walk=walk, segment_chunks=1))
+        runs[bad] = (o, storage.clone())
+        storage.copy_(before)
+    (o_good, s_good), (o_bad, s_bad) = runs[False], runs[True]
+    assert bits(o_bad[:, :150]).equal(bits(o_good[:, :150])) and bits(s_bad[0]).equal(bits(s_good[0]))
+    assert bool((o_bad[:, 150:] == 0).all())
+    assert bits(s_bad[1:]).equal(bits(storage[1:]))  # slot 1 unread and unwritten; slots 4, 5 past the pool
+
+
 @pytest.mark.parametrize("fn", [kda.chunk_kda, kda.fused_recurrent_kda], ids=["chunk", "recurrent"])
 def test_gate_parameter_forms(fn, device):
     """dt_bias as [HV, K] equals [HV * K]; A_log and dt_bias left out mean exp(A_log) = 1 and no bias."""

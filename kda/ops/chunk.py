@@ -101,9 +101,9 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     s_ot, s_oh = token_head_strides(o, T)
     ckpt = call.checkpoint_indices
     has_ckpt = ckpt is not None
-    # checkpoint row, row stride, columns, spacing, pool slots (a stand-in and zeros without checkpoints)
-    ck_args = ((ckpt, ckpt.stride(0), ckpt.shape[1], call.checkpoint_every, call.state_in.shape[0]) if has_ckpt
-               else (gt_ws, 0, 0, BT, 0))
+    # checkpoint row, row stride, columns, spacing (a stand-in and zeros without checkpoints), pool slots
+    ck_args = ((ckpt, ckpt.stride(0), ckpt.shape[1], call.checkpoint_every, st.slot_count) if has_ckpt
+               else (gt_ws, 0, 0, BT, st.slot_count))
     if plan.walk == "plain":
         _chunk_state_kernel[(n_vb, N, HV)](
             o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, T, NT,
@@ -124,7 +124,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
     _segment_scan_kernel[(n_vb, N, HV)](
-        cu, a_seg, b_seg, h_seg, *pools, st.src_stride, st.dst_stride, T, NSEG, **shape, **flags,
+        cu, a_seg, b_seg, h_seg, *pools, st.src_stride, st.dst_stride, st.slot_count, T, NSEG, **shape, **flags,
         num_warps=8, num_stages=1,
     )
     if n_seg > 0:

@@ -150,14 +150,14 @@ def _plane_offsets(i_hv, o_k, o_v, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl
 
 
 @triton.jit
-def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, T,
+def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T,
                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HAS_SRC: tl.constexpr, PAGED: tl.constexpr,
                    HAS_INIT_FLAGS: tl.constexpr, V_FIRST: tl.constexpr):
     """For a program over (V block, sequence, value head): the sequence's token range, the tile's K and V
     indices and their masks, the plane offsets, the slot (< 0: padding) and the initial state tile in
     fp32 (zeros when there is no source, the flag is false, or the sequence is padding: then the slot is
-    never read)."""
+    never read). A slot at or past n_slots (the pool's) is taken as padding: never an access outside it."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -168,6 +168,7 @@ def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_st
     v_ok = o_v < V
     plane_off = _plane_offsets(i_hv, o_k, o_v, K, V, V_FIRST)
     slot = slot_of(slot_of_seq, i_n, PAGED)
+    slot = tl.where(slot < n_slots, slot, -1)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_SRC:
         read = slot >= 0
@@ -188,7 +189,7 @@ def _zero_rows(o_h, s_ot, t_begin, t_end, o_v, v_ok, BT: tl.constexpr, BV: tl.co
         tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], tl.zeros([BT, BV], dtype=o_h.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])
 def _chunk_state_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
@@ -208,7 +209,7 @@ def _chunk_state_kernel(
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S = _sequence_tile(
-        cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, T, HV, K, V, BK, BV,
+        cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
         IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
     kv_ok = k_ok[:, None] & v_ok[None, :]
     o_h = o + i_hv * s_oh
@@ -264,10 +265,10 @@ def _segment_summary_kernel(
         tl.store(a_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])
 def _segment_scan_kernel(
     cu_seqlens, a_seg, b_seg, h_seg,
-    state_src, state_dst, slot_of_seq, has_initial_state, src_stride, dst_stride,
+    state_src, state_dst, slot_of_seq, has_initial_state, src_stride, dst_stride, n_slots,
     T, NSEG,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -281,7 +282,7 @@ def _segment_scan_kernel(
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S = _sequence_tile(
-        cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, T, HV, K, V, BK, BV,
+        cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
         IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
     kv_ok = k_ok[:, None] & v_ok[None, :]
     if slot >= 0:
@@ -301,7 +302,7 @@ def _segment_scan_kernel(
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])
 def _segment_output_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, h_seg, slot_of_seq,
     s_ot, s_oh,
@@ -329,7 +330,7 @@ def _segment_output_kernel(
     v_ok = o_v < V
     o_h = o + i_hv * s_oh
     slot = slot_of(slot_of_seq, i_n, PAGED)
-    if slot < 0:
+    if (slot < 0) | (slot >= n_slots):  # padding, or a slot past the pool: zero rows, as the scan does
         _zero_rows(o_h, s_ot, s0, s_end, o_v, v_ok, BT, BV)
     else:
         base = (i_s * HV + i_hv) * K
