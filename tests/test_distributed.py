@@ -5,12 +5,12 @@ runs every case of its world size; each rank saves its local outputs, final stat
 process compares them with `kda_reference.chunk_kda` on the global inputs: fp32 inputs within 1e-5
 relative L2 (the single-device bound of tests/test_chunk.py), per sequence. The cases cover one sequence
 crossing every rank (pass-through ranks, an empty rank: the identity transfer), several sequences with
-empty ones (at rank boundaries and at the end), sequences ending exactly at a boundary, ranks holding no
-token of a sequence, dense and paged initial states (both layouts, a padding slot that crosses ranks,
-`has_initial_state` false), the Kimi lower-bound gate in the kernel, GVA (HV = 2H), the dense (trainer)
-split, and the two forms of the continued pass (`fuse_identity`). Pools are poisoned: a slot no rank
-writes keeps its bits on every rank, and only the rank ending a sequence writes its slot. About a minute
-on 2 cores."""
+empty ones (at rank boundaries and at the end, one owned by a last rank without tokens), sequences ending
+exactly at a boundary, ranks holding no token of a sequence, dense and paged initial states (both
+layouts, a padding slot that crosses ranks, `has_initial_state` false), the Kimi lower-bound gate in the
+kernel, GVA (HV = 2H), the dense (trainer) split (ranks without tokens in the middle and at the end), and
+the two forms of the continued pass (`fuse_identity`). Pools are poisoned: a slot no rank writes keeps
+its bits on every rank, and only the rank ending a sequence writes its slot. About a minute on 2 cores."""
 
 from __future__ import annotations
 
@@ -38,8 +38,12 @@ CASES = {
     "varlen": (2, [0, 50, 50, 130, 150, 230], 230, [0, 100, 230], 2 * H, "logdecay", False, "paged_vfirst", None),
     # the trainer's split: B = 2 rows cut in time at uneven points, V-first dense state
     "dense": (2, None, 120, [0, 70, 120], H, "lower_bound", True, "vfirst", None),
+    # the last rank holds no token but owns the empty sequence at the end of the axis
+    "empty-last-rank": (2, [0, 40, 100, 100], 100, [0, 100, 100], H, "logdecay", False, "kfirst", None),
     # one sequence over four ranks, the third holding no token (identity transfer), the second passing through
     "long4": (4, [0, 240], 240, [0, 50, 110, 110, 240], 2 * H, "lower_bound", True, "kfirst", None),
+    # the dense split with ranks holding no token: one in the middle (identity), the last (it writes the states)
+    "dense4": (4, None, 100, [0, 40, 100, 100, 100], 2 * H, "lower_bound", True, "kfirst", None),
     # seven sequences over an even split: empty ones at a boundary and at the end, one ending at a boundary,
     # a padding sequence crossing a boundary, has_initial_state false; K-first pool
     "varlen4": (4, [0, 30, 30, 90, 150, 150, 200, 200], 200, None, 2 * H, "lower_bound", True, "paged_kfirst", None),
