@@ -229,61 +229,26 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, *, gr
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError("this process is not a member of group")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError("q must be a 4-D tensor [B, T, H, K]")  # the full checks follow in check_call
+    debug = debug_enabled() and world > 1
+    error = layout = None
+    try:
+        plan, call, bounds, lo, layout = _validate(
+            rank, world, q, k, v, g, beta, scale, initial_state, output_final_state, rank_bounds, kernel_kw,
+            cu_seqlens, cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype,
+            out, fuse_identity)
+    except (ValueError, TypeError) as e:
+        if not debug:
+            raise
+        error = e
+    if debug:  # one collective of its own: a rank's failed check raises on every rank, not only on that one
+        _agree(group, world, layout, error)
+        if error is not None:
+            raise error
     B, T = q.shape[0], q.shape[1]
-
-    if cu_seqlens is not None:
-        if cu_seqlens_cpu is None:
-            raise ValueError("kda.distributed.chunk_kda with cu_seqlens needs cu_seqlens_cpu (the global bounds "
-                             "on the host): each rank plans its share from them without reading the device")
-        bounds = _host_bounds(cu_seqlens_cpu)
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.shape != (len(bounds),):
-            raise ValueError(f"cu_seqlens must be a [N+1] = [{len(bounds)}] tensor like cu_seqlens_cpu")
-        if bounds[0] != 0 or sorted(bounds) != bounds:
-            raise ValueError("cu_seqlens_cpu must start at 0 and be non-decreasing")
-        R = split_tokens(bounds[-1], world) if rank_bounds is None else _host_bounds(rank_bounds)
-        if len(R) != world + 1 or R[0] != 0 or R[-1] != bounds[-1] or sorted(R) != R:
-            raise ValueError(f"rank_bounds must hold world_size + 1 = {world + 1} non-decreasing ints from 0 to "
-                             f"the total token count {bounds[-1]}, got {R}")
-        lo, hi = R[rank], R[rank + 1]
-        plan = _varlen_plan(bounds, R, rank)
-        # the local view of every sequence, for the contract checks (and the KDA_DEBUG comparison)
-        local_cu = (cu_seqlens - lo).clamp_(0, hi - lo)
-        local_cpu = [min(max(x - lo, 0), hi - lo) for x in bounds]
-    else:
-        bounds = None
-        if rank_bounds is not None:
-            R = _host_bounds(rank_bounds)
-            if len(R) != world + 1 or R[0] != 0 or sorted(R) != R:
-                raise ValueError(f"rank_bounds must hold world_size + 1 = {world + 1} non-decreasing ints from 0, "
-                                 f"got {R}")
-            lo, hi = R[rank], R[rank + 1]
-        else:
-            R, lo, hi = None, 0, T
-        plan = _dense_plan(B, T, rank, world)
-        local_cu, local_cpu = None, None
-    if hi - lo != T:
-        raise ValueError(f"rank {rank} holds tokens [{lo}, {hi}) by rank_bounds but q has T={T} (q.shape[1])")
-    if debug_enabled() and world > 1:  # a collective of its own: every rank must agree on the bounds
-        mine = (bounds, R, B if bounds is None else None)
-        seen = [None] * world
-        dist.all_gather_object(seen, mine, group=group)
-        if any(x != mine for x in seen):
-            raise ValueError("the ranks disagree on cu_seqlens_cpu, rank_bounds or B (KDA_DEBUG check)")
-
-    call = check_call(
-        "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state, **kernel_kw,
-        cu_seqlens=local_cu, cu_seqlens_cpu=local_cpu, state_v_first=state_v_first, state_cache=state_cache,
-        state_indices=state_indices, has_initial_state=has_initial_state, state_dtype=state_dtype, out=out,
-        require_has_initial_state=True,
-    )
     HV, K, V, vf = call.HV, call.K, call.V, call.state_v_first
     paged, device = call.state_mode == "paged", q.device
     if fuse_identity is None:
         fuse_identity = V + K <= MAX_HEAD_DIM
-    elif fuse_identity and V + K > MAX_HEAD_DIM:
-        raise ValueError(f"fuse_identity needs V + K <= {MAX_HEAD_DIM}, got {V + K}")
 
     def kfirst(x):  # user layout <-> K-first [K, V] planes
         return x.transpose(-1, -2) if vf else x
@@ -350,6 +315,75 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, *, gr
         elif final is not None:
             final[plan.a:plan.b_end] = ended
     return o, final
+
+
+def _validate(rank, world, q, k, v, g, beta, scale, initial_state, output_final_state, rank_bounds, kernel_kw,
+              cu_seqlens, cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype,
+              out, fuse_identity):
+    """Every check of a call: the host bounds, and `kda.contract.check_call` on the rank's local view of every
+    sequence. Returns (plan, call, the host bounds or None, the rank's first token, the layout the ranks
+    must agree on)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError("q must be a 4-D tensor [B, T, H, K]")  # the full checks follow in check_call
+    B, T = q.shape[0], q.shape[1]
+    if cu_seqlens is not None:
+        if cu_seqlens_cpu is None:
+            raise ValueError("kda.distributed.chunk_kda with cu_seqlens needs cu_seqlens_cpu (the global bounds "
+                             "on the host): each rank plans its share from them without reading the device")
+        bounds = _host_bounds(cu_seqlens_cpu)
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.shape != (len(bounds),):
+            raise ValueError(f"cu_seqlens must be a [N+1] = [{len(bounds)}] tensor like cu_seqlens_cpu")
+        if bounds[0] != 0 or sorted(bounds) != bounds:
+            raise ValueError("cu_seqlens_cpu must start at 0 and be non-decreasing")
+        R = split_tokens(bounds[-1], world) if rank_bounds is None else _host_bounds(rank_bounds)
+        if len(R) != world + 1 or R[0] != 0 or R[-1] != bounds[-1] or sorted(R) != R:
+            raise ValueError(f"rank_bounds must hold world_size + 1 = {world + 1} non-decreasing ints from 0 to "
+                             f"the total token count {bounds[-1]}, got {R}")
+        lo, hi = R[rank], R[rank + 1]
+        plan = _varlen_plan(bounds, R, rank)
+        # the local view of every sequence, for the contract checks (and the KDA_DEBUG comparison)
+        local_cu = (cu_seqlens - lo).clamp_(0, hi - lo)
+        local_cpu = [min(max(x - lo, 0), hi - lo) for x in bounds]
+    else:
+        bounds = None
+        if rank_bounds is not None:
+            R = _host_bounds(rank_bounds)
+            if len(R) != world + 1 or R[0] != 0 or sorted(R) != R:
+                raise ValueError(f"rank_bounds must hold world_size + 1 = {world + 1} non-decreasing ints from 0, "
+                                 f"got {R}")
+            lo, hi = R[rank], R[rank + 1]
+        else:
+            R, lo, hi = None, 0, T
+        plan = _dense_plan(B, T, rank, world)
+        local_cu, local_cpu = None, None
+    if hi - lo != T:
+        raise ValueError(f"rank {rank} holds tokens [{lo}, {hi}) by rank_bounds but q has T={T} (q.shape[1])")
+    call = check_call(
+        "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state, **kernel_kw,
+        cu_seqlens=local_cu, cu_seqlens_cpu=local_cpu, state_v_first=state_v_first, state_cache=state_cache,
+        state_indices=state_indices, has_initial_state=has_initial_state, state_dtype=state_dtype, out=out,
+        require_has_initial_state=True,
+    )
+    if fuse_identity and call.V + call.K > MAX_HEAD_DIM:
+        raise ValueError(f"fuse_identity needs V + K <= {MAX_HEAD_DIM}, got {call.V + call.K}")
+    return plan, call, bounds, lo, (bounds, R, B if bounds is None else None)
+
+
+def _agree(group, world: int, layout, error) -> None:
+    """KDA_DEBUG: one `all_gather_object` of every rank's (bounds, rank bounds, B) and its failed check, if
+    any. Raises on the ranks that passed their checks when another failed or when the ranks disagree (a
+    rank with an error of its own raises it); without it, a rank that raises leaves the others waiting in
+    the call's collective until the group's timeout."""
+    seen = [None] * world
+    dist.all_gather_object(seen, (layout, None if error is None else f"{type(error).__name__}: {error}"),
+                           group=group)
+    if error is not None:
+        return  # the caller raises its own error
+    failed = [(r, e) for r, (_, e) in enumerate(seen) if e is not None]
+    if failed:
+        raise ValueError(f"rank {failed[0][0]} failed its checks: {failed[0][1]} (KDA_DEBUG check)")
+    if any(x != layout for x, _ in seen):
+        raise ValueError("the ranks disagree on cu_seqlens_cpu, rank_bounds or B (KDA_DEBUG check)")
 
 
 def _start_pass(q, k, v, g, beta, scale, o, plan: _Plan, call, initial_state, state_cache, state_indices,

@@ -117,8 +117,37 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, names: list[str
                 rank_bounds=x["rank_bounds"], kernel_kw=kernel_kw, state_dtype=None, out=None,
                 fuse_identity=CASES[name][-1], **call)
             torch.save(dict(o=o, final=final, pool=x["kw"].get("state_cache")), Path(out_dir) / f"{name}-{rank}.pt")
+        if world == 2:
+            _debug_calls(rank, Path(out_dir))
     finally:
         dist.destroy_process_group()
+
+
+def _debug_calls(rank: int, out_dir: Path) -> None:
+    """Under KDA_DEBUG: a good call, ranks that disagree on the bounds, and a rank that fails its own checks;
+    every rank records what it raised (without KDA_DEBUG the last would leave rank 0 waiting)."""
+    import kda.distributed
+
+    q, k, v, g, beta, _ = make_inputs(1, 20, H, H, K, V, seed=3)
+    lo, hi = 10 * rank, 10 * rank + 10
+    local = [t[:, lo:hi].contiguous() for t in (q, k, v, g, beta)]
+    one = dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int32), cu_seqlens_cpu=[0, 20])
+    two = dict(cu_seqlens=torch.tensor([0, 5, 20], dtype=torch.int32), cu_seqlens_cpu=[0, 5, 20])
+    raised = {}
+    os.environ["KDA_DEBUG"] = "1"
+    try:
+        for what, args, kw in (("good", local, one), ("disagree", local, one if rank == 0 else two),
+                               ("rank 1 fails", [t[:, :9] for t in local] if rank == 1 else local, one)):
+            try:
+                o, _ = kda.distributed.chunk_kda(*args, **kw)
+                raised[what] = None
+                if what == "good":
+                    raised["good-o"] = o
+            except ValueError as e:
+                raised[what] = str(e)
+    finally:
+        del os.environ["KDA_DEBUG"]
+    torch.save(raised, out_dir / f"debug-{rank}.pt")
 
 
 def _oracle(name: str):
@@ -178,6 +207,14 @@ def test_context_parallel_matches_oracle(world, tmp_path):
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), names), nprocs=world, join=True)
     for name in names:
         _check_case(name, world, tmp_path)
+    if world == 2:
+        got = [torch.load(tmp_path / f"debug-{r}.pt") for r in range(2)]
+        q, k, v, g, beta, _ = make_inputs(1, 20, H, H, K, V, seed=3)
+        ro, _ = ref.chunk_kda(q, k, v, g, beta)
+        assert got[0]["good"] is None and got[1]["good"] is None
+        assert rel_err(torch.cat([got[0]["good-o"], got[1]["good-o"]], dim=1), ro) < FP32_TOL
+        assert all("disagree" in r["disagree"] for r in got)
+        assert "q has T=9" in got[1]["rank 1 fails"] and "rank 1 failed its checks" in got[0]["rank 1 fails"]
 
 
 def test_plan_invariants():
