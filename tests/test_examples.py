@@ -21,3 +21,19 @@ def test_serving_step():
     for kind in ("prefill", "mixed", "decode", "pad", "D:"):
         assert any(kind in ln for ln in lines), (kind, res.stdout)
     assert lines[-1] == "all steps within tolerance"
+
+
+def test_cp_prefill():
+    """examples/cp_prefill.py under torchrun, 2 CPU processes (gloo, the interpreter): the serving call (varlen,
+    paged pools) and the training call (dense batch cut in time), each rank checked against the oracle by
+    the example itself (exit 1 when out of tolerance)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "examples/cp_prefill.py", "--device", "cpu"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    for rank in (0, 1):
+        for kind in ("serving", "training"):
+            assert any(ln.startswith(f"rank {rank}: {kind}") and ln.endswith("ok") for ln in lines), res.stdout
+    assert "all ranks within tolerance" in lines, res.stdout
