@@ -199,6 +199,13 @@ def _check_case(name: str, world: int, out_dir: Path) -> None:
         assert not o[b, s:e].any(), (name, "padding rows")
 
 
+# The spawned ranks run the kernels in Triton's interpreter on CPU tensors (gloo). On a CUDA machine the
+# installed Triton (3.6 there) has an interpreter that rejects the walk's tensor loop bounds, which the
+# CPU machines' 3.9 runs; the GPU side of context parallelism is the two-GPU (NCCL) benchmark.
+CPU_RANKS = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks under the interpreter (see above)")
+
+
+@CPU_RANKS
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_matches_oracle(world, tmp_path):
     import torch.multiprocessing as mp

@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +26,7 @@ def test_serving_step():
     assert lines[-1] == "all steps within tolerance"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks under the interpreter (tests/test_distributed.py)")
 def test_cp_prefill():
     """examples/cp_prefill.py under torchrun, 2 CPU processes (gloo, the interpreter): the serving call (varlen,
     paged pools) and the training call (dense batch cut in time), each rank checked against the oracle by
