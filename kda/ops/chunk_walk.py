@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import locate_block, round_to, seq_bounds, slot_of, tf32_round, tile_mask
+from .common import bad_bounds, locate_block, round_to, seq_bounds, slot_of, tf32_round, tile_mask
 
 
 @triton.jit
@@ -157,7 +157,8 @@ def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_st
     """For a program over (V block, sequence, value head): the sequence's token range, the tile's K and V
     indices and their masks, the plane offsets, the slot (< 0: padding) and the initial state tile in
     fp32 (zeros when there is no source, the flag is false, or the sequence is padding: then the slot is
-    never read). A slot at or past n_slots (the pool's) is taken as padding: never an access outside it."""
+    never read). A slot at or past n_slots (the pool's), or bounds out of range (`seq_bounds`), is taken as
+    padding: never an access outside the tensors."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -168,7 +169,7 @@ def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_st
     v_ok = o_v < V
     plane_off = _plane_offsets(i_hv, o_k, o_v, K, V, V_FIRST)
     slot = slot_of(slot_of_seq, i_n, PAGED)
-    slot = tl.where(slot < n_slots, slot, -1)
+    slot = tl.where((slot < n_slots) & ~bad_bounds(eos), slot, -1)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_SRC:
         read = slot >= 0

@@ -79,10 +79,15 @@ def tile_mask(row_ok, col_ok, FULL: tl.constexpr):
 
 @triton.jit
 def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
-    """Flat token range [bos, eos) of sequence i_n (varlen: from cu_seqlens on the device)."""
+    """Flat token range [bos, eos) of sequence i_n (varlen: from cu_seqlens on the device). Varlen bounds
+    outside 0 <= bos <= eos <= T (values the host does not read without KDA_DEBUG) give bos = eos = -1:
+    the kernels then treat the sequence as padding (`bad_bounds`), never touching a token or a slot."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        bad = (bos < 0) | (eos < bos) | (eos > T)
+        bos = tl.where(bad, -1, bos)
+        eos = tl.where(bad, -1, eos)
     else:
         bos = i_n.to(tl.int64) * T
         eos = bos + T
@@ -118,6 +123,12 @@ def slot_of(slot_of_seq, i_n, paged):
 
 
 @triton.jit
+def bad_bounds(eos):
+    """Whether `seq_bounds` found the sequence's bounds out of range (it then gives eos = -1)."""
+    return eos < 0
+
+
+@triton.jit
 def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
     """Program i_p of a grid over blocks of BT tokens (chunks, or segments of chunks) -> (sequence,
     sequence start, first token of its block, sequence end). Dense: NT blocks per sequence. Varlen: program p belongs to the
@@ -141,6 +152,7 @@ def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.cons
         i_t = i_p % NT
         bos, eos = seq_bounds(cu_seqlens, i_n, T, False)
     t0 = bos + i_t * BT
+    t0 = tl.where(bad_bounds(eos) | (i_t < 0), eos, t0)  # no block: the caller's `t0 >= eos` returns
     return i_n, bos, t0, eos
 
 

@@ -68,7 +68,16 @@ import triton.language as tl
 
 from ..contract import KDACall
 from ..plan import DecodePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
-from .common import decay_rate, dt_bias_slice, kda_gate_log2, round_to, seq_bounds, slot_of, token_head_strides
+from .common import (
+    bad_bounds,
+    decay_rate,
+    dt_bias_slice,
+    kda_gate_log2,
+    round_to,
+    seq_bounds,
+    slot_of,
+    token_head_strides,
+)
 
 # store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
 # 1 stochastic bf16, 2 stochastic fp16
@@ -254,7 +263,8 @@ def _fused_recurrent_kda_kernel(
         slot = tl.where(col_ok, tl.load(row + tl.where(col_ok, col, 0)).to(tl.int64), -1)
     else:
         slot = slot_of(slot_of_seq, i_n, PAGED)
-    slot = tl.where(slot < n_slots, slot, -1)  # a slot past the pool: a no-op sequence, never an access
+    # a slot past the pool, or bounds out of range (`seq_bounds`): a no-op sequence, never an access
+    slot = tl.where((slot < n_slots) & ~bad_bounds(eos), slot, -1)
     o_h = o + i_hv * s_oh
     if slot < 0:
         # padding sequence: no read, no write of state; its output rows are zeros
