@@ -77,6 +77,7 @@ def chunk_kda(
     out: torch.Tensor | None = None,
     checkpoint_every: int | None = None,
     checkpoint_indices: torch.Tensor | None = None,
+    errors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (prefill, any length). Must equal `kda_reference.chunk_kda` and
     `kda_reference.recurrent_kda`:
@@ -108,6 +109,10 @@ def chunk_kda(
     equals the final state); the walk goes on from the unrounded state. Padding sequences store nothing;
     a slot outside the pool is skipped. Checkpoint slots must be distinct and differ from every slot in
     `state_indices` (checked under KDA_DEBUG, or on CPU).
+
+    `errors` (optional, int32 `[N]` on the device, zeroed by the caller): the kernels OR into `errors[n]`
+    what their guards found for sequence n without a host read (`kda.ERROR_SLOT`, `ERROR_BOUNDS`,
+    `ERROR_KEPT_SLOT`; docs/contract.md); the caller reads it whenever it likes, e.g. once per step.
     """
     if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
         return _through_op(
@@ -117,7 +122,7 @@ def chunk_kda(
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
             state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
             state_dtype=state_dtype, out=out, checkpoint_every=checkpoint_every,
-            checkpoint_indices=checkpoint_indices,
+            checkpoint_indices=checkpoint_indices, errors=errors,
         )
     # the plain path passes its keywords directly: a dict built for both paths costs a microsecond a call
     call = check_call(
@@ -127,7 +132,7 @@ def chunk_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
         state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
         state_dtype=state_dtype, out=out, require_has_initial_state=True,
-        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
+        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices, errors=errors,
     )
     return _launchers()[0](call)
 
@@ -159,6 +164,7 @@ def fused_recurrent_kda(
     out: torch.Tensor | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    errors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention token by token (decode and short sequences): the same function, signature and
     state contracts as `chunk_kda` (see there), one launch per call. Must equal
@@ -181,6 +187,8 @@ def fused_recurrent_kda(
     `state_indices[n, 0]`; that read slot < 0 marks a padding sequence. `has_initial_state[n]` false still
     starts from zeros without a read. The call equals its tokens decoded one call at a time (the carried
     state is rounded to the pool's dtype after every token). Not with `stochastic_rounding`.
+
+    `errors`: as in `chunk_kda` (with `kda.ERROR_ACCEPTED` for a count outside 1..T_max).
     """
     if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
         return _through_op(
@@ -190,7 +198,7 @@ def fused_recurrent_kda(
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
             state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
             state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
-            num_accepted_tokens=num_accepted_tokens,
+            num_accepted_tokens=num_accepted_tokens, errors=errors,
         )
     call = check_call(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -199,6 +207,6 @@ def fused_recurrent_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
         state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
         state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
-        require_has_initial_state=False, num_accepted_tokens=num_accepted_tokens,
+        require_has_initial_state=False, num_accepted_tokens=num_accepted_tokens, errors=errors,
     )
     return _launchers()[1](call, stochastic_rounding=stochastic_rounding, seed=seed)

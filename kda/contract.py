@@ -133,6 +133,8 @@ class KDACall:
     # n to slot checkpoint_indices[n, j] (int32/int64 [N, C]; < 0: not kept); 0 and None without them
     checkpoint_every: int = 0
     checkpoint_indices: torch.Tensor | None = None
+    # the caller's error word, int32 [N]: the kernels OR in what their guards found (`kda.ERROR_*` bits)
+    errors: torch.Tensor | None = None
 
     @property
     def state_plane_shape(self) -> tuple[int, int, int]:
@@ -253,10 +255,11 @@ def check_call(
     num_accepted_tokens=None,
     checkpoint_every=None,
     checkpoint_indices=None,
+    errors=None,
 ) -> KDACall:
     """Validate one call of `fn` ("chunk_kda" or "fused_recurrent_kda") and return its `KDACall`.
     `stochastic_rounding`, `seed` and `num_accepted_tokens` are `fused_recurrent_kda`'s (the defaults stand
-    for `chunk_kda`); `checkpoint_every` and `checkpoint_indices` are `chunk_kda`'s."""
+    for `chunk_kda`); `checkpoint_every` and `checkpoint_indices` are `chunk_kda`'s; `errors` both's."""
     debug = debug_enabled()
     B, T, H, HV, K, V = _check_inputs(fn, q, k, v, g, beta)
     device = q.device
@@ -279,6 +282,8 @@ def check_call(
     else:
         checkpoint_every = 0
     _check_out(out, (q, k, v, g, beta), state_in, B, T, HV, V, v.dtype, device)
+    if errors is not None:
+        _check_per_sequence("errors", errors, torch.int32, N, device)
     _check_rounding(stochastic_rounding, seed, final_dtype, mode, output_final_state)
     if verify and stochastic_rounding:
         raise ValueError("stochastic_rounding=True is not available with state_indices of shape [N, T_max] "
@@ -295,7 +300,7 @@ def check_call(
         use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         one_token_per_seq=one_token_per_seq, verify=verify,
         num_accepted_tokens=num_accepted_tokens if verify else None,
-        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
+        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices, errors=errors,
     )
 
 

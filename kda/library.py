@@ -15,6 +15,7 @@ The ops' schema differs from the public signature where the dispatcher needs it:
   (`state_cache`) is the only state it mutates, whatever the shape of `state_indices`.
 - `chunk_kda`'s `checkpoint_every` and `checkpoint_indices` (prefix-cache checkpoints) come last, after
   `out`; the checkpoints go into `state_cache`, already declared mutated.
+- `errors` (the caller's error word) comes last in both and is declared mutated.
 
 The real implementations run `kda.contract.check_call` (every check of the contract) and then the
 kernels. The fake implementations compute the final state's shape and dtype from the arguments alone, by
@@ -30,7 +31,7 @@ from .contract import check_call
 # How many times each op's real implementation ran (the tests assert that a plain call never does).
 calls = {"chunk_kda": 0, "fused_recurrent_kda": 0}
 
-_MUTATED = ("out", "state_cache")
+_MUTATED = ("out", "state_cache", "errors")
 
 
 def _no_final(call) -> torch.Tensor:
@@ -47,6 +48,7 @@ def chunk_kda_op(
     state_cache: torch.Tensor | None, state_indices: torch.Tensor | None,
     has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
     checkpoint_every: int | None = None, checkpoint_indices: torch.Tensor | None = None,
+    errors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kda.chunk_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
     call = check_call("chunk_kda", require_has_initial_state=True, **locals())  # the parameters, by name
@@ -67,6 +69,7 @@ def fused_recurrent_kda_op(
     state_cache: torch.Tensor | None, state_indices: torch.Tensor | None,
     has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
     stochastic_rounding: bool, seed: int, num_accepted_tokens: torch.Tensor | None = None,
+    errors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kda.fused_recurrent_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
     call = check_call("fused_recurrent_kda", require_has_initial_state=False, **locals())  # by name
@@ -97,7 +100,7 @@ def fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_
 def _chunk_kda_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens,
                     cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype,
-                    out, checkpoint_every=None, checkpoint_indices=None):
+                    out, checkpoint_every=None, checkpoint_indices=None, errors=None):
     return fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
                             state_dtype)
 
@@ -107,7 +110,7 @@ def _fused_recurrent_kda_fake(q, k, v, g, beta, scale, initial_state, output_fin
                               use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log,
                               dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu, state_v_first, state_cache,
                               state_indices, has_initial_state, state_dtype, out, stochastic_rounding, seed,
-                              num_accepted_tokens=None):
+                              num_accepted_tokens=None, errors=None):
     return fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
                             state_dtype)
 

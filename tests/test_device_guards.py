@@ -36,7 +36,7 @@ BAD = {
 }
 
 
-def _run(fn, bad, walk, device):
+def _run(fn, bad, walk, device, errors=None):
     T = BOUNDS[-1]
     q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate="lower_bound", device=device, seed=71)
     storage, pool = poisoned_pool(8, (HV, K, V), torch.float32, device, pad=4)
@@ -46,7 +46,7 @@ def _run(fn, bad, walk, device):
     out = torch.full_like(v, SENTINEL)
     call = checked_call(fn, q, k, v, g, beta, cu_seqlens=torch.tensor(BOUNDS, dtype=torch.int32, device=device),
                         state_cache=pool, state_indices=torch.tensor(SLOTS, dtype=torch.int32, device=device),
-                        state_v_first=False, use_qk_l2norm_in_kernel=True, out=out, **extra, **kw)
+                        state_v_first=False, use_qk_l2norm_in_kernel=True, out=out, errors=errors, **extra, **kw)
     if bad is not None:
         call = dataclasses.replace(call, cu_seqlens=torch.tensor(bad, dtype=torch.int32, device=device))
     if fn is kda.chunk_kda:
@@ -62,9 +62,13 @@ def _run(fn, bad, walk, device):
                                                                             "recurrent"])
 def test_bounds_out_of_range_make_no_op_sequences(fn, walk, case, device):
     bad, valid = BAD[case]
-    o_good, s_good = _run(fn, None, walk, device)
+    errors_good = torch.full((3,), 16, dtype=torch.int32, device=device)  # a bit the caller set: kept
+    o_good, s_good = _run(fn, None, walk, device, errors_good)
     before, _ = poisoned_pool(8, (HV, K, V), torch.float32, device, pad=4)
-    o, s = _run(fn, bad, walk, device)
+    errors = torch.zeros(3, dtype=torch.int32, device=device)
+    o, s = _run(fn, bad, walk, device, errors)
+    assert errors_good.tolist() == [16, 16, 16]
+    assert errors.tolist() == [0 if n in valid else kda.ERROR_BOUNDS for n in range(3)], case
     for n in valid:  # bounds kept: the good call's rows and slot, bit for bit
         rows = slice(BOUNDS[n], BOUNDS[n + 1])
         assert torch.equal(bits(o[:, rows]), bits(o_good[:, rows])), (case, n)
@@ -78,3 +82,92 @@ def test_bounds_out_of_range_make_no_op_sequences(fn, walk, case, device):
     unnamed = [x for x in range(8) if x not in SLOTS]
     assert torch.equal(bits(s[unnamed]), bits(before[unnamed]))
     assert torch.equal(bits(s[:, HV * K * V:]), bits(before[:, HV * K * V:]))  # the padding past each plane
+
+
+def _verify_call(device, idx_rows, accepted, errors):
+    q, k, v, g, beta, kw = make_inputs(1, 5, H, HV, K, V, gate="lower_bound", device=device, seed=72)
+    storage, pool = poisoned_pool(8, (HV, K, V), torch.float32, device)
+    pool[[0, 3]] = 0.5
+    call = checked_call(kda.fused_recurrent_kda, q, k, v, g, beta,
+                        cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32, device=device),
+                        state_cache=pool, state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32,
+                                                                     device=device),
+                        num_accepted_tokens=torch.ones(2, dtype=torch.int32, device=device), state_v_first=False,
+                        errors=errors, **kw)
+    call = dataclasses.replace(call, state_indices=torch.tensor(idx_rows, dtype=torch.int32, device=device),
+                               num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32, device=device))
+    fused_recurrent_kda_fwd(call)
+
+
+@pytest.mark.parametrize("case,rows,accepted,expect", [
+    ("good", [[0, 1, 2], [3, 4, 5]], [1, 1], [0, 0]),
+    ("read slot past the pool", [[0, 1, 2], [30, 4, 5]], [1, 1], [0, kda.ERROR_SLOT]),
+    ("count past T_max", [[0, 1, 2], [3, 4, 5]], [1, 4], [0, kda.ERROR_ACCEPTED]),
+    ("count 0", [[0, 1, 2], [3, 4, 5]], [0, 1], [kda.ERROR_ACCEPTED, 0]),
+    ("kept slot past the pool", [[0, 1, 9], [3, 4, 5]], [1, 1], [kda.ERROR_KEPT_SLOT, 0]),
+    ("kept slot past the sequence's end: not looked at", [[0, 1, 2], [3, 4, 99]], [1, 1], [0, 0]),
+])
+def test_verify_error_word(case, rows, accepted, expect, device):
+    errors = torch.zeros(2, dtype=torch.int32, device=device)
+    _verify_call(device, rows, accepted, errors)
+    assert errors.tolist() == expect, case
+
+
+@pytest.mark.parametrize("fn", [kda.chunk_kda, kda.fused_recurrent_kda], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("one_token", [False, True], ids=["varlen", "one_token"])
+def test_slot_past_the_pool_sets_its_bit(fn, one_token, device):
+    """The state slot past the pool (both functions; the decode's one-token kernel too) sets ERROR_SLOT of
+    that sequence alone."""
+    n_tok = 1 if one_token else 3
+    bounds = [0, n_tok, 2 * n_tok]
+    q, k, v, g, beta, kw = make_inputs(1, bounds[-1], H, HV, K, V, gate="lower_bound", device=device, seed=73)
+    _, pool = poisoned_pool(8, (HV, K, V), torch.float32, device)
+    pool[[0, 1]] = 0.5
+    extra = dict(has_initial_state=torch.ones(2, dtype=torch.bool, device=device)) if fn is kda.chunk_kda else {}
+    errors = torch.zeros(2, dtype=torch.int32, device=device)
+    call = checked_call(fn, q, k, v, g, beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
+                        cu_seqlens_cpu=bounds, state_cache=pool,
+                        state_indices=torch.tensor([0, 1], dtype=torch.int32, device=device), state_v_first=False,
+                        errors=errors, **extra, **kw)
+    call = dataclasses.replace(call, state_indices=torch.tensor([0, 8], dtype=torch.int32, device=device))
+    if fn is kda.chunk_kda:
+        chunk_kda_fwd(call, chunk_plan(call))
+    else:
+        assert call.one_token_per_seq == one_token
+        fused_recurrent_kda_fwd(call)
+    assert errors.tolist() == [0, kda.ERROR_SLOT]
+
+
+@pytest.mark.parametrize("walk", ["plain", "segmented"])
+def test_checkpoint_slot_past_the_pool_sets_its_bit(walk, device):
+    q, k, v, g, beta, kw = make_inputs(1, 200, H, HV, K, V, gate="lower_bound", device=device, seed=74)
+    _, pool = poisoned_pool(8, (HV, K, V), torch.float32, device)
+    pool[[0, 1]] = 0.5
+    errors = torch.zeros(2, dtype=torch.int32, device=device)
+    call = checked_call(kda.chunk_kda, q, k, v, g, beta,
+                        cu_seqlens=torch.tensor([0, 130, 200], dtype=torch.int32, device=device), state_cache=pool,
+                        state_indices=torch.tensor([0, 1], dtype=torch.int32, device=device),
+                        has_initial_state=torch.ones(2, dtype=torch.bool, device=device), state_v_first=False,
+                        checkpoint_every=64, checkpoint_indices=torch.tensor([[2, 3], [4, 5]], dtype=torch.int32,
+                                                                             device=device),
+                        errors=errors, use_qk_l2norm_in_kernel=True, **kw)
+    # sequence 0 reaches both checkpoints (the second slot past the pool); sequence 1 (70 tokens) only its
+    # first, so its second entry (past the pool too) is not looked at
+    call = dataclasses.replace(call, checkpoint_indices=torch.tensor([[2, 8], [4, 99]], dtype=torch.int32,
+                                                                       device=device))
+    chunk_kda_fwd(call, chunk_plan(call, walk=walk, segment_chunks=1))
+    assert errors.tolist() == [kda.ERROR_KEPT_SLOT, 0]
+
+
+@pytest.mark.parametrize("fn", [kda.chunk_kda, kda.fused_recurrent_kda], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("bad,exc", [(torch.zeros(2, dtype=torch.int64), TypeError),
+                                     (torch.zeros(3, dtype=torch.int32), ValueError),
+                                     (torch.zeros(4, dtype=torch.int32)[::2], ValueError)],
+                         ids=["int64", "wrong N", "strided"])
+def test_bad_errors_argument_raises_naming_it(fn, bad, exc, device):
+    q, k, v, g, beta, kw = make_inputs(1, 6, H, HV, K, V, device=device, seed=75)
+    out = torch.full_like(v, SENTINEL)
+    with pytest.raises(exc, match="errors"):
+        fn(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32, device=device), out=out,
+           errors=bad.to(device), **kw)
+    assert bool((out == SENTINEL).all())

@@ -104,11 +104,14 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     # checkpoint row, row stride, columns, spacing (a stand-in and zeros without checkpoints), pool slots
     ck_args = ((ckpt, ckpt.stride(0), ckpt.shape[1], call.checkpoint_every, st.slot_count) if has_ckpt
                else (gt_ws, 0, 0, BT, st.slot_count))
+    has_errors = call.errors is not None
+    errors = call.errors if has_errors else gt_ws  # gt_ws: a stand-in never written (HAS_ERRORS off)
     if plan.walk == "plain":
         _chunk_state_kernel[(n_vb, N, HV)](
-            o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, T, NT,
+            o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors, T, NT,
             HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec, **flags,
-            HAS_CHECKPOINTS=has_ckpt, num_warps=plan.walk_warps, num_stages=plan.walk_stages,
+            HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors, num_warps=plan.walk_warps,
+            num_stages=plan.walk_stages,
         )
         return o, st.final_state
     G = plan.segment_chunks
@@ -124,7 +127,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
     _segment_scan_kernel[(n_vb, N, HV)](
-        cu, a_seg, b_seg, h_seg, *pools, st.src_stride, st.dst_stride, st.slot_count, T, NSEG, **shape, **flags,
+        cu, a_seg, b_seg, h_seg, *pools, st.src_stride, st.dst_stride, st.slot_count, *ck_args[:4], errors, T,
+        NSEG, **shape, **flags, HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors,
         num_warps=8, num_stages=1,
     )
     if n_seg > 0:

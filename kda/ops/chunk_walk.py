@@ -33,7 +33,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import bad_bounds, locate_block, round_to, seq_bounds, slot_of, tf32_round, tile_mask
+from .common import (
+    ERROR_BOUNDS,
+    ERROR_KEPT_SLOT,
+    ERROR_SLOT,
+    bad_bounds,
+    flag_errors,
+    locate_block,
+    round_to,
+    seq_bounds,
+    slot_of,
+    tf32_round,
+    tile_mask,
+)
 
 
 @triton.jit
@@ -169,6 +181,7 @@ def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_st
     v_ok = o_v < V
     plane_off = _plane_offsets(i_hv, o_k, o_v, K, V, V_FIRST)
     slot = slot_of(slot_of_seq, i_n, PAGED)
+    code = tl.where(slot >= n_slots, ERROR_SLOT, 0) | tl.where(bad_bounds(eos), ERROR_BOUNDS, 0)
     slot = tl.where((slot < n_slots) & ~bad_bounds(eos), slot, -1)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_SRC:
@@ -178,7 +191,22 @@ def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_st
         if read:
             S = tl.load(state_src + slot * src_stride + plane_off, mask=k_ok[:, None] & v_ok[None, :],
                         other=0.0).to(tl.float32)
-    return bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S
+    return bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code
+
+
+@triton.jit
+def _report(errors, code, slot, i_n, bos, eos, ck_row, n_ck, ck_every, n_slots, HAS_CHECKPOINTS: tl.constexpr,
+            HAS_ERRORS: tl.constexpr):
+    """The error word of sequence i_n (`flag_errors`), from one program of the sequence: `code` from
+    `_sequence_tile`, and ERROR_KEPT_SLOT for a checkpoint a live sequence reaches whose slot is past the
+    pool (the walk skips its store)."""
+    if HAS_ERRORS:
+        if (tl.program_id(0) == 0) & (tl.program_id(2) == 0):
+            if HAS_CHECKPOINTS:
+                if slot >= 0:
+                    for j in range(0, tl.minimum(n_ck, (eos - bos) // ck_every)):
+                        code = code | tl.where(tl.load(ck_row + j) >= n_slots, ERROR_KEPT_SLOT, 0)
+            flag_errors(errors, i_n, code, HAS_ERRORS)
 
 
 @triton.jit
@@ -195,13 +223,14 @@ def _chunk_state_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_ot, s_oh, src_stride, dst_stride,
-    checkpoint_indices, s_ck, n_ck, ck_every, n_slots,
+    checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors,
     T, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
+    HAS_ERRORS: tl.constexpr = False,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
@@ -209,9 +238,11 @@ def _chunk_state_kernel(
     the walk passes them (`_walk`)."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
-    bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S = _sequence_tile(
+    bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
         cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
         IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
+    _report(errors, code, slot, i_n, bos, eos, checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every,
+            n_slots, HAS_CHECKPOINTS, HAS_ERRORS)
     kv_ok = k_ok[:, None] & v_ok[None, :]
     o_h = o + i_hv * s_oh
     if slot < 0:  # padding sequence: no state read or write, zero output rows
@@ -270,21 +301,25 @@ def _segment_summary_kernel(
 def _segment_scan_kernel(
     cu_seqlens, a_seg, b_seg, h_seg,
     state_src, state_dst, slot_of_seq, has_initial_state, src_stride, dst_stride, n_slots,
+    checkpoint_indices, s_ck, n_ck, ck_every, errors,
     T, NSEG,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
+    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
+    HAS_ERRORS: tl.constexpr = False,
 ):
     """One program per (V block, sequence, value head): h_0 = the initial state, h_{s+1} = A_s h_s + b_s
     (fp32 dots: ieee, or tf32 with operands rounded to nearest)
     over the sequence's segments, each h_s stored for the output pass; the last one is the final state."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
-    bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S = _sequence_tile(
+    bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
         cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
         IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
+    _report(errors, code, slot, i_n, bos, eos, checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every,
+            n_slots, HAS_CHECKPOINTS, HAS_ERRORS)
     kv_ok = k_ok[:, None] & v_ok[None, :]
     if slot >= 0:
         if IS_VARLEN:

@@ -12,6 +12,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import ERROR_ACCEPTED as _ACCEPTED
+from .. import ERROR_BOUNDS as _BOUNDS
+from .. import ERROR_KEPT_SLOT as _KEPT_SLOT
+from .. import ERROR_SLOT as _SLOT
 from ..contract import interpreting
 
 
@@ -120,6 +124,21 @@ def slot_of(slot_of_seq, i_n, paged):
     if paged != 0:
         slot = tl.load(slot_of_seq + i_n).to(tl.int64)
     return slot
+
+
+# the error word's bits (`kda.ERROR_*`), as the kernels' constants
+ERROR_SLOT = tl.constexpr(_SLOT)
+ERROR_BOUNDS = tl.constexpr(_BOUNDS)
+ERROR_ACCEPTED = tl.constexpr(_ACCEPTED)
+ERROR_KEPT_SLOT = tl.constexpr(_KEPT_SLOT)
+
+
+@triton.jit
+def flag_errors(errors, i_n, code, HAS_ERRORS: tl.constexpr):
+    """OR `code` (ERROR_* bits, 0: nothing) into the caller's error word of sequence i_n."""
+    if HAS_ERRORS:
+        if code != 0:
+            tl.atomic_or(errors + i_n, code)
 
 
 @triton.jit

@@ -69,9 +69,14 @@ import triton.language as tl
 from ..contract import KDACall
 from ..plan import DecodePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
 from .common import (
+    ERROR_ACCEPTED,
+    ERROR_BOUNDS,
+    ERROR_KEPT_SLOT,
+    ERROR_SLOT,
     bad_bounds,
     decay_rate,
     dt_bias_slice,
+    flag_errors,
     kda_gate_log2,
     round_to,
     seq_bounds,
@@ -229,7 +234,7 @@ def _fused_recurrent_kda_kernel(
     q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
-    src_stride, dst_stride, n_slots, s_idx, idx_cols, num_accepted,
+    src_stride, dst_stride, n_slots, s_idx, idx_cols, num_accepted, errors,
     T, scale, lower_bound, seed,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
@@ -237,7 +242,7 @@ def _fused_recurrent_kda_kernel(
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
-    VERIFY: tl.constexpr = False, HAS_ACCEPTED: tl.constexpr = False,
+    VERIFY: tl.constexpr = False, HAS_ACCEPTED: tl.constexpr = False, HAS_ERRORS: tl.constexpr = False,
 ):
     """Any number of tokens per sequence (varlen, empty sequences): one program per (V block of BV rows,
     sequence, value head) walks its sequence's tokens.
@@ -261,12 +266,17 @@ def _fused_recurrent_kda_kernel(
             col = tl.load(num_accepted + i_n).to(tl.int64) - 1
         col_ok = (col >= 0) & (col < idx_cols)  # a count outside 1..T_max reads nothing: a no-op sequence
         slot = tl.where(col_ok, tl.load(row + tl.where(col_ok, col, 0)).to(tl.int64), -1)
+        code = tl.where(col_ok, 0, ERROR_ACCEPTED)
     else:
         slot = slot_of(slot_of_seq, i_n, PAGED)
+        code = 0
     # a slot past the pool, or bounds out of range (`seq_bounds`): a no-op sequence, never an access
+    code = code | tl.where(slot >= n_slots, ERROR_SLOT, 0) | tl.where(bad_bounds(eos), ERROR_BOUNDS, 0)
     slot = tl.where((slot < n_slots) & ~bad_bounds(eos), slot, -1)
+    first = (i_v == 0) & (i_hv == 0)  # one program of the sequence reports
     o_h = o + i_hv * s_oh
     if slot < 0:
+        flag_errors(errors, i_n, tl.where(first, code, 0), HAS_ERRORS)
         # padding sequence: no read, no write of state; its output rows are zeros
         for t in range(bos, eos):
             tl.store(o_h + t * s_ot + o_v, tl.zeros([BV], dtype=o.dtype.element_ty), mask=v_ok)
@@ -293,6 +303,7 @@ def _fused_recurrent_kda_kernel(
             S = round_to(S, state_dst.dtype.element_ty).to(tl.float32)  # the state a decode call would store
             # tokens past the row (T_max shorter than the sequence) and slots past the pool keep nothing
             keep = tl.load(row + (t - bos), mask=(t - bos) < idx_cols, other=-1).to(tl.int64)
+            code = code | tl.where(keep >= n_slots, ERROR_KEPT_SLOT, 0)
             if (keep >= 0) & (keep < n_slots):
                 _store_state(S, state_dst + keep * dst_stride + i_hv * (K * V), tile_off, tile_ok,
                              (keep * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
@@ -301,6 +312,7 @@ def _fused_recurrent_kda_kernel(
         if not VERIFY:
             _store_state(S, state_dst + slot * dst_stride + i_hv * (K * V), tile_off, tile_ok,
                          (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
+    flag_errors(errors, i_n, tl.where(first, code, 0), HAS_ERRORS)
 
 
 @triton.jit
@@ -322,14 +334,14 @@ def _fused_recurrent_one_token_kernel(
     q, k, v, g, beta, o, A_log, dt_bias,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
-    src_stride, dst_stride, n_slots,
+    src_stride, dst_stride, n_slots, errors,
     scale, lower_bound, seed, paged,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
+    V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, HAS_ERRORS: tl.constexpr = False,
 ):
     """Exactly one token per sequence, token n for sequence n (`KDACall.one_token_per_seq`: dense q of shape
     [N, 1, H, K], or varlen [1, N, H, K] with host bounds 0, 1, ..., N; the flattened token axis is the
@@ -351,7 +363,9 @@ def _fused_recurrent_one_token_kernel(
     i_vb = i_v * NSUB
 
     slot = slot_of(slot_of_seq, i_n, paged)  # a run-time flag: both contracts run the same binary
-    slot = tl.where(slot < n_slots, slot, -1)  # a slot past the pool: a no-op sequence, never an access
+    # a slot past the pool: a no-op sequence, never an access (reported by one program of the sequence)
+    flag_errors(errors, i_n, tl.where((slot >= n_slots) & (i_v == 0) & (i_hv == 0), ERROR_SLOT, 0), HAS_ERRORS)
+    slot = tl.where(slot < n_slots, slot, -1)
     o_h = o + i_hv * s_oh
     if slot < 0:
         o_v = i_vb * BV + tl.arange(0, NSUB * BV)
@@ -407,6 +421,7 @@ def fused_recurrent_kda_fwd(
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     A_log, dt_bias, lower_bound = gate_args(call)
     BK, BV = plan.BK, plan.BV
+    errors = call.errors if call.errors is not None else q  # q: a stand-in never written (HAS_ERRORS off)
     strides = (*token_head_strides(q, T), *token_head_strides(k, T), *token_head_strides(v, T),
                *token_head_strides(g, T), *token_head_strides(beta, T), *token_head_strides(o, T),
                st.src_stride, st.dst_stride)
@@ -424,19 +439,19 @@ def fused_recurrent_kda_fwd(
         USE_L2NORM=call.use_qk_l2norm_in_kernel, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
         HAS_SRC=st.src is not None, HAS_DST=st.dst is not None,
         HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first, SR=plan.sr,
-        num_warps=plan.num_warps,
+        HAS_ERRORS=call.errors is not None, num_warps=plan.num_warps,
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
         _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
-            q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, call.scale,
+            q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
             lower_bound, seed,
             int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
-            st.slot_count, *verify_args, T, call.scale, lower_bound, seed,
+            st.slot_count, *verify_args, errors, T, call.scale, lower_bound, seed,
             IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags, **verify_flags,
         )
     return o, st.final_state
