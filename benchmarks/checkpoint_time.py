@@ -24,12 +24,9 @@ def main() -> None:
     dev = "cuda"
     timer = bench.Timer(warmup_ms=25, rep_ms=300)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, T, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
-    g = torch.randn(1, T, H, K, device=dev)
-    beta = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)
+    q, k, v, g, beta, A_log, dt_bias = bench._tokens(1, T, H, H, dev)  # the benchmark's inputs
     gate = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-                A_log=torch.empty(H, device=dev).uniform_(1.0, 16.0).log_(),
-                dt_bias=0.5 * torch.randn(H * K, device=dev), lower_bound=-5.0)
+                A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
     n_ck = T // EVERY
     for v_first in (False, True):
         pool = torch.zeros(1 + n_ck, H, K, V, device=dev)

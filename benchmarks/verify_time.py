@@ -26,12 +26,9 @@ def main() -> None:
     timer = bench.Timer(warmup_ms=25, rep_ms=200)
     bw = bench.measure_bandwidth(timer, 1.0)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, N * T, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
-    g = torch.randn(1, N * T, H, K, device=dev)
-    beta = torch.randn(1, N * T, H, device=dev, dtype=torch.bfloat16)
+    q, k, v, g, beta, A_log, dt_bias = bench._tokens(1, N * T, H, H, dev)  # the benchmark's inputs
     gate = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-                A_log=torch.empty(H, device=dev).uniform_(1.0, 16.0).log_(),
-                dt_bias=0.5 * torch.randn(H * K, device=dev), lower_bound=-5.0)
+                A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
     cu = torch.arange(0, N * T + 1, T, device=dev, dtype=torch.int32)
     bounds = list(range(0, N * T + 1, T))
     out = torch.empty_like(v)

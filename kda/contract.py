@@ -505,6 +505,17 @@ def _check_state(fn: str, initial_state, output_final_state, state_cache, state_
     return "none", None, final_dtype
 
 
+def _host_lengths(cu_seqlens, host_bounds: list[int] | None, T: int, N: int) -> list[int] | None:
+    """Every sequence's length where the host knows it without a sync (dense; `host_bounds`; bounds on the
+    CPU), else None."""
+    if cu_seqlens is None:
+        return [T] * N
+    host = host_bounds
+    if host is None and cu_seqlens.is_cpu:  # on the CPU the read costs no sync
+        host = cu_seqlens.tolist()
+    return None if host is None else [b - a for a, b in zip(host, host[1:])]
+
+
 def _check_verify(fn: str, verify: bool, state_indices, num_accepted_tokens, state_cache, cu_seqlens,
                   host_bounds: list[int] | None, T: int, N: int, device, debug: bool) -> None:
     """Speculative verify: `state_indices` int32 `[N, T_max]` with stride 1 along T_max and T_max >= every
@@ -526,13 +537,7 @@ def _check_verify(fn: str, verify: bool, state_indices, num_accepted_tokens, sta
     if T_max > 1 and state_indices.stride(1) != 1:
         raise ValueError(f"state_indices [N, T_max] must have stride 1 along T_max, got strides "
                          f"{state_indices.stride()}")
-    if cu_seqlens is None:
-        lengths = [T] * N
-    else:
-        host = host_bounds
-        if host is None and cu_seqlens.is_cpu:  # on the CPU the read costs no sync
-            host = cu_seqlens.tolist()
-        lengths = None if host is None else [b - a for a, b in zip(host, host[1:])]
+    lengths = _host_lengths(cu_seqlens, host_bounds, T, N)
     if lengths and max(lengths) > T_max:
         raise ValueError(f"state_indices [N, T_max] needs T_max >= the longest sequence ({max(lengths)}), "
                          f"got T_max={T_max}")
@@ -599,13 +604,7 @@ def _check_checkpoints(checkpoint_every, checkpoint_indices, mode: str, verify: 
         raise ValueError(f"checkpoint_indices [N, C] must have stride 1 along C, got strides "
                          f"{checkpoint_indices.stride()}")
     if N > 0 and (debug or checkpoint_indices.is_cpu):
-        if cu_seqlens is None:
-            lengths = [T] * N
-        else:
-            host = host_bounds
-            if host is None and cu_seqlens.is_cpu:  # on the CPU the read costs no sync
-                host = cu_seqlens.tolist()
-            lengths = None if host is None else [b - a for a, b in zip(host, host[1:])]
+        lengths = _host_lengths(cu_seqlens, host_bounds, T, N)
         if lengths is not None:
             _check_checkpoint_values(checkpoint_every, checkpoint_indices, state_cache.shape[0], state_indices,
                                      has_initial_state, lengths)
