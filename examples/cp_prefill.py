@@ -49,6 +49,12 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks share stdout, and a line written in pieces can interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if args.device == "cpu":
@@ -114,9 +120,9 @@ def main(argv=None) -> int:
     untouched = all(torch.equal(pool[s].cpu(), pool0[s]) for s in range(6) if s not in slots[mine].tolist())
     ok = err_o < TOL and err_s < TOL and untouched
     failures += not ok
-    print(f"rank {rank}: serving  tokens [{lo}, {hi}) of {T}, reads {[n for n in range(N) if readers[n] == rank]} "
-          f"writes {mine}: output {err_o:.1e}, written slots {err_s:.1e}, other slots untouched {untouched}  "
-          f"{'ok' if ok else 'FAIL'}", flush=True)
+    say(f"rank {rank}: serving  tokens [{lo}, {hi}) of {T}, reads {[n for n in range(N) if readers[n] == rank]} "
+        f"writes {mine}: output {err_o:.1e}, written slots {err_s:.1e}, other slots untouched {untouched}  "
+        f"{'ok' if ok else 'FAIL'}")
 
     # ---- training: a dense batch cut in time, dense initial state ----------------------------------------
     B, Tt = 2, total // 2
@@ -134,13 +140,13 @@ def main(argv=None) -> int:
     err_s = rel(final, rfinal)
     ok = err_o < TOL and err_s < TOL
     failures += not ok
-    print(f"rank {rank}: training time [{tl}, {th}) of {Tt} x {B} rows: output {err_o:.1e}, final state "
-          f"{err_s:.1e}  {'ok' if ok else 'FAIL'}", flush=True)
+    say(f"rank {rank}: training time [{tl}, {th}) of {Tt} x {B} rows: output {err_o:.1e}, final state "
+        f"{err_s:.1e}  {'ok' if ok else 'FAIL'}")
 
     total_failures = torch.tensor([failures], device=device)
     dist.all_reduce(total_failures)
     if rank == 0:
-        print("all ranks within tolerance" if not total_failures.item() else "out of tolerance", flush=True)
+        say("all ranks within tolerance" if not total_failures.item() else "out of tolerance")
     dist.destroy_process_group()
     return 1 if total_failures.item() else 0
 
