@@ -66,7 +66,7 @@ def test_tiny_preset_writes_the_report(baseline):
     assert len(numbers) > 500 and all(math.isfinite(x) for x in numbers)
     sections = {e["section"] for e in rep["entries"]}
     assert sections == {"decode", "length", "dtype_matrix", "chunked_prefill", "varlen", "paged", "adversarial",
-                        "spec_verify"}
+                        "spec_verify", "checkpoints"}
     env = rep["meta"]["environment"]
     assert env["seed"] == 0 and env["torch"] and env["triton"] and env["device"] == DEVICE
     # the volatile metadata is in meta.json and in report.md's one delimited block, never in report.json

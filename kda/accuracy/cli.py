@@ -7,7 +7,8 @@ import os
 import sys
 import time
 
-SECTIONS = ("decode", "length", "dtype_matrix", "chunked_prefill", "varlen", "paged", "adversarial", "spec_verify")
+SECTIONS = ("decode", "length", "dtype_matrix", "chunked_prefill", "varlen", "paged", "adversarial", "spec_verify",
+            "checkpoints")
 # The optional dependencies of the harness (pyproject.toml's `reports` extra): module -> what needs it.
 REPORT_DEPS = {"numpy": "the fits", "scipy": "the fits' intervals", "matplotlib": "the plots"}
 INSTALL_HINT = 'pip install "kda[reports]"   (from a checkout: pip install -e ".[reports]")'
@@ -106,6 +107,7 @@ def work_units(sections, preset) -> list[tuple[str, dict]]:
         "varlen": [dict(layout=name) for name in _layouts()],
         "paged": [dict(state=s) for s in P.contract_states],
         "spec_verify": [dict(state=s) for s in P.contract_states],
+        "checkpoints": [dict(state=s) for s in P.contract_states],
     }
     return [(section, part) for section in SECTIONS if section in sections for part in units[section]]
 
@@ -121,7 +123,7 @@ def run_unit(preset_name: str, device: str, seed: int, start: float, quiet: bool
     """Run one work unit: (entries, summary or None, seconds). Top level, so a worker process can run it."""
     import torch
 
-    from . import decode, layouts, prefill, verify
+    from . import checkpoints, decode, layouts, prefill, verify
     from .config import PRESETS
     from .context import Context
 
@@ -135,7 +137,8 @@ def run_unit(preset_name: str, device: str, seed: int, start: float, quiet: bool
     else:
         fn = dict(dtype_matrix=prefill.dtype_matrix, length=prefill.length_growth,
                   chunked_prefill=prefill.chunked_prefill, adversarial=prefill.adversarial,
-                  varlen=layouts.varlen, paged=layouts.paged_vs_dense, spec_verify=verify.spec_verify)[section]
+                  varlen=layouts.varlen, paged=layouts.paged_vs_dense, spec_verify=verify.spec_verify,
+                  checkpoints=checkpoints.checkpoints)[section]
         entries = fn(ctx, part)
     ctx.sync()
     return entries, summary, time.time() - t0

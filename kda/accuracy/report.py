@@ -142,7 +142,8 @@ def markdown(report: dict, run_meta: dict, plots: list[str] = PLOT_FILES) -> str
     L += _verdict_md(report)
     for section, fn in (("decode", _decode_md), ("length", _length_md), ("dtype_matrix", _matrix_md),
                         ("chunked_prefill", _chunked_md), ("varlen", _varlen_md), ("paged", _paged_md),
-                        ("adversarial", _adversarial_md), ("spec_verify", _spec_verify_md)):
+                        ("adversarial", _adversarial_md), ("spec_verify", _spec_verify_md),
+                        ("checkpoints", _checkpoints_md)):
         if section in meta["sections"]:
             L += fn(report, plots) if section in ("decode", "length", "chunked_prefill") else fn(report)
     fails = failed_checks(report["entries"])
@@ -420,6 +421,28 @@ def _spec_verify_md(report: dict) -> list[str]:
              *(e(x["checks"][n]) for n in names)] for x in ents]
     L += _table(["state", "verify out err", "continuation out err", "state err", "step out bitwise",
                  "step state bitwise", *names], rows)
+    return L
+
+
+def _checkpoints_md(report: dict) -> list[str]:
+    ents = _by_section(report, "checkpoints")
+    if not ents:
+        return []
+    p = ents[0]["params"]
+    L = ["## Prefix-cache checkpoints", ""]
+    L += [f"One varlen paged `chunk_kda` call (lengths {p['lengths']}, fp32 inputs, V-first pools of {p['slots']} "
+          f"slots poisoned with NaN / 1e30, final slots {p['state_indices']}) storing the state every "
+          f"{p['checkpoint_every']} tokens into `checkpoint_indices` {p['checkpoint_indices']} (slots stored: "
+          f"{p['stored']}). Errors against the float64 oracle on the same call (each checkpoint rounded once to "
+          "the pool's dtype); `step`: the same tokens decoded one `fused_recurrent_kda` call per token from the "
+          "same initial state in an fp32 pool, its state at each checkpoint rounded to the pool's dtype "
+          "(check: relative difference at most `step bound`).", ""]
+    names = list(ents[0]["checks"])
+    rows = [[x["params"]["state"], e(x["metrics"]["out_rel"]), e(x["metrics"]["checkpoint_rel"]),
+             e(x["metrics"]["final_state_rel"]), e(x["info"]["step_diff_rel"]), e(x["info"]["step_bound"]),
+             e(x["info"]["step_bitwise"]), *(e(x["checks"][n]) for n in names)] for x in ents]
+    L += _table(["state", "out err", "checkpoint err", "final state err", "step diff", "step bound",
+                 "step bitwise", *names], rows)
     return L
 
 
