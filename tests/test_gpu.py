@@ -212,3 +212,50 @@ def test_prefill_graph_replays_with_new_bounds_bitwise():
         torch.cuda.synchronize()
         assert torch.equal(bits(out), bits(eager_out)), bounds
         assert torch.equal(bits(pool), bits(eager_pool)), bounds
+
+
+def test_two_streams_on_disjoint_slots_equal_a_serial_run_bitwise():
+    """Two streams running different layers (their own inputs) on disjoint slots of one pool, a prefill and
+    two decode steps each, concurrently, give the same bits as the same calls one after the other on the
+    default stream: no kernel reads or writes another layer's slots or shares scratch with it."""
+    H, K, V = 4, 128, 128
+    bounds = [0, 150, 150, 400]
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    layers = []
+    for layer in range(2):
+        args, _, kw = _inputs(bounds[-1], H=H, seed=10 + layer)
+        steps = [_inputs(1, H=H, seed=20 + 10 * layer + s) for s in range(2)]  # one token per sequence
+        slots = torch.tensor([3 * layer, 3 * layer + 1, 3 * layer + 2], dtype=torch.int32, device="cuda")
+        layers.append((args, kw, steps, slots))
+    pool0 = torch.randn(6, H, K, V, device="cuda")
+    has = torch.ones(3, dtype=torch.bool, device="cuda")
+
+    def run(layer, pool):
+        args, kw, steps, slots = layers[layer]
+        o, _ = kda.chunk_kda(*args, cu_seqlens=cu, state_cache=pool, state_indices=slots, has_initial_state=has,
+                             state_v_first=False, **kw)
+        outs = [o]
+        for step_args, _, step_kw in steps:
+            x = [t.expand(3, *t.shape[1:]).contiguous() for t in step_args]  # the token for each sequence
+            o_s, _ = kda.fused_recurrent_kda(*x, state_cache=pool, state_indices=slots, state_v_first=False,
+                                             **step_kw)
+            outs.append(o_s)
+        return outs
+
+    serial_pool = pool0.clone()
+    serial = [run(0, serial_pool), run(1, serial_pool)]
+    torch.cuda.synchronize()
+    pool = pool0.clone()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    start = torch.cuda.Event()
+    start.record()
+    results = [None, None]
+    for layer, stream in enumerate(streams):
+        stream.wait_event(start)
+        with torch.cuda.stream(stream):
+            results[layer] = run(layer, pool)
+    torch.cuda.synchronize()
+    for layer in range(2):
+        for a, b in zip(results[layer], serial[layer]):
+            assert torch.equal(bits(a), bits(b))
+    assert torch.equal(bits(pool), bits(serial_pool))
