@@ -3,7 +3,10 @@
 (a) `kda.chunk_kda`, varlen with an empty sequence in the middle (cu_seqlens [0, 70, 70, 200]), paged
     state: an 8-slot pool with a padded slot stride, state_indices [5, 1, 3], has_initial_state
     [True, False, True] (slot 1 holds NaN: it must never be read);
-(b) `kda.fused_recurrent_kda`, paged decode of N=5 sequences, two of them padding (index -1).
+(b) `kda.fused_recurrent_kda`, paged decode of N=5 sequences, two of them padding (index -1);
+(c) on CUDA only (on CPU the host reads these values and raises): device values out of range, which the
+    kernels guard without a sync: a prefill with one slot past the pool, a varlen decode whose last bound
+    is past T, each with `errors=`: the bad sequence is a no-op, its error bit set, nothing else touched.
 
 Both use K = V = 128, bf16 q/k/v, the in-kernel lower-bound gate, q/k L2 norm and beta sigmoid, and run
 for an fp32 and a bf16 pool. Besides giving the sanitizer something to watch, each call checks the
@@ -151,6 +154,42 @@ def case_decode(dtype: torch.dtype, dev: str) -> None:
         check(e < TOL, f"slots 2, 7, 0 vs kda_reference: rel {e:.1e}")
 
 
+def case_bad_device_values(dtype: torch.dtype, dev: str) -> None:
+    print(f"(c) device values out of range, {dtype} pool")
+    if dev != "cuda":
+        print("  (CUDA only: on CPU the host checks read these values and raise)")
+        return
+    plane = HV * V * K
+    tensors, flags = inputs(200, None, dev)
+    base, pool = padded_pool(dtype, dev)
+    before = base.clone()
+    errors = torch.zeros(3, dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 70, 70, 200], dtype=torch.int32, device=dev)
+    idx = torch.tensor([5, SLOTS + 40, 3], dtype=torch.int32, device=dev)
+    out = torch.full_like(tensors[2], SENTINEL)
+    kda.chunk_kda(*tensors, cu_seqlens=cu, state_cache=pool, state_indices=idx, state_v_first=True, out=out,
+                  has_initial_state=torch.ones(3, dtype=torch.bool, device=dev), errors=errors, **flags)
+    torch.cuda.synchronize()
+    check(errors.tolist() == [0, kda.ERROR_SLOT, 0], f"chunk: error word {errors.tolist()} flags the slot")
+    untouched = [s for s in range(SLOTS) if s not in (5, 3)]
+    check(torch.equal(base[untouched], before[untouched]), f"chunk: slots {untouched} untouched")
+    check(torch.equal(base[:, plane:], before[:, plane:]), "chunk: pool padding untouched")
+
+    tensors, flags = inputs(3, None, dev)
+    base, pool = padded_pool(dtype, dev)
+    before = base.clone()
+    errors = torch.zeros(3, dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 1, 2, 999], dtype=torch.int32, device=dev)  # the last sequence ends past T = 3
+    out = torch.full_like(tensors[2], SENTINEL)
+    kda.fused_recurrent_kda(*tensors, cu_seqlens=cu, state_cache=pool, state_indices=torch.tensor(
+        [2, 7, 0], dtype=torch.int32, device=dev), state_v_first=True, out=out, errors=errors, **flags)
+    torch.cuda.synchronize()
+    check(errors.tolist() == [0, 0, kda.ERROR_BOUNDS], f"decode: error word {errors.tolist()} flags the bounds")
+    check(bool((out[0, 2] == SENTINEL).all()), "decode: the bad sequence wrote no output row")
+    untouched = [s for s in range(SLOTS) if s not in (2, 7)]
+    check(torch.equal(base[untouched], before[untouched]), f"decode: slots {untouched} untouched")
+
+
 def main() -> int:
     if torch.cuda.is_available():
         dev = "cuda"
@@ -163,6 +202,7 @@ def main() -> int:
     for dtype in (torch.float32, torch.bfloat16):
         case_chunk(dtype, dev)
         case_decode(dtype, dev)
+        case_bad_device_values(dtype, dev)
     if failures:
         print(f"sanitize case FAILED: {len(failures)} check(s): " + "; ".join(failures))
         return 1
