@@ -505,6 +505,15 @@ def _check_state(fn: str, initial_state, output_final_state, state_cache, state_
     return "none", None, final_dtype
 
 
+def _check_rows(name: str, x: torch.Tensor, N: int, device, col: str) -> None:
+    """A row of indices per sequence: `[N, col]` on the call's device, stride 1 along `col` (the kernels
+    step along a row with unit stride)."""
+    if x.dim() != 2 or x.shape[0] != N or x.device != device:
+        raise ValueError(f"{name} must be [N, {col}] = [{N}, {col}] on {device}, got {list(x.shape)} on {x.device}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name} [N, {col}] must have stride 1 along {col}, got strides {x.stride()}")
+
+
 def _host_lengths(cu_seqlens, host_bounds: list[int] | None, T: int, N: int) -> list[int] | None:
     """Every sequence's length where the host knows it without a sync (dense; `host_bounds`; bounds on the
     CPU), else None."""
@@ -530,13 +539,8 @@ def _check_verify(fn: str, verify: bool, state_indices, num_accepted_tokens, sta
                          f"fused_recurrent_kda; {fn} takes state_indices of shape [N]")
     if state_indices.dtype != torch.int32:
         raise TypeError(f"state_indices must be int32, got {state_indices.dtype}")
+    _check_rows("state_indices", state_indices, N, device, "T_max")
     T_max = state_indices.shape[1]
-    if state_indices.shape[0] != N or state_indices.device != device:
-        raise ValueError(f"state_indices must be [N] = [{N}] or [N, T_max] = [{N}, T_max] on {device}, got "
-                         f"{list(state_indices.shape)} on {state_indices.device}")
-    if T_max > 1 and state_indices.stride(1) != 1:
-        raise ValueError(f"state_indices [N, T_max] must have stride 1 along T_max, got strides "
-                         f"{state_indices.stride()}")
     lengths = _host_lengths(cu_seqlens, host_bounds, T, N)
     if lengths and max(lengths) > T_max:
         raise ValueError(f"state_indices [N, T_max] needs T_max >= the longest sequence ({max(lengths)}), "
@@ -597,12 +601,7 @@ def _check_checkpoints(checkpoint_every, checkpoint_indices, mode: str, verify: 
     _require_tensor("checkpoint_indices", checkpoint_indices)
     if checkpoint_indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"checkpoint_indices must be int32 or int64, got {checkpoint_indices.dtype}")
-    if checkpoint_indices.dim() != 2 or checkpoint_indices.shape[0] != N or checkpoint_indices.device != device:
-        raise ValueError(f"checkpoint_indices must be [N, C] = [{N}, C] on {device}, got "
-                         f"{list(checkpoint_indices.shape)} on {checkpoint_indices.device}")
-    if checkpoint_indices.shape[1] > 1 and checkpoint_indices.stride(1) != 1:
-        raise ValueError(f"checkpoint_indices [N, C] must have stride 1 along C, got strides "
-                         f"{checkpoint_indices.stride()}")
+    _check_rows("checkpoint_indices", checkpoint_indices, N, device, "C")
     if N > 0 and (debug or checkpoint_indices.is_cpu):
         lengths = _host_lengths(cu_seqlens, host_bounds, T, N)
         if lengths is not None:

@@ -127,8 +127,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
     _segment_scan_kernel[(n_vb, N, HV)](
-        cu, a_seg, b_seg, h_seg, *pools, st.src_stride, st.dst_stride, st.slot_count, *ck_args[:4], errors, T,
-        NSEG, **shape, **flags, HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors,
+        cu, a_seg, b_seg, h_seg, *pools, st.src_stride, st.dst_stride, *ck_args, errors, T, NSEG, **shape, **flags,
+        HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors,
         num_warps=8, num_stages=1,
     )
     if n_seg > 0:

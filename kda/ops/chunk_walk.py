@@ -34,11 +34,9 @@ import triton
 import triton.language as tl
 
 from .common import (
-    ERROR_BOUNDS,
     ERROR_KEPT_SLOT,
-    ERROR_SLOT,
-    bad_bounds,
     flag_errors,
+    guard_slot,
     locate_block,
     round_to,
     seq_bounds,
@@ -180,9 +178,7 @@ def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_st
     k_ok = o_k < K
     v_ok = o_v < V
     plane_off = _plane_offsets(i_hv, o_k, o_v, K, V, V_FIRST)
-    slot = slot_of(slot_of_seq, i_n, PAGED)
-    code = tl.where(slot >= n_slots, ERROR_SLOT, 0) | tl.where(bad_bounds(eos), ERROR_BOUNDS, 0)
-    slot = tl.where((slot < n_slots) & ~bad_bounds(eos), slot, -1)
+    slot, code = guard_slot(slot_of(slot_of_seq, i_n, PAGED), n_slots, eos)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_SRC:
         read = slot >= 0
@@ -300,8 +296,8 @@ def _segment_summary_kernel(
 @triton.jit(do_not_specialize=["n_slots"])
 def _segment_scan_kernel(
     cu_seqlens, a_seg, b_seg, h_seg,
-    state_src, state_dst, slot_of_seq, has_initial_state, src_stride, dst_stride, n_slots,
-    checkpoint_indices, s_ck, n_ck, ck_every, errors,
+    state_src, state_dst, slot_of_seq, has_initial_state, src_stride, dst_stride,
+    checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors,
     T, NSEG,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -365,8 +361,8 @@ def _segment_output_kernel(
     k_ok = o_k < K
     v_ok = o_v < V
     o_h = o + i_hv * s_oh
-    slot = slot_of(slot_of_seq, i_n, PAGED)
-    if (slot < 0) | (slot >= n_slots):  # padding, or a slot past the pool: zero rows, as the scan does
+    slot, _ = guard_slot(slot_of(slot_of_seq, i_n, PAGED), n_slots, eos)
+    if slot < 0:  # padding, or a slot past the pool: zero rows, as the scan does
         _zero_rows(o_h, s_ot, s0, s_end, o_v, v_ok, BT, BV)
     else:
         base = (i_s * HV + i_hv) * K

@@ -148,6 +148,15 @@ def bad_bounds(eos):
 
 
 @triton.jit
+def guard_slot(slot, n_slots, eos):
+    """(slot, code) for a sequence whose pool slot is `slot` and whose `seq_bounds` end is `eos`: the slot a
+    program may touch, -1 (padding: no access) where it is at or past the pool's n_slots or the bounds are
+    out of range, and the ERROR_* bits of why (0 when it stands)."""
+    code = tl.where(slot >= n_slots, ERROR_SLOT, 0) | tl.where(bad_bounds(eos), ERROR_BOUNDS, 0)
+    return tl.where(code == 0, slot, -1), code
+
+
+@triton.jit
 def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
     """Program i_p of a grid over blocks of BT tokens (chunks, or segments of chunks) -> (sequence,
     sequence start, first token of its block, sequence end). Dense: NT blocks per sequence. Varlen: program p belongs to the

@@ -70,13 +70,11 @@ from ..contract import KDACall
 from ..plan import DecodePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
 from .common import (
     ERROR_ACCEPTED,
-    ERROR_BOUNDS,
     ERROR_KEPT_SLOT,
-    ERROR_SLOT,
-    bad_bounds,
     decay_rate,
     dt_bias_slice,
     flag_errors,
+    guard_slot,
     kda_gate_log2,
     round_to,
     seq_bounds,
@@ -271,8 +269,8 @@ def _fused_recurrent_kda_kernel(
         slot = slot_of(slot_of_seq, i_n, PAGED)
         code = 0
     # a slot past the pool, or bounds out of range (`seq_bounds`): a no-op sequence, never an access
-    code = code | tl.where(slot >= n_slots, ERROR_SLOT, 0) | tl.where(bad_bounds(eos), ERROR_BOUNDS, 0)
-    slot = tl.where((slot < n_slots) & ~bad_bounds(eos), slot, -1)
+    slot, guard_code = guard_slot(slot, n_slots, eos)
+    code = code | guard_code
     first = (i_v == 0) & (i_hv == 0)  # one program of the sequence reports
     o_h = o + i_hv * s_oh
     if slot < 0:
@@ -363,9 +361,10 @@ def _fused_recurrent_one_token_kernel(
     i_vb = i_v * NSUB
 
     slot = slot_of(slot_of_seq, i_n, paged)  # a run-time flag: both contracts run the same binary
-    # a slot past the pool: a no-op sequence, never an access (reported by one program of the sequence)
-    flag_errors(errors, i_n, tl.where((slot >= n_slots) & (i_v == 0) & (i_hv == 0), ERROR_SLOT, 0), HAS_ERRORS)
-    slot = tl.where(slot < n_slots, slot, -1)
+    # a slot past the pool: a no-op sequence, never an access (reported by one program of the sequence);
+    # the bounds are the host's (token n is sequence n), so only the slot can be out of range
+    slot, code = guard_slot(slot, n_slots, t + 1)
+    flag_errors(errors, i_n, tl.where((i_v == 0) & (i_hv == 0), code, 0), HAS_ERRORS)
     o_h = o + i_hv * s_oh
     if slot < 0:
         o_v = i_vb * BV + tl.arange(0, NSUB * BV)
