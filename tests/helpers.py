@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,11 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     if den == 0.0:
         return num
     return num / den
+
+
+def bounds_of(lengths) -> list[int]:
+    """Varlen bounds (`cu_seqlens` as a host list) of these sequence lengths: 0 and their running sums."""
+    return [0, *itertools.accumulate(lengths)]
 
 
 def make_inputs(B, T, H, HV, K, V, *, dtype=torch.float32, gate="logdecay", device="cpu", seed=0,

@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import checked_call, make_inputs, poison_pool, poisoned_pool, rel_err, run_planned, same_bits
+from helpers import bounds_of, checked_call, make_inputs, poison_pool, poisoned_pool, rel_err, run_planned, same_bits
 
 import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
 import kda_reference as ref
@@ -43,13 +43,6 @@ CKPT_64 = [[5, -1, 6, 7], [11, 12, -1, -1], [13, 99, -1, -1], [8, 9, 7, -1], [14
 WRITTEN_64 = [5, 6, 8, 9, 10]
 
 
-def _bounds(lengths):
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    return bounds
-
-
 def _pool(v_first, dtype, seed=5):
     """A poisoned pool (NaN / 1e30; 6e4 in fp16) with random initial states in the final slots."""
     plane = (HV, V, K) if v_first else (HV, K, V)
@@ -64,7 +57,7 @@ def _pool(v_first, dtype, seed=5):
 def _args(pool, v_first, every, ckpt, lengths=LENGTHS, final=FINAL, has_init=HAS_INIT, seed=1):
     """(q, k, v, g, beta) and the keywords of a paged varlen call with checkpoints; Kimi's gate and q/k
     normalisation in the kernel (the fused prepare)."""
-    bounds = _bounds(lengths)
+    bounds = bounds_of(lengths)
     q, k, v, g, beta, kw = make_inputs(1, bounds[-1], H, HV, K, V, gate="lower_bound", device=DEVICE, seed=seed)
     kw.update(use_qk_l2norm_in_kernel=True)
     kw.update(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=DEVICE), state_cache=pool,
@@ -115,7 +108,7 @@ def test_checkpoints_match_the_oracle_and_leave_other_slots(v_first, storage):
         assert bool(torch.isfinite(pool[slot]).all()), slot
     assert same_bits(pool[_unwritten(written)], pool0[_unwritten(written)])
     assert same_bits(pool[9], pool[3])  # sequence 3 ends at its second checkpoint: the same state, stored twice
-    bounds = _bounds(LENGTHS)
+    bounds = bounds_of(LENGTHS)
     assert bool((o[:, bounds[4]:bounds[5]] == 0).all())  # the padding sequence's rows
 
 
@@ -147,7 +140,7 @@ def test_checkpoint_equals_the_final_state_of_the_call_cut_there(every):
                                         [14, -1, -1, -1], [-1, -1, -1, -1]]
     x, kw = _args(pool, v_first, every, ckpt)
     kda.chunk_kda(*x, **kw)
-    bounds = _bounds(LENGTHS)
+    bounds = bounds_of(LENGTHS)
     cuts = []  # (sequence, checkpoint slot, offset)
     for n, row in enumerate(ckpt):
         if FINAL[n] < 0:
@@ -160,7 +153,7 @@ def test_checkpoint_equals_the_final_state_of_the_call_cut_there(every):
     dst = list(range(16, 16 + len(cuts)))  # fresh (poisoned) slots for the cut calls' final states
     for d, (n, _, _) in zip(dst, cuts):
         cut_pool[d] = pool0[FINAL[n]]
-    cu = torch.tensor(_bounds([off for _, _, off in cuts]), dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor(bounds_of([off for _, _, off in cuts]), dtype=torch.int32, device=DEVICE)
     kda.chunk_kda(*cut_x, cu_seqlens=cu, state_cache=cut_pool, state_v_first=v_first,
                   state_indices=torch.tensor(dst, dtype=torch.int32, device=DEVICE),
                   has_initial_state=torch.tensor([HAS_INIT[n] for n, _, _ in cuts], device=DEVICE),

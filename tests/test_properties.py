@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from conftest import DEVICE
-from helpers import bits, make_inputs, on_cpu, poison_pool, rel_err
+from helpers import bits, bounds_of, make_inputs, on_cpu, poison_pool, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,9 +40,7 @@ def serving_layouts(draw, max_len):
 
 def _check_paged_call(fn, layout):
     H, HV, K, V, lengths, slots, idx, has, storage, v_first, seed = layout
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
+    bounds = bounds_of(lengths)
     T = bounds[-1]
     q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, seed=seed, device=DEVICE)
     plane = (HV, V, K) if v_first else (HV, K, V)

@@ -13,7 +13,7 @@ import random
 
 import torch
 from conftest import DEVICE
-from helpers import bits, make_inputs, on_cpu, poison_pool, rel_err
+from helpers import bits, bounds_of, make_inputs, on_cpu, poison_pool, rel_err
 
 import kda
 import kda_reference as ref
@@ -39,9 +39,7 @@ def test_serving_soak_against_a_float64_shadow():
             continue
         lengths = [min(requests[s][0], 64) if requests[s][0] > 0 else 1 for s in live]
         prefilling = any(requests[s][0] > 0 for s in live)
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
+        bounds = bounds_of(lengths)
         q, k, v, g, beta, kw = make_inputs(1, bounds[-1], H, HV, K, V, device=DEVICE, seed=step)
         idx = torch.tensor(live, dtype=torch.int32, device=DEVICE)
         has = torch.tensor([requests[s][2] for s in live], device=DEVICE)

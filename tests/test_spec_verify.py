@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import make_inputs, poison_pool, rel_err, same_bits
+from helpers import bounds_of, make_inputs, poison_pool, rel_err, same_bits
 
 import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
 import kda_reference as ref
@@ -39,9 +39,7 @@ def _idx(rows):
 
 
 def _cu(lengths):
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
+    bounds = bounds_of(lengths)
     return torch.tensor(bounds, dtype=torch.int32, device=DEVICE), bounds
 
 

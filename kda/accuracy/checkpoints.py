@@ -24,7 +24,7 @@ from .config import DTYPES, REGIMES
 from .context import Context, entry
 from .inputs import regime_inputs
 from .kernels import call
-from .layouts import poisoned_pool, reorder_bound
+from .layouts import cu_bounds, poisoned_pool, reorder_bound
 from .measure import all_finite, errors, rel_l2, same_bits
 from .prefill import pick
 
@@ -52,10 +52,7 @@ def checkpoints(ctx: Context, part: dict | None = None) -> list[dict]:
     N = len(LENGTHS)
     plane = (P.HV, P.K, P.K)
     slots = 1 + max(max(FINAL), max(s for row in CHECKPOINTS for s in row)) + 2  # two slots nobody names
-    bounds = [0]
-    for n in LENGTHS:
-        bounds.append(bounds[-1] + n)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    cu, bounds = cu_bounds(LENGTHS, dev)
     final = torch.tensor(FINAL, dtype=torch.int32, device=dev)
     ck = torch.tensor(CHECKPOINTS, dtype=torch.int32, device=dev)
     has = torch.ones(N, dtype=torch.bool, device=dev)

@@ -25,12 +25,12 @@ LAYOUTS = {
 }
 
 
-def _cu(lengths: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def cu_bounds(lengths: list[int], device: str) -> tuple[torch.Tensor, list[int]]:
+    """(cu_seqlens int32 on `device`, the same bounds as a host list: `cu_seqlens_cpu`) of these lengths."""
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
-    cpu = torch.tensor(bounds, dtype=torch.int32)
-    return cpu.to(device), cpu
+    return torch.tensor(bounds, dtype=torch.int32, device=device), bounds
 
 
 def varlen(ctx: Context, part: dict | None = None) -> list[dict]:
@@ -43,7 +43,7 @@ def varlen(ctx: Context, part: dict | None = None) -> list[dict]:
         full_lengths = LAYOUTS[layout]
         lengths = [min(n, P.varlen_max_len) for n in full_lengths]
         N, T = len(lengths), sum(lengths)
-        cu, cu_cpu = _cu(lengths, dev)
+        cu, cu_cpu = cu_bounds(lengths, dev)
         inp = regime_inputs(REGIMES["strong"], 1, T, P.H, P.HV, P.K, P.K, ctx.gen(f"varlen/{layout}"))
         inp = inp.cast(torch.bfloat16).to(dev)
         h0 = torch.randn(N, P.HV, P.K, P.K, generator=ctx.gen(f"varlen/{layout}/h0"))
@@ -54,7 +54,7 @@ def varlen(ctx: Context, part: dict | None = None) -> list[dict]:
                 o, s = call(kern, *inp.args(), initial_state=h.clone(), output_final_state=True, cu_seqlens=cu,
                             cu_seqlens_cpu=cu_cpu, **inp.opts)
                 seq_out, seq_state, bounded, empty_bits = [], [], True, True
-                for n, (a, b) in enumerate(zip(cu_cpu.tolist(), cu_cpu.tolist()[1:])):
+                for n, (a, b) in enumerate(zip(cu_cpu, cu_cpu[1:])):
                     m_s, i_s = errors(s[n], s_ref[n], DTYPES[st_name], "state")
                     seq_state.append(m_s["state_rel"])
                     bounded &= within_bound(m_s, i_s, "state", inp.v.dtype)
@@ -148,7 +148,7 @@ def paged_vs_dense(ctx: Context, part: dict | None = None) -> list[dict]:
     P, dev = ctx.preset, ctx.device
     lengths = [min(n, P.varlen_max_len) for n in (3, 0, 17, 1, 9)]
     N, T = len(lengths), sum(lengths)
-    cu, cu_cpu = _cu(lengths, dev)
+    cu, cu_cpu = cu_bounds(lengths, dev)
     plane = (P.HV, P.K, P.K)
     slots = 2 * N + 3
     inp = regime_inputs(REGIMES["strong"], 1, T, P.H, P.HV, P.K, P.K, ctx.gen("paged")).cast(torch.bfloat16).to(dev)
@@ -157,7 +157,7 @@ def paged_vs_dense(ctx: Context, part: dict | None = None) -> list[dict]:
     others = torch.tensor([i for i in range(slots) if i not in idx.tolist()])
     fresh = torch.tensor([n % 2 == 1 for n in range(N)])  # has_initial_state = False here (dirty slots)
     pad_seq = 2  # a sequence with tokens, turned into padding
-    seq_rows = [(a, b) for a, b in zip(cu_cpu.tolist(), cu_cpu.tolist()[1:])]
+    seq_rows = [(a, b) for a, b in zip(cu_cpu, cu_cpu[1:])]
     a_pad, b_pad = seq_rows[pad_seq]
     keep = torch.ones(T, dtype=torch.bool)
     keep[a_pad:b_pad] = False

@@ -27,20 +27,13 @@ from .config import DTYPES, REGIMES
 from .context import Context, entry
 from .inputs import regime_inputs
 from .kernels import call
-from .layouts import poisoned_pool, reorder_bound
+from .layouts import cu_bounds, poisoned_pool, reorder_bound
 from .measure import all_finite, errors, rel_l2, same_bits
 from .prefill import pick
 
 DRAFTS = 4
 ACCEPTED = [1, 2, 4, 3, 1]  # per sequence; the last sequence is padding
 CONTINUATION = [3, 1, 2, 4, 2]
-
-
-def _cu(lengths, dev):
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    return torch.tensor(bounds, dtype=torch.int32, device=dev), bounds
 
 
 def spec_verify(ctx: Context, part: dict | None = None) -> list[dict]:
@@ -56,7 +49,7 @@ def spec_verify(ctx: Context, part: dict | None = None) -> list[dict]:
     idx1 = torch.tensor(rows, dtype=torch.int32, device=dev)
     idx2 = torch.tensor(cont_rows, dtype=torch.int32, device=dev)
     accepted = torch.tensor(ACCEPTED, dtype=torch.int32, device=dev)
-    (cu1, b1), (cu2, b2) = _cu([DRAFTS] * N, dev), _cu(CONTINUATION, dev)
+    (cu1, b1), (cu2, b2) = cu_bounds([DRAFTS] * N, dev), cu_bounds(CONTINUATION, dev)
     inp1 = regime_inputs(REGIMES["strong"], 1, b1[-1], P.H, P.HV, P.K, P.K, ctx.gen("verify/drafts")).to(dev)
     inp2 = regime_inputs(REGIMES["strong"], 1, b2[-1], P.H, P.HV, P.K, P.K, ctx.gen("verify/continue")).to(dev)
     h0 = 0.5 * torch.randn(N - 1, *plane, generator=ctx.gen("verify/h0"))
