@@ -14,8 +14,11 @@ The ops' schema differs from the public signature where the dispatcher needs it:
 - `fused_recurrent_kda`'s `num_accepted_tokens` (speculative verify) comes last, after `seed`; the pool
   (`state_cache`) is the only state it mutates, whatever the shape of `state_indices`.
 - `chunk_kda`'s `checkpoint_every` and `checkpoint_indices` (prefix-cache checkpoints) come last, after
-  `out`; the checkpoints go into `state_cache`, already declared mutated.
-- `errors` (the caller's error word) comes last in both and is declared mutated.
+  `out` and `errors`; the checkpoints go into `state_cache`, already declared mutated.
+- `errors` (the caller's error word, or None) comes right after `out`, declared mutated and with no
+  default: PyTorch 2.11's in-place bookkeeping indexes the mutated arguments among the positional ones,
+  and a trailing argument left at its default is dropped from them (an IndexError under `opcheck` and
+  `torch.compile`).
 
 The real implementations run `kda.contract.check_call` (every check of the contract) and then the
 kernels. The fake implementations compute the final state's shape and dtype from the arguments alone, by
@@ -47,8 +50,8 @@ def chunk_kda_op(
     cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, state_v_first: bool | None,
     state_cache: torch.Tensor | None, state_indices: torch.Tensor | None,
     has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
-    checkpoint_every: int | None = None, checkpoint_indices: torch.Tensor | None = None,
-    errors: torch.Tensor | None = None,
+    errors: torch.Tensor | None, checkpoint_every: int | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kda.chunk_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
     call = check_call("chunk_kda", require_has_initial_state=True, **locals())  # the parameters, by name
@@ -68,8 +71,8 @@ def fused_recurrent_kda_op(
     cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, state_v_first: bool | None,
     state_cache: torch.Tensor | None, state_indices: torch.Tensor | None,
     has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
-    stochastic_rounding: bool, seed: int, num_accepted_tokens: torch.Tensor | None = None,
-    errors: torch.Tensor | None = None,
+    errors: torch.Tensor | None, stochastic_rounding: bool, seed: int,
+    num_accepted_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kda.fused_recurrent_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
     call = check_call("fused_recurrent_kda", require_has_initial_state=False, **locals())  # by name
@@ -100,7 +103,7 @@ def fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_
 def _chunk_kda_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens,
                     cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype,
-                    out, checkpoint_every=None, checkpoint_indices=None, errors=None):
+                    out, errors, checkpoint_every=None, checkpoint_indices=None):
     return fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
                             state_dtype)
 
@@ -109,8 +112,8 @@ def _chunk_kda_fake(q, k, v, g, beta, scale, initial_state, output_final_state, 
 def _fused_recurrent_kda_fake(q, k, v, g, beta, scale, initial_state, output_final_state,
                               use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log,
                               dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu, state_v_first, state_cache,
-                              state_indices, has_initial_state, state_dtype, out, stochastic_rounding, seed,
-                              num_accepted_tokens=None, errors=None):
+                              state_indices, has_initial_state, state_dtype, out, errors, stochastic_rounding,
+                              seed, num_accepted_tokens=None):
     return fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
                             state_dtype)
 

@@ -160,14 +160,15 @@ def test_checkpoint_slot_past_the_pool_sets_its_bit(walk, device):
 
 
 @pytest.mark.parametrize("fn", [kda.chunk_kda, kda.fused_recurrent_kda], ids=["chunk", "recurrent"])
-@pytest.mark.parametrize("bad,exc", [(torch.zeros(2, dtype=torch.int64), TypeError),
-                                     (torch.zeros(3, dtype=torch.int32), ValueError),
-                                     (torch.zeros(4, dtype=torch.int32)[::2], ValueError)],
+@pytest.mark.parametrize("bad,exc", [(lambda d: torch.zeros(2, dtype=torch.int64, device=d), TypeError),
+                                     (lambda d: torch.zeros(3, dtype=torch.int32, device=d), ValueError),
+                                     (lambda d: torch.zeros(4, dtype=torch.int32, device=d)[::2], ValueError)],
                          ids=["int64", "wrong N", "strided"])
 def test_bad_errors_argument_raises_naming_it(fn, bad, exc, device):
+    # built on the device: `.to(device)` of a strided CPU tensor makes a contiguous copy
     q, k, v, g, beta, kw = make_inputs(1, 6, H, HV, K, V, device=device, seed=75)
     out = torch.full_like(v, SENTINEL)
     with pytest.raises(exc, match="errors"):
         fn(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32, device=device), out=out,
-           errors=bad.to(device), **kw)
+           errors=bad(device), **kw)
     assert bool((out == SENTINEL).all())

@@ -38,7 +38,7 @@ def op_kwargs(fn: str, **given) -> dict:
     kw = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None, state_v_first=None, state_cache=None,
-              state_indices=None, has_initial_state=None, state_dtype=None)
+              state_indices=None, has_initial_state=None, state_dtype=None, errors=None)
     if fn == "fused_recurrent_kda":
         kw.update(stochastic_rounding=False, seed=0)
     kw.update(given)
