@@ -90,6 +90,30 @@ def _row_of(x, o_t, r):
 
 
 @triton.jit
+def _unit_dots(kr, qr, kc, Akk, Aqk, PREC: tl.constexpr):
+    """Akk += kr kc^T, Aqk += qr kc^T for operands whose entries are at most 1 in magnitude: with tf32 dots
+    they go to fp16 instead (the 11-bit significand of a rounded tf32 operand at twice its rate; values
+    below 2^-24 flush, an absolute error under 2^-25 against entries of order 1)."""
+    if PREC == "tf32":
+        c = tl.trans(kc.to(tl.float16))
+        Akk = tl.dot(kr.to(tl.float16), c, Akk)
+        Aqk = tl.dot(qr.to(tl.float16), c, Aqk)
+    else:
+        c = tl.trans(kc)
+        Akk = tl.dot(kr, c, Akk, input_precision=PREC)
+        Aqk = tl.dot(qr, c, Aqk, input_precision=PREC)
+    return Akk, Aqk
+
+
+@triton.jit
+def _cat_cols(a, b):
+    """The tile [a, b] of two [n, m] tiles."""
+    n: tl.constexpr = a.shape[0]
+    m: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [n, 2 * m])
+
+
+@triton.jit
 def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """X = (I + L)^-1 for a strictly lower [BT, BT] tile L (the oracle's `INV`). Inside the BC x BC
     diagonal blocks by forward substitution in fp32 (X_i = e_i - sum_{j<i} L_ij X_j, all blocks at once),
@@ -128,6 +152,7 @@ def _chunk_gate_kernel(
     s_gt, s_gh, T, N, NT, lower_bound,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    SHORT: tl.constexpr,
 ):
     """The gate pass of the fused prepare (16-bit inputs): one program per (chunk, value head, K slice)
     writes b2, the fp32 cumulative log2 decay from the chunk start (the cumsum `_chunk_prepare_kernel`
@@ -136,8 +161,8 @@ def _chunk_gate_kernel(
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_k = tl.program_id(2)
-    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
-    if t0 >= eos:
+    i_n, bos, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if (t0 >= eos) | (eos - bos <= SHORT):  # no block, or a sequence `short_route` sends to the recurrent loop
         return
     o_t = tl.arange(0, BT)
     row_ok = o_t < eos - t0
@@ -167,6 +192,7 @@ def _chunk_prepare_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    SHORT: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, CUMSUM_DTYPE: tl.constexpr,
     B2_FROM_WS: tl.constexpr,
 ):
@@ -180,8 +206,8 @@ def _chunk_prepare_kernel(
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
-    if t0 >= eos:
+    i_n, bos, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if (t0 >= eos) | (eos - bos <= SHORT):  # no block, or a sequence `short_route` sends to the recurrent loop
         return
     n_rows = tl.minimum(eos - t0, BT)
     o_t = tl.arange(0, BT)
@@ -200,17 +226,26 @@ def _chunk_prepare_kernel(
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
     first_half = (o_t < HALF)[:, None]
 
+    # the lower-left quadrant (bottom rows against top columns) has its own [BT, HALF] accumulators
+    o_h = tl.arange(0, HALF)
+    top_ok = o_h < n_rows
+    rk_t = _qk_inv_norm(k_h, o_h, top_ok, s_kt, K, BK, True)
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    X_kk = tl.zeros([BT, HALF], dtype=tl.float32)
+    X_qk = tl.zeros([BT, HALF], dtype=tl.float32)
     ws = o_t[:, None] * (HV * K)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         m = tile_mask(row_ok, col_ok, EVEN_K)
+        m_t = tile_mask(top_ok, col_ok, EVEN_K)
         if B2_FROM_WS:  # written by `_chunk_gate_kernel`; rows past the sequence take its last row's
             b2_last = _b2_row(b2_ws, ws_base, BT - 1, n_rows, cols, HV, K)
             b2 = tl.load(b2_ws + ws_base + ws + cols[None, :], mask=m, other=0.0)
             b2 = tl.where(row_ok[:, None], b2, b2_last[None, :])
+            b2_t = tl.load(b2_ws + ws_base + o_h[:, None] * (HV * K) + cols[None, :], mask=m_t, other=0.0)
+            b2_t = tl.where(top_ok[:, None], b2_t, b2_last[None, :])
             b2_q1 = _b2_row(b2_ws, ws_base, HALF // 2, n_rows, cols, HV, K)
             b2_q3 = _b2_row(b2_ws, ws_base, HALF + HALF // 2, n_rows, cols, HV, K)
             b2_mid = _b2_row(b2_ws, ws_base, HALF, n_rows, cols, HV, K)
@@ -218,34 +253,26 @@ def _chunk_prepare_kernel(
             bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
             gl = _gate_tile(g_h, o_t, cols, m, s_gt, a, bias, lower_bound, True, True)
             b2 = tl.cumsum(gl.to(CUMSUM_DTYPE), axis=0)
+            b2_t = tl.cumsum(_gate_tile(g_h, o_h, cols, m_t, s_gt, a, bias, lower_bound, True,
+                                        True).to(CUMSUM_DTYPE), axis=0)
             b2_last = _row_of(b2, o_t, BT - 1)  # rows past the sequence add 0
             b2_q1 = _row_of(b2, o_t, HALF // 2)
             b2_q3 = _row_of(b2, o_t, HALF + HALF // 2)
             b2_mid = _row_of(b2, o_t, HALF)
         kn = tl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
         qn = tl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
-        # 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j): each half against itself anchored at its middle row (each
-        # factor <= 2^115), second-half rows against first-half columns at the second half's first row (<= 1);
-        # one dot per quadrant, its operands zero outside it
+        kt = tl.load(k_h + o_h[:, None] * s_kt + cols[None, :], mask=m_t, other=0.0).to(tl.float32) * rk_t[:, None]
+        # 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j). The diagonal quadrants in one dot, each half anchored at
+        # its middle row (each factor <= 2^115; the product's off-diagonal quadrants are dropped)
         anc = tl.where(first_half, b2_q1[None, :], b2_q3[None, :])
+        kc = tl.trans(tf32_round(kn * tl.exp2((anc - b2).to(tl.float32)), DOT_PREC))
         e_row = tl.exp2((b2 - anc).to(tl.float32))
-        e_col = tl.exp2((anc - b2).to(tl.float32))
-        a_mid = b2_mid[None, :]
-        x_row = tl.where(first_half, 0.0, tl.exp2((b2 - a_mid).to(tl.float32)))
-        x_col = tl.where(first_half, tl.exp2((a_mid - b2).to(tl.float32)), 0.0)
-        for quadrant in tl.static_range(3):
-            if quadrant == 0:
-                r = tl.where(first_half, e_row, 0.0)
-                c = tl.where(first_half, e_col, 0.0)
-            elif quadrant == 1:
-                r = tl.where(first_half, 0.0, e_row)
-                c = tl.where(first_half, 0.0, e_col)
-            else:
-                r = x_row
-                c = x_col
-            kc = tl.trans(tf32_round(kn * c, DOT_PREC))
-            A_kk += tl.dot(tf32_round(kn * r, DOT_PREC), kc, input_precision=DOT_PREC)
-            A_qk += tl.dot(tf32_round(qn * r, DOT_PREC), kc, input_precision=DOT_PREC)
+        A_kk = tl.dot(tf32_round(kn * e_row, DOT_PREC), kc, A_kk, input_precision=DOT_PREC)
+        A_qk = tl.dot(tf32_round(qn * e_row, DOT_PREC), kc, A_qk, input_precision=DOT_PREC)
+        # bottom rows against top columns at the bottom's first row: both factors <= 1
+        x_row = tl.where(first_half, 0.0, tl.exp2((b2 - b2_mid[None, :]).to(tl.float32)))
+        kc = kt * tl.exp2((b2_mid[None, :] - b2_t).to(tl.float32))
+        X_kk, X_qk = _unit_dots(kn * x_row, qn * x_row, kc, X_kk, X_qk, DOT_PREC)
         # what the walk reads, and Kd parked in W's rows until X is known
         d = tl.exp2(b2.to(tl.float32))
         tl.store(qd_ws + ws_base + ws + cols[None, :], qn * d, mask=m)
@@ -254,6 +281,10 @@ def _chunk_prepare_kernel(
         if not B2_FROM_WS:
             tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2_last.to(tl.float32)), mask=col_ok)
 
+    lower_left = (o_t[:, None] >= HALF) & (o_t[None, :] < HALF)
+    zeros = tl.zeros([BT, HALF], dtype=tl.float32)
+    A_kk = tl.where(lower_left, _cat_cols(X_kk, zeros), A_kk)
+    A_qk = tl.where(lower_left, _cat_cols(X_qk, zeros), A_qk)
     valid = row_ok[:, None] & row_ok[None, :]
     L = tl.where(valid & (o_t[None, :] < o_t[:, None]), A_kk * b_beta[:, None], 0.0)
     A_qk = tl.where(valid & (o_t[None, :] <= o_t[:, None]), A_qk, 0.0)
@@ -285,6 +316,7 @@ def _chunk_intra_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    SHORT: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -298,8 +330,8 @@ def _chunk_intra_kernel(
     i_r = tl.program_id(1)
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
-    if t0 >= eos:
+    i_n, bos, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if (t0 >= eos) | (eos - bos <= SHORT):  # no block, or a sequence `short_route` sends to the recurrent loop
         return
     n_rows = tl.minimum(eos - t0, BT)
     r0 = i_r * BC
@@ -385,6 +417,7 @@ def _chunk_solve_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
+    SHORT: tl.constexpr,
     INV_PREC: tl.constexpr,
 ):
     """Split prepare, part 2: one program per (chunk, value head). X = (I + A_kk)^-1, written over A_kk:
@@ -394,8 +427,8 @@ def _chunk_solve_kernel(
     Then W = X diag(beta) Kd, U0 = X diag(beta) V."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
-    i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
-    if t0 >= eos:
+    i_n, bos, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+    if (t0 >= eos) | (eos - bos <= SHORT):  # no block, or a sequence `short_route` sends to the recurrent loop
         return
     n_rows = tl.minimum(eos - t0, BT)
     o_t = tl.arange(0, BT)
