@@ -135,6 +135,8 @@ class KDACall:
     checkpoint_indices: torch.Tensor | None = None
     # the caller's error word, int32 [N]: the kernels OR in what their guards found (`kda.ERROR_*` bits)
     errors: torch.Tensor | None = None
+    # varlen bounds as Python ints where the host has them (`cu_seqlens_cpu`, or read under KDA_DEBUG)
+    host_bounds: list[int] | None = None
 
     @property
     def state_plane_shape(self) -> tuple[int, int, int]:
@@ -301,6 +303,7 @@ def check_call(
         one_token_per_seq=one_token_per_seq, verify=verify,
         num_accepted_tokens=num_accepted_tokens if verify else None,
         checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices, errors=errors,
+        host_bounds=host_bounds,
     )
 
 

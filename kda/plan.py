@@ -13,6 +13,7 @@ The numbers behind each default are in docs/performance.md. No environment varia
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,6 +25,9 @@ CHUNK = 64  # BT: tokens per chunk of the prepare stage and the walk
 assert CHECKPOINT_MULTIPLE % CHUNK == 0  # every checkpoint offset is a chunk end of the walk
 SUB = 16  # BC: rows of the diagonal blocks inverted by forward substitution
 SEGMENT_CHUNKS = 16  # G: chunks per segment of the segmented walk
+# chunk_kda sends sequences of 1..SHORT_LEN tokens (decodes and short continuations in a mixed batch)
+# through the recurrent loop kernel: a walk program pays a chunk's setup and a whole plane's latency for them
+SHORT_LEN = 16
 # The fused prepare anchors each 32-row half of a chunk at its middle row: a factor 2^(b_i - a) spans at most
 # 16 tokens of the gate, |lb| log2(e) each, and must stay below fp32's 2^128 with K terms summed.
 BOUNDED_GATE_MAX_LOG2_SPAN = 118.0
@@ -162,6 +166,7 @@ class ChunkPlan:
     walk_warps: int = 4
     walk_stages: int = 2
     segment_chunks: int = SEGMENT_CHUNKS
+    short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
 
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
@@ -170,6 +175,25 @@ def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
     segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented)
     return replace(plan, **overrides) if overrides else plan
+
+
+def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, bool]:
+    """(short, chunked): sequences of 1..short tokens go through the recurrent loop kernel in the same
+    call (short = 0: none do); `chunked`, whether any other sequence needs the chunk kernels. Decided from
+    lengths the host knows (dense, or `cu_seqlens_cpu`) with the plain walk; else nothing is routed."""
+    S = plan.short_len if plan.walk == "plain" else 0
+    if S == 0:
+        return 0, True
+    if call.cu_seqlens is None:
+        return (S, False) if 1 <= call.T <= S else (0, True)
+    hb = call.host_bounds
+    if hb is None or call.N == 0:
+        return 0, True
+    lengths = list(map(operator.sub, hb[1:], hb[:-1]))
+    lo, hi = min(lengths), max(lengths)
+    if lo > S or (lo == 0 and not any(0 < n <= S for n in lengths)):
+        return 0, True
+    return S, hi > S or lo == 0
 
 
 def _walk_bv(V: int) -> int:

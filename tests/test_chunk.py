@@ -389,3 +389,73 @@ def test_tf32_round_is_round_to_nearest(device):
         y = torch.full_like(x, float("nan"), device=device)
         _round_kernel[(1,)](x.to(device), y, x.numel(), PREC=prec, BLOCK=triton.next_power_of_2(x.numel()))
         assert torch.equal(bits(y), bits(want))
+
+
+def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(device):
+    """A serving step in one call: decodes (1 token), short continuations (3, 16) and longer chunks (17, 70),
+    an empty sequence and a padding slot, host bounds given. Sequences of 1..`short_len` tokens go through
+    the recurrent loop kernel (`kda.plan.short_route`), the rest through the chunk kernels: against the
+    oracle, against the same call with nothing routed, slots not named untouched, no error bit."""
+    bounds = [0, 1, 71, 71, 74, 75, 91, 108, 109]
+    lens = [b - a for a, b in zip(bounds, bounds[1:])]  # 1, 70, 0, 3, 1, 16, 17, 1
+    T, H, HV, K, V, N = bounds[-1], 1, 2, 16, 16, len(bounds) - 1
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate="lower_bound", device=device, seed=41)
+    pool0 = poison_pool(12, (HV, K, V), torch.float32, device)
+    idx = torch.tensor([3, 1, 0, -1, 7, 5, 2, 9], dtype=torch.int32, device=device)  # sequence 3: padding
+    has = torch.tensor([True, False, True, True, True, True, False, True], device=device)
+    for n in range(N):
+        if idx[n] >= 0 and has[n]:
+            pool0[idx[n]] = torch.randn(HV, K, V, generator=torch.Generator().manual_seed(n)).to(device)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    args = dict(cu_seqlens=cu, cu_seqlens_cpu=bounds, state_indices=idx, has_initial_state=has,
+                state_v_first=False, **kw)
+    call = checked_call(kda.chunk_kda, q, k, v, g, beta, state_cache=pool0, **args)
+    plan = chunk_plan(call)
+    assert kda.plan.short_route(call, plan) == (plan.short_len, True) and plan.short_len >= 16
+    results = {}
+    for short_len in (plan.short_len, 0):
+        pool = pool0.clone()
+        errors = torch.zeros(N, dtype=torch.int32, device=device)
+        o, _, _ = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(short_len=short_len), state_cache=pool,
+                              errors=errors, **args)
+        assert not errors.any()
+        results[short_len] = (o, pool)
+    (o, pool), (o_off, pool_off) = results[plan.short_len], results[0]
+    real = [t for n in range(N) if idx[n] >= 0 for t in range(bounds[n], bounds[n + 1])]
+    assert rel_err(o[:, real], o_off[:, real]) < FP32_TOL
+    assert torch.equal(o[:, bounds[3]:bounds[4]], torch.zeros_like(o[:, bounds[3]:bounds[4]]))
+    init = torch.stack([pool0[idx[n]] if (idx[n] >= 0 and has[n]) else torch.zeros_like(pool0[0])
+                        for n in range(N)])
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=init.cpu().double(),
+                               output_final_state=True, cu_seqlens=cu.cpu(), **on_cpu(kw))
+    assert rel_err(o[:, real], ro[:, real]) < FP32_TOL
+    for n in range(N):
+        if idx[n] >= 0:
+            assert rel_err(pool[idx[n]], rs[n]) < FP32_TOL and rel_err(pool_off[idx[n]], rs[n]) < FP32_TOL
+    named = {int(s) for s in idx if s >= 0}
+    for slot in range(pool0.shape[0]):
+        if slot not in named:
+            assert torch.equal(bits(pool[slot]), bits(pool0[slot]))
+
+
+@pytest.mark.parametrize("bounds,host,expect", [
+    ([0, 1, 2, 3], True, "all"),          # a decode batch: the recurrent loop alone
+    ([0, 1, 2, 3], False, "none"),        # no host bounds: nothing routed (no sync to learn the lengths)
+    ([0, 100, 200], True, "none"),        # long sequences only
+    ([0, 0, 100], True, "none"),          # an empty one and a long one
+    ([0, 0, 5], True, "mixed"),           # an empty one stays the walk's (it copies its state)
+    ([0, 5, 100], True, "mixed"),
+])
+def test_short_route_decisions(bounds, host, expect, device):
+    T = bounds[-1]
+    q, k, v, g, beta, kw = make_inputs(1, T, 1, 1, 16, 16, device=device, seed=3)
+    call = checked_call(kda.chunk_kda, q, k, v, g, beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32,
+                        device=device), cu_seqlens_cpu=bounds if host else None, **kw)
+    plan = chunk_plan(call)
+    short, chunked = kda.plan.short_route(call, plan)
+    assert (short > 0, chunked) == {"all": (True, False), "none": (False, True), "mixed": (True, True)}[expect]
+    o, _ = kda.chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
+                         cu_seqlens_cpu=bounds if host else None, **kw)
+    ro, _ = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
+                              cu_seqlens=torch.tensor(bounds), **on_cpu(kw))
+    assert rel_err(o, ro) < FP32_TOL

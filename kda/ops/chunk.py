@@ -16,7 +16,7 @@ import torch
 import triton.language as tl
 
 from ..contract import KDACall
-from ..plan import ChunkPlan, cdiv, chunk_plan, gate_args, next_power_of_2, output_buffer, state_plan
+from ..plan import ChunkPlan, cdiv, chunk_plan, gate_args, next_power_of_2, output_buffer, short_route, state_plan
 from .chunk_prepare import _chunk_gate_kernel, _chunk_intra_kernel, _chunk_prepare_kernel, _chunk_solve_kernel
 from .chunk_walk import (
     _chunk_state_kernel,
@@ -25,16 +25,22 @@ from .chunk_walk import (
     _segment_summary_kernel,
 )
 from .common import token_head_strides
+from .fused_recurrent import fused_recurrent_kda_fwd
 
 
 def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a validated call (`kda.contract.check_call`) as planned. Returns (o, final_state)."""
     plan = plan or chunk_plan(call)
     B, T, H, HV, K, V, N = call.B, call.T, call.H, call.HV, call.K, call.V, call.N
+    short, chunked = short_route(call, plan)
+    if not chunked:  # every sequence is short: the recurrent loop alone
+        return fused_recurrent_kda_fwd(call)
     o = output_buffer(call)
     st = state_plan(call)
     if N == 0:
         return o, st.final_state
+    if short:
+        fused_recurrent_kda_fwd(call, short=short, o=o, st=st)
     BT, dev = plan.BT, call.q.device
     varlen = call.cu_seqlens is not None
     total = B * T
@@ -58,7 +64,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         g_beta = (*token_head_strides(g, T), *token_head_strides(beta, T))
         v_strides = token_head_strides(v, T)
         BV = min(64, max(16, next_power_of_2(V)))
-        common = dict(IS_VARLEN=varlen, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, DOT_PREC=prec)
+        common = dict(IS_VARLEN=varlen, SHORT=short, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
+                      DOT_PREC=prec)
         if fused:
             gate = dict(HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None)
             b2_ws = gt_ws
@@ -66,7 +73,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
                 b2_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
                 _chunk_gate_kernel[(n_chunks, HV, cdiv(K, plan.prepare_BK))](
                     g, A_log, dt_bias, cu, b2_ws, gt_ws, *g_beta[:2], T, N, NT, lower_bound,
-                    HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, **gate, num_warps=4, num_stages=1,
+                    HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short, **gate, num_warps=4,
+                    num_stages=1,
                 )
             _chunk_prepare_kernel[(n_chunks, HV)](
                 q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
@@ -110,7 +118,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         _chunk_state_kernel[(n_vb, N, HV)](
             o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors, T, NT,
             HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec, **flags,
-            HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors, num_warps=plan.walk_warps,
+            HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors, SHORT=short, num_warps=plan.walk_warps,
             num_stages=plan.walk_stages,
         )
         return o, st.final_state

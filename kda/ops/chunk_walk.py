@@ -226,14 +226,19 @@ def _chunk_state_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
-    HAS_ERRORS: tl.constexpr = False,
+    HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
+    SHORT > 0: sequences of 1..SHORT tokens are the recurrent loop kernel's in this call (`short_route`).
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
     s_ck, n_ck columns, one every ck_every tokens) stored into the pool `state_dst` of n_slots slots as
     the walk passes them (`_walk`)."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
+    if SHORT > 0:
+        b0, e0 = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+        if (e0 - b0 >= 1) & (e0 - b0 <= SHORT):
+            return
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
         cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
         IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from ..contract import KDACall
-from ..plan import DecodePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
+from ..plan import DecodePlan, StatePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
 from .common import (
     ERROR_ACCEPTED,
     ERROR_KEPT_SLOT,
@@ -241,6 +241,7 @@ def _fused_recurrent_kda_kernel(
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
     VERIFY: tl.constexpr = False, HAS_ACCEPTED: tl.constexpr = False, HAS_ERRORS: tl.constexpr = False,
+    SHORT: tl.constexpr = 0,
 ):
     """Any number of tokens per sequence (varlen, empty sequences): one program per (V block of BV rows,
     sequence, value head) walks its sequence's tokens.
@@ -255,6 +256,9 @@ def _fused_recurrent_kda_kernel(
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)  # GVA: the q/k head of this value head
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    if SHORT > 0:  # inside `chunk_kda`: only its sequences of 1..SHORT tokens (`kda.plan.short_route`)
+        if (eos - bos < 1) | (eos - bos > SHORT):
+            return
     o_v, v_ok, tile_off, tile_ok = _tile(i_v, BV, BK, K, V, V_FIRST)
 
     if VERIFY:
@@ -404,14 +408,16 @@ def _fused_recurrent_one_token_kernel(
 
 
 def fused_recurrent_kda_fwd(
-    call: KDACall, plan: DecodePlan | None = None, *, stochastic_rounding: bool = False, seed: int = 0
+    call: KDACall, plan: DecodePlan | None = None, *, stochastic_rounding: bool = False, seed: int = 0,
+    short: int = 0, o: torch.Tensor | None = None, st: StatePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a validated call (`kda.contract.check_call`) as planned (`kda.plan.decode_plan`). Returns
     (o, final_state); final_state is None for the paged contract (the pool is written in place) and when no
-    final state was asked for."""
+    final state was asked for. `short` > 0 (from `chunk_kda_fwd`, with its `o` and state plan `st`): the
+    loop kernel takes only the sequences of 1..short tokens, the chunk kernels the others."""
     plan = plan or decode_plan(call, stochastic_rounding)
-    o = output_buffer(call)
-    st = state_plan(call)
+    o = output_buffer(call) if o is None else o
+    st = state_plan(call) if st is None else st
     N = call.N
     if N == 0:
         return o, st.final_state
@@ -440,7 +446,7 @@ def fused_recurrent_kda_fwd(
         HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first, SR=plan.sr,
         HAS_ERRORS=call.errors is not None, num_warps=plan.num_warps,
     )
-    if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
+    if plan.nsub > 0 and short == 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
         _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
@@ -452,5 +458,6 @@ def fused_recurrent_kda_fwd(
             q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
             st.slot_count, *verify_args, errors, T, call.scale, lower_bound, seed,
             IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags, **verify_flags,
+            SHORT=short,
         )
     return o, st.final_state
