@@ -91,6 +91,16 @@ def cases(dev: str) -> dict:
             kda.chunk_kda, args,
             dict(state_cache=pool, state_indices=torch.tensor([2], dtype=torch.int32, device=dev),
                  has_initial_state=torch.ones(1, dtype=torch.bool, device=dev), state_v_first=True, **flags))
+    # the benchmark's mixed row: 256 one-token sequences and two of 2048 in one varlen call, host bounds given
+    N, H = 258, 32
+    bounds = list(range(257)) + [256 + 2048, 256 + 4096]
+    args, flags = _tokens(1, bounds[-1], H, dev)
+    out["mixed 256x1 + 2x2048 H=32 paged"] = (
+        kda.chunk_kda, args,
+        dict(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev), cu_seqlens_cpu=bounds,
+             state_cache=torch.zeros(4 * N, H, V_DIM, K_DIM, device=dev),
+             state_indices=torch.arange(0, 4 * N, 4, dtype=torch.int32, device=dev),
+             has_initial_state=torch.ones(N, dtype=torch.bool, device=dev), state_v_first=True, **flags))
     return out
 
 

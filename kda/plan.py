@@ -23,7 +23,10 @@ from .contract import CHECKPOINT_MULTIPLE, KDACall, interpreting
 LOG2E = 1.4426950408889634
 CHUNK = 64  # BT: tokens per chunk of the prepare stage and the walk
 assert CHECKPOINT_MULTIPLE % CHUNK == 0  # every checkpoint offset is a chunk end of the walk
-SUB = 16  # BC: rows of the diagonal blocks inverted by forward substitution
+SUB = 16  # BC: rows of the diagonal blocks inverted by forward substitution (split prepare)
+# the fused prepare's: 4 x 4 blocks by forward substitution, then four block merges as tf32 dots (timed
+# faster than 16 x 16 blocks and two merges, same accuracy: docs/performance.md)
+FUSED_SUB = 4
 SEGMENT_CHUNKS = 16  # G: chunks per segment of the segmented walk
 # chunk_kda sends sequences of 1..SHORT_LEN tokens (decodes and short continuations in a mixed batch)
 # through the recurrent loop kernel: a walk program pays a chunk's setup and a whole plane's latency for them
@@ -211,6 +214,7 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     return ChunkPlan(
         prepare="fused" if fused else "split",
         walk="segmented" if segmented else "plain",
+        BC=FUSED_SUB if fused else SUB,
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
         walk_BV=walk_BV, walk_stages=_walk_stages(CHUNK, BK, walk_BV, ws_dtype.itemsize),

@@ -15,9 +15,10 @@ Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
   q, k l2-normalised in the kernel): one program per (chunk, value head) does everything, every product a
   tensor-core dot. The exponents it evaluates stay inside fp32's range because a bounded gate costs at
   most |lb| log2(e) log2 units per token: each 32-row half of A is anchored at its middle row (at most 16
-  tokens away: 2^115 at lb = -5), the block of second-half rows against first-half columns at the first
-  row of the second half (both factors <= 1). The inverse: forward substitution inside the 16 x 16
-  diagonal blocks, then two block merges as dots.
+  tokens away: 2^115 at lb = -5; both halves in one dot whose off-diagonal quadrants are dropped), the
+  block of second-half rows against first-half columns at the first row of the second half (both factors
+  <= 1, so fp16 operands where the dots run in tf32). The inverse: forward substitution inside the
+  `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling.
 - `_chunk_intra_kernel` + `_chunk_solve_kernel`, for any gate (a raw log-decay may be -1000 per token):
   the diagonal 16 x 16 blocks take 2^(b_i - b_j) pairwise (every exponent <= 0), the cumsum in fp64.
 
