@@ -12,6 +12,7 @@ The numbers behind each default are in docs/performance.md. No environment varia
 
 from __future__ import annotations
 
+import bisect
 import functools
 import operator
 from dataclasses import dataclass, replace
@@ -180,23 +181,23 @@ def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
     return replace(plan, **overrides) if overrides else plan
 
 
-def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, bool]:
-    """(short, chunked): sequences of 1..short tokens go through the recurrent loop kernel in the same
-    call (short = 0: none do); `chunked`, whether any other sequence needs the chunk kernels. Decided from
-    lengths the host knows (dense, or `cu_seqlens_cpu`) with the plain walk; else nothing is routed."""
+def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int]:
+    """(short, kept): sequences of 1..short tokens go through the recurrent loop kernel in the same call
+    (short = 0: none do); `kept` sequences (the others, empty ones included) need the chunk kernels, and
+    the walk's grid holds only them. Decided from lengths the host knows (dense, or `cu_seqlens_cpu`) with
+    the plain walk; else nothing is routed."""
     S = plan.short_len if plan.walk == "plain" else 0
+    N = call.N
     if S == 0:
-        return 0, True
+        return 0, N
     if call.cu_seqlens is None:
-        return (S, False) if 1 <= call.T <= S else (0, True)
+        return (S, 0) if 1 <= call.T <= S else (0, N)
     hb = call.host_bounds
-    if hb is None or call.N == 0:
-        return 0, True
-    lengths = list(map(operator.sub, hb[1:], hb[:-1]))
-    lo, hi = min(lengths), max(lengths)
-    if lo > S or (lo == 0 and not any(0 < n <= S for n in lengths)):
-        return 0, True
-    return S, hi > S or lo == 0
+    if hb is None or N == 0:
+        return 0, N
+    lengths = sorted(map(operator.sub, hb[1:], hb[:-1]))
+    routed = bisect.bisect_right(lengths, S) - bisect.bisect_left(lengths, 1)
+    return (S, N - routed) if routed else (0, N)
 
 
 def _walk_bv(V: int) -> int:

@@ -411,7 +411,7 @@ def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(device):
                 state_v_first=False, **kw)
     call = checked_call(kda.chunk_kda, q, k, v, g, beta, state_cache=pool0, **args)
     plan = chunk_plan(call)
-    assert kda.plan.short_route(call, plan) == (plan.short_len, True) and plan.short_len >= 16
+    assert kda.plan.short_route(call, plan) == (plan.short_len, 3) and plan.short_len >= 16  # 70, 0, 17 kept
     results = {}
     for short_len in (plan.short_len, 0):
         pool = pool0.clone()
@@ -452,8 +452,8 @@ def test_short_route_decisions(bounds, host, expect, device):
     call = checked_call(kda.chunk_kda, q, k, v, g, beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32,
                         device=device), cu_seqlens_cpu=bounds if host else None, **kw)
     plan = chunk_plan(call)
-    short, chunked = kda.plan.short_route(call, plan)
-    assert (short > 0, chunked) == {"all": (True, False), "none": (False, True), "mixed": (True, True)}[expect]
+    short, kept = kda.plan.short_route(call, plan)
+    assert (short > 0, kept) == {"all": (True, 0), "none": (False, len(bounds) - 1), "mixed": (True, 1)}[expect]
     o, _ = kda.chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
                          cu_seqlens_cpu=bounds if host else None, **kw)
     ro, _ = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),

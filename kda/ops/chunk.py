@@ -16,7 +16,9 @@ import torch
 import triton.language as tl
 
 from ..contract import KDACall
-from ..plan import ChunkPlan, cdiv, chunk_plan, gate_args, next_power_of_2, output_buffer, short_route, state_plan
+from ..plan import (
+    ChunkPlan, cdiv, chunk_plan, gate_args, next_power_of_2, output_buffer, short_route, state_plan,
+)
 from .chunk_prepare import _chunk_gate_kernel, _chunk_intra_kernel, _chunk_prepare_kernel, _chunk_solve_kernel
 from .chunk_walk import (
     _chunk_state_kernel,
@@ -32,8 +34,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     """Run a validated call (`kda.contract.check_call`) as planned. Returns (o, final_state)."""
     plan = plan or chunk_plan(call)
     B, T, H, HV, K, V, N = call.B, call.T, call.H, call.HV, call.K, call.V, call.N
-    short, chunked = short_route(call, plan)
-    if not chunked:  # every sequence is short: the recurrent loop alone
+    short, kept = short_route(call, plan)
+    if kept == 0:  # every sequence is short: the recurrent loop alone
         return fused_recurrent_kda_fwd(call)
     o = output_buffer(call)
     st = state_plan(call)
@@ -114,9 +116,9 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
                else (gt_ws, 0, 0, BT, st.slot_count))
     has_errors = call.errors is not None
     errors = call.errors if has_errors else gt_ws  # gt_ws: a stand-in never written (HAS_ERRORS off)
-    if plan.walk == "plain":
-        _chunk_state_kernel[(n_vb, N, HV)](
-            o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors, T, NT,
+    if plan.walk == "plain":  # with short sequences routed, only the kept ones have programs
+        _chunk_state_kernel[(n_vb, kept, HV)](
+            o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors, T, N, NT,
             HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec, **flags,
             HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors, SHORT=short, num_warps=plan.walk_warps,
             num_stages=plan.walk_stages,

@@ -38,22 +38,13 @@ from .common import (
     flag_errors,
     guard_slot,
     locate_block,
+    pow2_scale,
     round_to,
     seq_bounds,
     slot_of,
     tf32_round,
     tile_mask,
 )
-
-
-@triton.jit
-def _pow2_scale(x):
-    """A power of two p with max|x| p in [2^14, 2^15): x p fits fp16 (largest finite 65504) with its largest
-    entries at fp16's full 11-bit significand, as a tf32 operand would keep them; entries below 2^-28 of the
-    largest turn subnormal (absolute error under 2^-38 of the largest). p in [2^-126, 2^126]: exact, and so
-    is 1 / p; inf and NaN pass through x p."""
-    e = (tl.max(tl.abs(x)).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of max|x|
-    return (tl.minimum(tl.maximum(268 - e, 1), 253) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -69,7 +60,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). U = U0 - W S (no U0 without HAS_U0), O = Qd S + A_qk U (stored with WRITE_O),
     S <- gt * S + Kr^T U.
     With fp16 workspaces (Qd, Kr, W, A_qk) the dots take fp16 operands: S and U enter scaled by a power of
-    two (`_pow2_scale`), so they keep tf32's significand within fp16's range, and the fp32 products are
+    two (`pow2_scale`), so they keep tf32's significand within fp16's range, and the fp32 products are
     scaled back exactly. fp16 dots run at twice the tf32 rate and the workspaces need no conversion.
     HAS_CHECKPOINTS (a sequence starting at token seq_start; `ck_row` its n_ck checkpoint slots): after a
     whole chunk that ends (j + 1) * ck_every tokens into the sequence, S (columns o_c of the state) is
@@ -98,7 +89,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
         base_k = (t0 * HV + i_hv) * K
         w = tl.load(w_ws + base_k + ws_k, mask=m_k, other=0.0)
         if F16:
-            ps = _pow2_scale(S)
+            ps = pow2_scale(S)
             Sr = (S * ps).to(tl.float16)
             U = tl.dot(w, Sr) * (-1.0 / ps)
         else:
@@ -107,7 +98,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
         if HAS_U0:
             U += tl.load(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_c[None, :], mask=m_c, other=0.0)
         if F16:
-            pu = _pow2_scale(U)
+            pu = pow2_scale(U)
             Ur = (U * pu).to(tl.float16)
         else:
             Ur = tf32_round(U, DOT_PREC)
@@ -160,17 +151,16 @@ def _plane_offsets(i_hv, o_k, o_v, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl
 
 
 @triton.jit
-def _sequence_tile(cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T,
+def _sequence_tile(i_n, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T,
                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HAS_SRC: tl.constexpr, PAGED: tl.constexpr,
                    HAS_INIT_FLAGS: tl.constexpr, V_FIRST: tl.constexpr):
-    """For a program over (V block, sequence, value head): the sequence's token range, the tile's K and V
+    """For a program over (V block, sequence i_n, value head): the sequence's token range, the tile's K and V
     indices and their masks, the plane offsets, the slot (< 0: padding) and the initial state tile in
     fp32 (zeros when there is no source, the flag is false, or the sequence is padding: then the slot is
     never read). A slot at or past n_slots (the pool's), or bounds out of range (`seq_bounds`), is taken as
     padding: never an access outside the tensors."""
     i_v = tl.program_id(0)
-    i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
@@ -214,13 +204,30 @@ def _zero_rows(o_h, s_ot, t_begin, t_end, o_v, v_ok, BT: tl.constexpr, BV: tl.co
         tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], tl.zeros([BT, BV], dtype=o_h.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _kept_sequence(cu_seqlens, i, N, SHORT: tl.constexpr):
+    """The index of the i-th sequence (from 0) whose length is not in 1..SHORT, or -1: a scan of the
+    bounds on the device, so that the walk's grid needs only the host's count of those sequences."""
+    found = i * 0 - 1
+    count = i * 0
+    for j0 in range(0, N, 1024):
+        j = j0 + tl.arange(0, 1024)
+        ok = j < N
+        n = tl.load(cu_seqlens + j + 1, mask=ok, other=0) - tl.load(cu_seqlens + j, mask=ok, other=0)
+        keep = ok & ((n < 1) | (n > SHORT))
+        hit = keep & (tl.cumsum(keep.to(tl.int32), 0) + count == i + 1)
+        found = tl.maximum(found, tl.max(tl.where(hit, j, -1), 0))
+        count += tl.sum(keep.to(tl.int32), 0)
+    return found
+
+
 @triton.jit(do_not_specialize=["n_slots"])
 def _chunk_state_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_ot, s_oh, src_stride, dst_stride,
     checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors,
-    T, NT,
+    T, N, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -229,18 +236,19 @@ def _chunk_state_kernel(
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
-    SHORT > 0: sequences of 1..SHORT tokens are the recurrent loop kernel's in this call (`short_route`).
+    SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
+    (`short_route`), and program i_n walks the i_n-th of the others (`_kept_sequence`).
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
     s_ck, n_ck columns, one every ck_every tokens) stored into the pool `state_dst` of n_slots slots as
     the walk passes them (`_walk`)."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     if SHORT > 0:
-        b0, e0 = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-        if (e0 - b0 >= 1) & (e0 - b0 <= SHORT):
+        i_n = _kept_sequence(cu_seqlens, i_n, N, SHORT)
+        if i_n < 0:  # fewer kept sequences than the host counted (bounds changed under a replayed graph)
             return
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
-        cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
+        i_n, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
         IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
     _report(errors, code, slot, i_n, bos, eos, checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every,
             n_slots, HAS_CHECKPOINTS, HAS_ERRORS)
@@ -317,7 +325,7 @@ def _segment_scan_kernel(
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
-        cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
+        i_n, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
         IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
     _report(errors, code, slot, i_n, bos, eos, checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every,
             n_slots, HAS_CHECKPOINTS, HAS_ERRORS)

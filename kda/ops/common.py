@@ -71,6 +71,16 @@ def tf32_round(x, PREC: tl.constexpr):
 
 
 @triton.jit
+def pow2_scale(x):
+    """A power of two p with max|x| p in [2^14, 2^15): x p fits fp16 (largest finite 65504) with its largest
+    entries at fp16's full 11-bit significand, as a tf32 operand would keep them; entries below 2^-28 of the
+    largest turn subnormal (absolute error under 2^-38 of the largest). p in [2^-126, 2^126]: exact, and so
+    is 1 / p; inf and NaN pass through x p."""
+    e = (tl.max(tl.abs(x)).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of max|x|
+    return (tl.minimum(tl.maximum(268 - e, 1), 253) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def tile_mask(row_ok, col_ok, FULL: tl.constexpr):
     """The mask of a [rows, cols] tile: `row_ok` alone where every column is in range (FULL), so that it is
     constant along a row and the accesses stay 16-byte vectors the pipeliner can copy asynchronously (a
