@@ -161,7 +161,7 @@ class ChunkPlan:
     dot_prec: str  # input_precision of the fp32 dots (`dot_precision`)
     ws_dtype: torch.dtype  # Qd, Kr, W (and A_qk after the fused prepare)
     BT: int = CHUNK
-    BC: int = SUB
+    BC: int = FUSED_SUB  # the fused prepare's forward-substitution blocks (the split prepare's are SUB)
     prepare_BK: int = 32  # K slice of the fused prepare
     prepare_warps: int = 4
     cumsum_fp64: bool = True  # the fused prepare's cumulative decay in fp64 (fp32 inputs) or fp32
@@ -215,7 +215,6 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     return ChunkPlan(
         prepare="fused" if fused else "split",
         walk="segmented" if segmented else "plain",
-        BC=FUSED_SUB if fused else SUB,
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
         walk_BV=walk_BV, walk_stages=_walk_stages(CHUNK, BK, walk_BV, ws_dtype.itemsize),

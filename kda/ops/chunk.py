@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..contract import KDACall
 from ..plan import (
-    ChunkPlan, cdiv, chunk_plan, gate_args, next_power_of_2, output_buffer, short_route, state_plan,
+    SUB, ChunkPlan, cdiv, chunk_plan, gate_args, next_power_of_2, output_buffer, short_route, state_plan,
 )
 from .chunk_prepare import _chunk_gate_kernel, _chunk_intra_kernel, _chunk_prepare_kernel, _chunk_solve_kernel
 from .chunk_walk import (
@@ -91,14 +91,14 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             _chunk_intra_kernel[(n_chunks, BT // plan.BC, HV)](
                 q, k, g, beta, A_log, dt_bias, cu, akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws, *strides, *g_beta,
                 T, N, NT, call.scale, lower_bound,
-                H=H, HV=HV, K=K, BT=BT, BC=plan.BC, BK=16,
+                H=H, HV=HV, K=K, BT=BT, BC=SUB, BK=16,
                 USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
                 HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
                 USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **common,
             )
             _chunk_solve_kernel[(n_chunks, HV)](
                 v, beta, cu, akk_ws, kd_ws, w_ws, u_ws, *v_strides, g_beta[2], g_beta[3],
-                T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=min(32, BK), BV=BV, INV_PREC="ieee",
+                T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), BV=BV, INV_PREC="ieee",
                 num_warps=4, num_stages=1, **common,
             )
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import decay_rate, dt_bias_slice, kda_gate_log2, locate_block, pow2_scale, tf32_round, tile_mask
+from .common import decay_rate, dt_bias_slice, kda_gate_log2, locate_block, tf32_round, tile_mask
 
 
 @triton.jit
@@ -291,38 +291,21 @@ def _chunk_prepare_kernel(
     A_qk = tl.where(valid & (o_t[None, :] <= o_t[:, None]), A_qk, 0.0)
     tl.store(aqk_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :], A_qk, mask=row_ok[:, None])
 
-    Xb = _unit_lower_inverse(L, BT, BC, DOT_PREC) * b_beta[None, :]
-    # with fp16 workspaces the epilogue's dots take fp16 operands: X times a power of two into fp16's range
-    # (`pow2_scale`: the 11-bit significand of a rounded tf32 operand), Kd as stored, V scaled the same way
-    F16: tl.constexpr = w_ws.dtype.element_ty == tl.float16
-    if F16:
-        px = pow2_scale(Xb)
-        Xh = (Xb * px).to(tl.float16)
-        rx = 1.0 / px
-    else:
-        Xb = tf32_round(Xb, DOT_PREC)
+    Xb = tf32_round(_unit_lower_inverse(L, BT, BC, DOT_PREC) * b_beta[None, :], DOT_PREC)
     tl.debug_barrier()  # Kd parked in W's rows by every thread before it is read back
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         m = tile_mask(row_ok, cols < K, EVEN_K)
-        kd = tl.load(w_ws + ws_base + ws + cols[None, :], mask=m, other=0.0)
+        kd = tf32_round(tl.load(w_ws + ws_base + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
         tl.debug_barrier()  # read by every thread before it is overwritten
-        if F16:
-            w = tl.dot(Xh, kd) * rx
-        else:
-            w = tl.dot(Xb, tf32_round(kd.to(tl.float32), DOT_PREC), input_precision=DOT_PREC)
-        tl.store(w_ws + ws_base + ws + cols[None, :], w, mask=m)
+        tl.store(w_ws + ws_base + ws + cols[None, :], tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         m = tile_mask(row_ok, cols < V, V % BV == 0)
         v_c = tl.load(v + t0 * s_vt + i_hv * s_vh + o_t[:, None] * s_vt + cols[None, :], mask=m,
                       other=0.0).to(tl.float32)
-        if F16:
-            pv = pow2_scale(v_c)
-            u = tl.dot(Xh, (v_c * pv).to(tl.float16)) * (rx / pv)
-        else:
-            u = tl.dot(Xb, tf32_round(v_c, DOT_PREC), input_precision=DOT_PREC)
-        tl.store(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + cols[None, :], u, mask=m)
+        tl.store(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + cols[None, :],
+                 tl.dot(Xb, tf32_round(v_c, DOT_PREC), input_precision=DOT_PREC), mask=m)
 
 
 @triton.jit
