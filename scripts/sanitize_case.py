@@ -5,10 +5,14 @@
     [True, False, True] (slot 1 holds NaN: it must never be read);
 (b) `kda.fused_recurrent_kda`, paged decode of N=5 sequences, two of them padding (index -1);
 (c) on CUDA only (on CPU the host reads these values and raises): device values out of range, which the
-    kernels guard without a sync: a prefill with one slot past the pool, a varlen decode whose last bound
-    is past T, each with `errors=`: the bad sequence is a no-op, its error bit set, nothing else touched.
+    kernels guard without a sync: a prefill with one slot past the pool and one with bounds past T, a
+    varlen decode with bounds past T and one with a slot past the pool, each with `errors=`: the bad
+    sequence is a no-op, its error bit set, nothing else touched;
+(d) a mixed step (`chunk_kda` with host bounds: one-token sequences and a 3-token one through the
+    recurrent loop kernel, a 70-token one through the chunk kernels, a padding sequence, a NaN slot not
+    read).
 
-Both use K = V = 128, bf16 q/k/v, the in-kernel lower-bound gate, q/k L2 norm and beta sigmoid, and run
+All use K = V = 128, bf16 q/k/v, the in-kernel lower-bound gate, q/k L2 norm and beta sigmoid, and run
 for an fp32 and a bf16 pool. Besides giving the sanitizer something to watch, each call checks the
 contract's promises that need no reference: outputs finite, padding rows zero, slots not named and the
 pool's padding untouched, the empty sequence's slot written with zeros; and, when `kda_reference`
@@ -189,6 +193,70 @@ def case_bad_device_values(dtype: torch.dtype, dev: str) -> None:
     untouched = [s for s in range(SLOTS) if s not in (2, 7)]
     check(torch.equal(base[untouched], before[untouched]), f"decode: slots {untouched} untouched")
 
+    # the other two combinations: prefill bounds past T, a decode slot past the pool
+    tensors, flags = inputs(200, None, dev)
+    base, pool = padded_pool(dtype, dev)
+    before = base.clone()
+    errors = torch.zeros(3, dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 70, 70, 250], dtype=torch.int32, device=dev)  # the last sequence ends past T = 200
+    out = torch.full_like(tensors[2], SENTINEL)
+    kda.chunk_kda(*tensors, cu_seqlens=cu, state_cache=pool, state_indices=torch.tensor(
+        [5, 1, 3], dtype=torch.int32, device=dev), state_v_first=True, out=out,
+        has_initial_state=torch.ones(3, dtype=torch.bool, device=dev), errors=errors, **flags)
+    torch.cuda.synchronize()
+    check(errors.tolist() == [0, 0, kda.ERROR_BOUNDS], f"chunk: error word {errors.tolist()} flags the bounds")
+    check(bool((out[0, 70:] == SENTINEL).all()), "chunk: the bad sequence wrote no output row")
+    untouched = [s for s in range(SLOTS) if s not in (5, 1)]
+    check(torch.equal(base[untouched], before[untouched]), f"chunk: slots {untouched} untouched")
+
+    tensors, flags = inputs(3, None, dev)
+    base, pool = padded_pool(dtype, dev)
+    before = base.clone()
+    errors = torch.zeros(3, dtype=torch.int32, device=dev)
+    out = torch.full_like(tensors[2], SENTINEL)
+    kda.fused_recurrent_kda(*tensors, cu_seqlens=torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=dev),
+                            state_cache=pool, state_indices=torch.tensor([2, SLOTS + 9, 0], dtype=torch.int32,
+                            device=dev), state_v_first=True, out=out, errors=errors, **flags)
+    torch.cuda.synchronize()
+    check(errors.tolist() == [0, kda.ERROR_SLOT, 0], f"decode: error word {errors.tolist()} flags the slot")
+    untouched = [s for s in range(SLOTS) if s not in (2, 0)]
+    check(torch.equal(base[untouched], before[untouched]), f"decode: slots {untouched} untouched")
+    check(torch.equal(base[:, plane:], before[:, plane:]), "decode: pool padding untouched")
+
+
+def case_mixed(dtype: torch.dtype, dev: str) -> None:
+    print(f"(d) chunk_kda mixed step (decodes and a short continuation through the recurrent loop, host bounds "
+          f"given), paged {dtype} pool")
+    bounds = [0, 1, 71, 72, 75, 75]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    idx = torch.tensor([6, 2, -1, 4, 0], dtype=torch.int32, device=dev)  # sequence 2: padding
+    has_init = torch.tensor([True, True, True, False, True], device=dev)
+    tensors, flags = inputs(bounds[-1], None, dev)
+    base, pool = padded_pool(dtype, dev)
+    pool[4] = float("nan")  # has_initial_state[3] is False: never read
+    before = base.clone()
+    ref_pool = pool.clone()
+    errors = torch.zeros(5, dtype=torch.int32, device=dev)
+    o, _ = kda.chunk_kda(*tensors, cu_seqlens=cu, cu_seqlens_cpu=bounds, state_cache=pool, state_indices=idx,
+                         has_initial_state=has_init, state_v_first=True, errors=errors, **flags)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    plane = HV * V * K
+    check(not errors.any(), f"error word {errors.tolist()} clear")
+    check(bool(torch.isfinite(o.float()).all()), "output finite")
+    check(bool((o[0, 71] == 0).all()), "padding sequence: zero output row")
+    untouched = [s for s in range(SLOTS) if s not in (6, 2, 4, 0)]
+    check(torch.equal(base[untouched], before[untouched]), f"slots {untouched} untouched")
+    check(torch.equal(base[:, plane:], before[:, plane:]), "pool padding untouched")
+    ref_pool = ref_pool.cpu()
+    ref = reference(tensors, flags, cu_seqlens=cu, state_cache=ref_pool, state_indices=idx,
+                    has_initial_state=has_init, state_v_first=True)
+    if ref is not None:
+        e = rel(o, ref[0])
+        check(e < TOL, f"output vs kda_reference: rel {e:.1e}")
+        e = rel(pool[[6, 2, 4, 0]], ref_pool[[6, 2, 4, 0]])
+        check(e < TOL, f"slots 6, 2, 4, 0 vs kda_reference: rel {e:.1e}")
+
 
 def main() -> int:
     if torch.cuda.is_available():
@@ -203,6 +271,7 @@ def main() -> int:
         case_chunk(dtype, dev)
         case_decode(dtype, dev)
         case_bad_device_values(dtype, dev)
+        case_mixed(dtype, dev)
     if failures:
         print(f"sanitize case FAILED: {len(failures)} check(s): " + "; ".join(failures))
         return 1
