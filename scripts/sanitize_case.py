@@ -99,6 +99,23 @@ def reference(tensors, flags, **kw):
         return None
 
 
+def check_pool_and_reference(o, base, before, ref_pool, written, tensors, flags, **kw) -> None:
+    """Slots not in `written` and the pool's padding untouched; o and the written slots against
+    kda_reference run on `ref_pool`, a copy of the pool taken before the call (written in place there)."""
+    plane = HV * V * K
+    untouched = [s for s in range(SLOTS) if s not in written]
+    check(torch.equal(base[untouched], before[untouched]), f"slots {untouched} untouched")
+    check(torch.equal(base[:, plane:], before[:, plane:]), "pool padding untouched")
+    ref_pool = ref_pool.cpu()
+    ref = reference(tensors, flags, state_cache=ref_pool, **kw)
+    if ref is not None:
+        e = rel(o, ref[0])
+        check(e < TOL, f"output vs kda_reference: rel {e:.1e}")
+        pool = base[:, :plane].view(SLOTS, HV, V, K)
+        e = rel(pool[list(written)], ref_pool[list(written)])
+        check(e < TOL, f"slots {list(written)} vs kda_reference: rel {e:.1e}")
+
+
 def case_chunk(dtype: torch.dtype, dev: str) -> None:
     print(f"(a) chunk_kda varlen + empty sequence, paged {dtype} pool")
     cu = torch.tensor([0, 70, 70, 200], dtype=torch.int32, device=dev)
@@ -113,22 +130,12 @@ def case_chunk(dtype: torch.dtype, dev: str) -> None:
                              has_initial_state=has_init, state_v_first=True, **flags)
     if dev == "cuda":
         torch.cuda.synchronize()
-    plane = HV * V * K
     check(final is None, "final_state is None (paged contract)")
     check(bool(torch.isfinite(o.float()).all()), "output finite")
-    untouched = [s for s in range(SLOTS) if s not in (5, 1, 3)]
-    check(torch.equal(base[untouched], before[untouched]), f"slots {untouched} untouched")
-    check(torch.equal(base[:, plane:], before[:, plane:]), "pool padding untouched")
     check(bool((pool[1] == 0).all()), "empty sequence without initial state: slot 1 written with zeros")
     check(bool(torch.isfinite(pool[[5, 3]].float()).all()), "slots 5 and 3 finite")
-    ref_pool = ref_pool.cpu()
-    ref = reference(tensors, flags, cu_seqlens=cu, state_cache=ref_pool, state_indices=idx,
-                    has_initial_state=has_init, state_v_first=True)
-    if ref is not None:
-        e = rel(o, ref[0])
-        check(e < TOL, f"output vs kda_reference: rel {e:.1e}")
-        e = rel(pool[[5, 3]], ref_pool[[5, 3]])  # the reference wrote its CPU copy of the pool in place
-        check(e < TOL, f"slots 5, 3 vs kda_reference: rel {e:.1e}")
+    check_pool_and_reference(o, base, before, ref_pool, (5, 1, 3), tensors, flags, cu_seqlens=cu, state_indices=idx,
+                             has_initial_state=has_init, state_v_first=True)
 
 
 def case_decode(dtype: torch.dtype, dev: str) -> None:
@@ -158,70 +165,42 @@ def case_decode(dtype: torch.dtype, dev: str) -> None:
         check(e < TOL, f"slots 2, 7, 0 vs kda_reference: rel {e:.1e}")
 
 
+def _bad_value_call(name, fn, dtype, dev, T, bounds, slots, expect, written, silent=None) -> None:
+    """`fn` over a padded pool with one device value out of range and `errors=`: the error word, the slots
+    not in `written` and the pool's padding untouched, and (`silent`) the bad sequence's output rows left
+    as they were."""
+    plane = HV * V * K
+    tensors, flags = inputs(T, None, dev)
+    base, pool = padded_pool(dtype, dev)
+    before = base.clone()
+    errors = torch.zeros(len(slots), dtype=torch.int32, device=dev)
+    out = torch.full_like(tensors[2], SENTINEL)
+    extra = dict(has_initial_state=torch.ones(len(slots), dtype=torch.bool, device=dev)) if fn is kda.chunk_kda else {}
+    fn(*tensors, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev), state_cache=pool,
+       state_indices=torch.tensor(slots, dtype=torch.int32, device=dev), state_v_first=True, out=out,
+       errors=errors, **extra, **flags)
+    torch.cuda.synchronize()
+    check(errors.tolist() == expect, f"{name}: error word {errors.tolist()}")
+    if silent is not None:
+        check(bool((out[0, silent] == SENTINEL).all()), f"{name}: the bad sequence wrote no output row")
+    untouched = [s for s in range(SLOTS) if s not in written]
+    check(torch.equal(base[untouched], before[untouched]), f"{name}: slots {untouched} untouched")
+    check(torch.equal(base[:, plane:], before[:, plane:]), f"{name}: pool padding untouched")
+
+
 def case_bad_device_values(dtype: torch.dtype, dev: str) -> None:
     print(f"(c) device values out of range, {dtype} pool")
     if dev != "cuda":
         print("  (CUDA only: on CPU the host checks read these values and raise)")
         return
-    plane = HV * V * K
-    tensors, flags = inputs(200, None, dev)
-    base, pool = padded_pool(dtype, dev)
-    before = base.clone()
-    errors = torch.zeros(3, dtype=torch.int32, device=dev)
-    cu = torch.tensor([0, 70, 70, 200], dtype=torch.int32, device=dev)
-    idx = torch.tensor([5, SLOTS + 40, 3], dtype=torch.int32, device=dev)
-    out = torch.full_like(tensors[2], SENTINEL)
-    kda.chunk_kda(*tensors, cu_seqlens=cu, state_cache=pool, state_indices=idx, state_v_first=True, out=out,
-                  has_initial_state=torch.ones(3, dtype=torch.bool, device=dev), errors=errors, **flags)
-    torch.cuda.synchronize()
-    check(errors.tolist() == [0, kda.ERROR_SLOT, 0], f"chunk: error word {errors.tolist()} flags the slot")
-    untouched = [s for s in range(SLOTS) if s not in (5, 3)]
-    check(torch.equal(base[untouched], before[untouched]), f"chunk: slots {untouched} untouched")
-    check(torch.equal(base[:, plane:], before[:, plane:]), "chunk: pool padding untouched")
-
-    tensors, flags = inputs(3, None, dev)
-    base, pool = padded_pool(dtype, dev)
-    before = base.clone()
-    errors = torch.zeros(3, dtype=torch.int32, device=dev)
-    cu = torch.tensor([0, 1, 2, 999], dtype=torch.int32, device=dev)  # the last sequence ends past T = 3
-    out = torch.full_like(tensors[2], SENTINEL)
-    kda.fused_recurrent_kda(*tensors, cu_seqlens=cu, state_cache=pool, state_indices=torch.tensor(
-        [2, 7, 0], dtype=torch.int32, device=dev), state_v_first=True, out=out, errors=errors, **flags)
-    torch.cuda.synchronize()
-    check(errors.tolist() == [0, 0, kda.ERROR_BOUNDS], f"decode: error word {errors.tolist()} flags the bounds")
-    check(bool((out[0, 2] == SENTINEL).all()), "decode: the bad sequence wrote no output row")
-    untouched = [s for s in range(SLOTS) if s not in (2, 7)]
-    check(torch.equal(base[untouched], before[untouched]), f"decode: slots {untouched} untouched")
-
-    # the other two combinations: prefill bounds past T, a decode slot past the pool
-    tensors, flags = inputs(200, None, dev)
-    base, pool = padded_pool(dtype, dev)
-    before = base.clone()
-    errors = torch.zeros(3, dtype=torch.int32, device=dev)
-    cu = torch.tensor([0, 70, 70, 250], dtype=torch.int32, device=dev)  # the last sequence ends past T = 200
-    out = torch.full_like(tensors[2], SENTINEL)
-    kda.chunk_kda(*tensors, cu_seqlens=cu, state_cache=pool, state_indices=torch.tensor(
-        [5, 1, 3], dtype=torch.int32, device=dev), state_v_first=True, out=out,
-        has_initial_state=torch.ones(3, dtype=torch.bool, device=dev), errors=errors, **flags)
-    torch.cuda.synchronize()
-    check(errors.tolist() == [0, 0, kda.ERROR_BOUNDS], f"chunk: error word {errors.tolist()} flags the bounds")
-    check(bool((out[0, 70:] == SENTINEL).all()), "chunk: the bad sequence wrote no output row")
-    untouched = [s for s in range(SLOTS) if s not in (5, 1)]
-    check(torch.equal(base[untouched], before[untouched]), f"chunk: slots {untouched} untouched")
-
-    tensors, flags = inputs(3, None, dev)
-    base, pool = padded_pool(dtype, dev)
-    before = base.clone()
-    errors = torch.zeros(3, dtype=torch.int32, device=dev)
-    out = torch.full_like(tensors[2], SENTINEL)
-    kda.fused_recurrent_kda(*tensors, cu_seqlens=torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=dev),
-                            state_cache=pool, state_indices=torch.tensor([2, SLOTS + 9, 0], dtype=torch.int32,
-                            device=dev), state_v_first=True, out=out, errors=errors, **flags)
-    torch.cuda.synchronize()
-    check(errors.tolist() == [0, kda.ERROR_SLOT, 0], f"decode: error word {errors.tolist()} flags the slot")
-    untouched = [s for s in range(SLOTS) if s not in (2, 0)]
-    check(torch.equal(base[untouched], before[untouched]), f"decode: slots {untouched} untouched")
-    check(torch.equal(base[:, plane:], before[:, plane:]), "decode: pool padding untouched")
+    _bad_value_call("chunk, a slot past the pool", kda.chunk_kda, dtype, dev, 200, [0, 70, 70, 200],
+                    [5, SLOTS + 40, 3], [0, kda.ERROR_SLOT, 0], (5, 3))
+    _bad_value_call("chunk, bounds past T", kda.chunk_kda, dtype, dev, 200, [0, 70, 70, 250],
+                    [5, 1, 3], [0, 0, kda.ERROR_BOUNDS], (5, 1), slice(70, None))
+    _bad_value_call("decode, bounds past T", kda.fused_recurrent_kda, dtype, dev, 3, [0, 1, 2, 999],
+                    [2, 7, 0], [0, 0, kda.ERROR_BOUNDS], (2, 7), 2)
+    _bad_value_call("decode, a slot past the pool", kda.fused_recurrent_kda, dtype, dev, 3, [0, 1, 2, 3],
+                    [2, SLOTS + 9, 0], [0, kda.ERROR_SLOT, 0], (2, 0))
 
 
 def case_mixed(dtype: torch.dtype, dev: str) -> None:
@@ -241,21 +220,11 @@ def case_mixed(dtype: torch.dtype, dev: str) -> None:
                          has_initial_state=has_init, state_v_first=True, errors=errors, **flags)
     if dev == "cuda":
         torch.cuda.synchronize()
-    plane = HV * V * K
     check(not errors.any(), f"error word {errors.tolist()} clear")
     check(bool(torch.isfinite(o.float()).all()), "output finite")
     check(bool((o[0, 71] == 0).all()), "padding sequence: zero output row")
-    untouched = [s for s in range(SLOTS) if s not in (6, 2, 4, 0)]
-    check(torch.equal(base[untouched], before[untouched]), f"slots {untouched} untouched")
-    check(torch.equal(base[:, plane:], before[:, plane:]), "pool padding untouched")
-    ref_pool = ref_pool.cpu()
-    ref = reference(tensors, flags, cu_seqlens=cu, state_cache=ref_pool, state_indices=idx,
-                    has_initial_state=has_init, state_v_first=True)
-    if ref is not None:
-        e = rel(o, ref[0])
-        check(e < TOL, f"output vs kda_reference: rel {e:.1e}")
-        e = rel(pool[[6, 2, 4, 0]], ref_pool[[6, 2, 4, 0]])
-        check(e < TOL, f"slots 6, 2, 4, 0 vs kda_reference: rel {e:.1e}")
+    check_pool_and_reference(o, base, before, ref_pool, (6, 2, 4, 0), tensors, flags, cu_seqlens=cu,
+                             state_indices=idx, has_initial_state=has_init, state_v_first=True)
 
 
 def main() -> int:

@@ -397,7 +397,7 @@ def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(device):
     the recurrent loop kernel (`kda.plan.short_route`), the rest through the chunk kernels: against the
     oracle, against the same call with nothing routed, slots not named untouched, no error bit."""
     bounds = [0, 1, 71, 71, 74, 75, 91, 108, 109]
-    lens = [b - a for a, b in zip(bounds, bounds[1:])]  # 1, 70, 0, 3, 1, 16, 17, 1
+    # lengths 1, 70, 0, 3, 1, 16, 17, 1
     T, H, HV, K, V, N = bounds[-1], 1, 2, 16, 16, len(bounds) - 1
     q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate="lower_bound", device=device, seed=41)
     pool0 = poison_pool(12, (HV, K, V), torch.float32, device)

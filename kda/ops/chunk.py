@@ -17,7 +17,15 @@ import triton.language as tl
 
 from ..contract import KDACall
 from ..plan import (
-    SUB, ChunkPlan, cdiv, chunk_plan, gate_args, next_power_of_2, output_buffer, short_route, state_plan,
+    SUB,
+    ChunkPlan,
+    cdiv,
+    chunk_plan,
+    gate_args,
+    next_power_of_2,
+    output_buffer,
+    short_route,
+    state_plan,
 )
 from .chunk_prepare import _chunk_gate_kernel, _chunk_intra_kernel, _chunk_prepare_kernel, _chunk_solve_kernel
 from .chunk_walk import (
