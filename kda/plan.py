@@ -181,23 +181,27 @@ def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
     return replace(plan, **overrides) if overrides else plan
 
 
-def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int]:
-    """(short, kept): sequences of 1..short tokens go through the recurrent loop kernel in the same call
-    (short = 0: none do); `kept` sequences (the others, empty ones included) need the chunk kernels, and
-    the walk's grid holds only them. Decided from lengths the host knows (dense, or `cu_seqlens_cpu`) with
-    the plain walk; else nothing is routed."""
+def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int, int]:
+    """(short, kept, kept_chunks): sequences of 1..short tokens go through the recurrent loop kernel in
+    the same call (short = 0: none do); `kept` sequences (the others, empty ones included) need the chunk
+    kernels, the walk's grid holds only them, and the gate and prepare grids only their `kept_chunks`
+    chunks. Decided from lengths the host knows (dense, or `cu_seqlens_cpu`) with the plain walk; else
+    nothing is routed (kept_chunks is then 0: the grids are the full ones)."""
     S = plan.short_len if plan.walk == "plain" else 0
     N = call.N
     if S == 0:
-        return 0, N
+        return 0, N, 0
     if call.cu_seqlens is None:
-        return (S, 0) if 1 <= call.T <= S else (0, N)
+        return (S, 0, 0) if 1 <= call.T <= S else (0, N, 0)
     hb = call.host_bounds
     if hb is None or N == 0:
-        return 0, N
+        return 0, N, 0
     lengths = sorted(map(operator.sub, hb[1:], hb[:-1]))
-    routed = bisect.bisect_right(lengths, S) - bisect.bisect_left(lengths, 1)
-    return (S, N - routed) if routed else (0, N)
+    first_long = bisect.bisect_right(lengths, S)
+    routed = first_long - bisect.bisect_left(lengths, 1)
+    if not routed:
+        return 0, N, 0
+    return S, N - routed, sum((n + CHUNK - 1) // CHUNK for n in lengths[first_long:])
 
 
 def _walk_bv(V: int) -> int:

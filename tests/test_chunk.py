@@ -391,7 +391,8 @@ def test_tf32_round_is_round_to_nearest(device):
         assert torch.equal(bits(y), bits(want))
 
 
-def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(device):
+@pytest.mark.parametrize("gate", ["lower_bound", "logdecay"])  # the fused prepare, the split one
+def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(gate, device):
     """A serving step in one call: decodes (1 token), short continuations (3, 16) and longer chunks (17, 70),
     an empty sequence and a padding slot, host bounds given. Sequences of 1..`short_len` tokens go through
     the recurrent loop kernel (`kda.plan.short_route`), the rest through the chunk kernels: against the
@@ -399,7 +400,7 @@ def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(device):
     bounds = [0, 1, 71, 71, 74, 75, 91, 108, 109]
     # lengths 1, 70, 0, 3, 1, 16, 17, 1
     T, H, HV, K, V, N = bounds[-1], 1, 2, 16, 16, len(bounds) - 1
-    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate="lower_bound", device=device, seed=41)
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate=gate, device=device, seed=41)
     pool0 = poison_pool(12, (HV, K, V), torch.float32, device)
     idx = torch.tensor([3, 1, 0, -1, 7, 5, 2, 9], dtype=torch.int32, device=device)  # sequence 3: padding
     has = torch.tensor([True, False, True, True, True, True, False, True], device=device)
@@ -411,7 +412,8 @@ def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(device):
                 state_v_first=False, **kw)
     call = checked_call(kda.chunk_kda, q, k, v, g, beta, state_cache=pool0, **args)
     plan = chunk_plan(call)
-    assert kda.plan.short_route(call, plan) == (plan.short_len, 3) and plan.short_len >= 16  # 70, 0, 17 kept
+    # 70, 0 and 17 tokens kept: 2 + 0 + 1 chunks
+    assert kda.plan.short_route(call, plan) == (plan.short_len, 3, 3) and plan.short_len >= 16
     results = {}
     for short_len in (plan.short_len, 0):
         pool = pool0.clone()
@@ -438,13 +440,13 @@ def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(device):
             assert torch.equal(bits(pool[slot]), bits(pool0[slot]))
 
 
-@pytest.mark.parametrize("bounds,host,expect", [
-    ([0, 1, 2, 3], True, "all"),          # a decode batch: the recurrent loop alone
-    ([0, 1, 2, 3], False, "none"),        # no host bounds: nothing routed (no sync to learn the lengths)
-    ([0, 100, 200], True, "none"),        # long sequences only
-    ([0, 0, 100], True, "none"),          # an empty one and a long one
-    ([0, 0, 5], True, "mixed"),           # an empty one stays the walk's (it copies its state)
-    ([0, 5, 100], True, "mixed"),
+@pytest.mark.parametrize("bounds,host,expect", [  # (routed, kept sequences, their chunks)
+    ([0, 1, 2, 3], True, (True, 0, 0)),    # a decode batch: the recurrent loop alone
+    ([0, 1, 2, 3], False, (False, 3, 0)),  # no host bounds: nothing routed (no sync to learn the lengths)
+    ([0, 100, 200], True, (False, 2, 0)),  # long sequences only
+    ([0, 0, 100], True, (False, 2, 0)),    # an empty one and a long one
+    ([0, 0, 5], True, (True, 1, 0)),       # an empty one stays the walk's (it copies its state)
+    ([0, 5, 100], True, (True, 1, 2)),
 ])
 def test_short_route_decisions(bounds, host, expect, device):
     T = bounds[-1]
@@ -452,10 +454,28 @@ def test_short_route_decisions(bounds, host, expect, device):
     call = checked_call(kda.chunk_kda, q, k, v, g, beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32,
                         device=device), cu_seqlens_cpu=bounds if host else None, **kw)
     plan = chunk_plan(call)
-    short, kept = kda.plan.short_route(call, plan)
-    assert (short > 0, kept) == {"all": (True, 0), "none": (False, len(bounds) - 1), "mixed": (True, 1)}[expect]
+    short, kept, kept_chunks = kda.plan.short_route(call, plan)
+    assert (short > 0, kept, kept_chunks) == expect
     o, _ = kda.chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
                          cu_seqlens_cpu=bounds if host else None, **kw)
     ro, _ = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
                               cu_seqlens=torch.tensor(bounds), **on_cpu(kw))
     assert rel_err(o, ro) < FP32_TOL
+
+
+def test_routing_scans_past_the_first_thousand_sequences(device):
+    """1030 one-token sequences, then a 70-token one, then five more: the walk's and the prepare's device
+    scans for the sequences not routed (windows of 1024 bounds) must cross into the second window."""
+    lens = [1] * 1030 + [70] + [1] * 5
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    q, k, v, g, beta, kw = make_inputs(1, bounds[-1], 1, 1, 16, 16, gate="lower_bound", device=device, seed=43)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    h0 = torch.randn(len(lens), 1, 16, 16).to(device)
+    o, s = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                         cu_seqlens_cpu=bounds, **kw)
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=h0.cpu().double(),
+                               output_final_state=True, cu_seqlens=cu.cpu(), **on_cpu(kw))
+    assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
+    assert rel_err(o[:, 1030:1100], ro[:, 1030:1100]) < FP32_TOL  # the long sequence itself

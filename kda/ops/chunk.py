@@ -42,7 +42,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     """Run a validated call (`kda.contract.check_call`) as planned. Returns (o, final_state)."""
     plan = plan or chunk_plan(call)
     B, T, H, HV, K, V, N = call.B, call.T, call.H, call.HV, call.K, call.V, call.N
-    short, kept = short_route(call, plan)
+    short, kept, kept_chunks = short_route(call, plan)
     if kept == 0:  # every sequence is short: the recurrent loop alone
         return fused_recurrent_kda_fwd(call)
     o = output_buffer(call)
@@ -56,7 +56,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     total = B * T
     NT = cdiv(T, BT)
     BK = max(16, next_power_of_2(K))  # the K tile that covers K (walk) or its slices (split prepare)
-    n_chunks = (T // BT + N) if varlen else B * NT  # prepare programs (`locate_block`)
+    n_chunks = (T // BT + N) if varlen else B * NT  # chunk programs (`locate_block`), gt's rows
+    grid_chunks = kept_chunks if short else n_chunks  # routed sequences' chunks have no program
     cu = call.cu_seqlens if varlen else call.q  # stand-in when dense
     ws_dtype, prec = plan.ws_dtype, plan.dot_prec
     fused = plan.prepare == "fused"
@@ -68,7 +69,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     gt_ws = torch.empty((max(n_chunks, 1), HV, K), dtype=torch.float32, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    if total > 0:  # else only empty sequences: the walk copies their states
+    if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
         A_log, dt_bias, lower_bound = gate_args(call)
         strides = (*token_head_strides(q, T), *token_head_strides(k, T))
         g_beta = (*token_head_strides(g, T), *token_head_strides(beta, T))
@@ -81,12 +82,12 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             b2_ws = gt_ws
             if plan.gate_pass:
                 b2_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
-                _chunk_gate_kernel[(n_chunks, HV, cdiv(K, plan.prepare_BK))](
+                _chunk_gate_kernel[(grid_chunks, HV, cdiv(K, plan.prepare_BK))](
                     g, A_log, dt_bias, cu, b2_ws, gt_ws, *g_beta[:2], T, N, NT, lower_bound,
                     HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short, **gate, num_warps=4,
                     num_stages=1,
                 )
-            _chunk_prepare_kernel[(n_chunks, HV)](
+            _chunk_prepare_kernel[(grid_chunks, HV)](
                 q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
                 *strides, *v_strides, *g_beta, T, N, NT, call.scale, lower_bound,
                 H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV, **gate,
@@ -96,7 +97,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         else:
             akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
             kd_ws = torch.empty_like(w_ws)
-            _chunk_intra_kernel[(n_chunks, BT // plan.BC, HV)](
+            _chunk_intra_kernel[(grid_chunks, BT // SUB, HV)](
                 q, k, g, beta, A_log, dt_bias, cu, akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws, *strides, *g_beta,
                 T, N, NT, call.scale, lower_bound,
                 H=H, HV=HV, K=K, BT=BT, BC=SUB, BK=16,
@@ -104,7 +105,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
                 HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
                 USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **common,
             )
-            _chunk_solve_kernel[(n_chunks, HV)](
+            _chunk_solve_kernel[(grid_chunks, HV)](
                 v, beta, cu, akk_ws, kd_ws, w_ws, u_ws, *v_strides, g_beta[2], g_beta[3],
                 T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), BV=BV, INV_PREC="ieee",
                 num_warps=4, num_stages=1, **common,
