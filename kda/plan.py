@@ -2,8 +2,9 @@
 
 `chunk_plan(call)` and `decode_plan(call)` turn a `kda.contract.KDACall` into everything the kernel modules
 need and nothing else: which kernels run (the fused bounded-gate prepare or the split one, the plain or the
-segmented walk; the one-token decode kernel or the loop kernel), their tiles, warps and stages, the dot
-precision and workspace dtype, and where state is read and written (`StatePlan`). The kernel modules
+segmented walk; the one-token decode kernel or the loop kernel; which sequences of a `chunk_kda` call the
+recurrent loop takes, `short_route`), their tiles, warps and stages, the dot precision and workspace dtype,
+and where state is read and written (`StatePlan`). The kernel modules
 (`kda.ops.chunk`, `kda.ops.fused_recurrent`) only launch what the plan says. Tests pick a path by building
 a plan with its keyword overrides (`chunk_plan(call, walk="segmented")`), never by rewriting globals.
 
