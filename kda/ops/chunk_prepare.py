@@ -39,6 +39,7 @@ from .common import (
     decay_rate,
     dt_bias_slice,
     kda_gate_log2,
+    kept_item,
     locate_block,
     seq_bounds,
     tf32_round,
@@ -47,35 +48,15 @@ from .common import (
 
 
 @triton.jit
-def _locate_kept_chunk(i_p, cu_seqlens, N, T, SHORT: tl.constexpr, BT: tl.constexpr):
-    """Program i_p of a grid over the chunks of the sequences longer than SHORT tokens, in order (a scan of
-    the bounds on the device): (sequence, its start, the chunk's first token, its end, the chunk's program
-    index in `locate_block`'s full grid). No such chunk, or bounds out of range: t0 >= eos."""
-    seen = i_p * 0  # chunks in the windows before this one
-    i_n = i_p * 0 - 1
-    i_t = i_p * 0
-    for j0 in range(0, N, 1024):
-        j = j0 + tl.arange(0, 1024)
-        ok = j < N
-        n = tl.load(cu_seqlens + j + 1, mask=ok, other=0) - tl.load(cu_seqlens + j, mask=ok, other=0)
-        nb = tl.where(ok & (n > SHORT), (n + BT - 1) // BT, 0)
-        end = tl.cumsum(nb, 0) + seen
-        hit = (nb > 0) & (end > i_p) & (end - nb <= i_p)
-        i_n = tl.maximum(i_n, tl.max(tl.where(hit, j, -1), 0))
-        i_t = tl.maximum(i_t, tl.max(tl.where(hit, i_p - (end - nb), 0), 0))
-        seen += tl.sum(nb, 0)
-    bos, eos = seq_bounds(cu_seqlens, tl.maximum(i_n, 0), T, True)
-    t0 = tl.where((i_n < 0) | bad_bounds(eos), eos, bos + i_t * BT)
-    return i_n, bos, t0, eos, bos // BT + i_n + i_t
-
-
-@triton.jit
 def _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr, SHORT: tl.constexpr):
     """`locate_block` for the chunk programs, plus the chunk's index in the full grid (where its gt row
     lives: the walk reads it there). With SHORT > 0 (varlen, `kda.plan.short_route`) the grid holds only
-    the chunks of the sequences not routed to the recurrent loop."""
+    the chunks of the sequences not routed to the recurrent loop (`kept_item`)."""
     if SHORT > 0:
-        i_n, bos, t0, eos, p = _locate_kept_chunk(i_p, cu_seqlens, N, T, SHORT, BT)
+        i_n, i_t = kept_item(cu_seqlens, i_p, N, SHORT, BT)
+        bos, eos = seq_bounds(cu_seqlens, tl.maximum(i_n, 0), T, True)
+        t0 = tl.where((i_n < 0) | bad_bounds(eos), eos, bos + i_t * BT)  # no chunk: the caller returns
+        p = bos // BT + i_n + i_t
     else:
         i_n, bos, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
         p = i_p

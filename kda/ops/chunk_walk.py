@@ -37,6 +37,7 @@ from .common import (
     ERROR_KEPT_SLOT,
     flag_errors,
     guard_slot,
+    kept_item,
     locate_block,
     pow2_scale,
     round_to,
@@ -204,23 +205,6 @@ def _zero_rows(o_h, s_ot, t_begin, t_end, o_v, v_ok, BT: tl.constexpr, BV: tl.co
         tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], tl.zeros([BT, BV], dtype=o_h.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _kept_sequence(cu_seqlens, i, N, SHORT: tl.constexpr):
-    """The index of the i-th sequence (from 0) whose length is not in 1..SHORT, or -1: a scan of the
-    bounds on the device, so that the walk's grid needs only the host's count of those sequences."""
-    found = i * 0 - 1
-    count = i * 0
-    for j0 in range(0, N, 1024):
-        j = j0 + tl.arange(0, 1024)
-        ok = j < N
-        n = tl.load(cu_seqlens + j + 1, mask=ok, other=0) - tl.load(cu_seqlens + j, mask=ok, other=0)
-        keep = ok & ((n < 1) | (n > SHORT))
-        hit = keep & (tl.cumsum(keep.to(tl.int32), 0) + count == i + 1)
-        found = tl.maximum(found, tl.max(tl.where(hit, j, -1), 0))
-        count += tl.sum(keep.to(tl.int32), 0)
-    return found
-
-
 @triton.jit(do_not_specialize=["n_slots"])
 def _chunk_state_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
@@ -237,14 +221,14 @@ def _chunk_state_kernel(
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
     SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
-    (`short_route`), and program i_n walks the i_n-th of the others (`_kept_sequence`).
+    (`short_route`), and program i_n walks the i_n-th of the others (`kept_item`).
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
     s_ck, n_ck columns, one every ck_every tokens) stored into the pool `state_dst` of n_slots slots as
     the walk passes them (`_walk`)."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     if SHORT > 0:
-        i_n = _kept_sequence(cu_seqlens, i_n, N, SHORT)
+        i_n, _ = kept_item(cu_seqlens, i_n, N, SHORT, 0)
         if i_n < 0:  # fewer kept sequences than the host counted (bounds changed under a replayed graph)
             return
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(

@@ -167,6 +167,32 @@ def guard_slot(slot, n_slots, eos):
 
 
 @triton.jit
+def kept_item(cu_seqlens, i, N, SHORT: tl.constexpr, BT: tl.constexpr):
+    """Item i (from 0) among the sequences whose length is not in 1..SHORT (those `kda.plan.short_route`
+    does not send to the recurrent loop), in order: with BT == 0 one item per such sequence (empty ones
+    included: the walk's programs), else one per BT-token block of the longer ones (the chunk programs).
+    Returns (its sequence, or -1 past the last item; the item's index within the sequence), by a scan of
+    the bounds on the device, so that a grid needs only the host's count of the items."""
+    seen = i * 0  # items in the windows before this one
+    i_n = i * 0 - 1
+    i_t = i * 0
+    for j0 in range(0, N, 1024):
+        j = j0 + tl.arange(0, 1024)
+        ok = j < N
+        n = tl.load(cu_seqlens + j + 1, mask=ok, other=0) - tl.load(cu_seqlens + j, mask=ok, other=0)
+        if BT == 0:
+            cnt = (ok & ((n < 1) | (n > SHORT))).to(tl.int32)
+        else:
+            cnt = tl.where(ok & (n > SHORT), (n + BT - 1) // BT, 0)
+        end = tl.cumsum(cnt, 0) + seen
+        hit = (cnt > 0) & (end > i) & (end - cnt <= i)
+        i_n = tl.maximum(i_n, tl.max(tl.where(hit, j, -1), 0))
+        i_t = tl.maximum(i_t, tl.max(tl.where(hit, i - (end - cnt), 0), 0))
+        seen += tl.sum(cnt, 0)
+    return i_n, i_t
+
+
+@triton.jit
 def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
     """Program i_p of a grid over blocks of BT tokens (chunks, or segments of chunks) -> (sequence,
     sequence start, first token of its block, sequence end). Dense: NT blocks per sequence. Varlen: program p belongs to the
