@@ -49,18 +49,19 @@ from .common import (
 
 @triton.jit
 def _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr, SHORT: tl.constexpr):
-    """`locate_block` for the chunk programs, plus the chunk's index in the full grid (where its gt row
-    lives: the walk reads it there). With SHORT > 0 (varlen, `kda.plan.short_route`) the grid holds only
-    the chunks of the sequences not routed to the recurrent loop (`kept_item`)."""
+    """`locate_block` for the chunk programs (sequence, the chunk's first token, the sequence's end), plus the
+    chunk's index in the full grid, where its gt row lives (the walk reads it there). With SHORT > 0 (varlen,
+    `kda.plan.short_route`) the grid holds only the chunks of the sequences not routed to the recurrent
+    loop (`kept_item`)."""
     if SHORT > 0:
         i_n, i_t = kept_item(cu_seqlens, i_p, N, SHORT, BT)
         bos, eos = seq_bounds(cu_seqlens, tl.maximum(i_n, 0), T, True)
         t0 = tl.where((i_n < 0) | bad_bounds(eos), eos, bos + i_t * BT)  # no chunk: the caller returns
         p = bos // BT + i_n + i_t
     else:
-        i_n, bos, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
+        i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
         p = i_p
-    return i_n, bos, t0, eos, p
+    return i_n, t0, eos, p
 
 
 @triton.jit
@@ -188,8 +189,8 @@ def _chunk_gate_kernel(
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_k = tl.program_id(2)
-    i_n, bos, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
-    if (t0 >= eos) | (eos - bos <= SHORT):  # no block, or a sequence `short_route` sends to the recurrent loop
+    i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
+    if t0 >= eos:
         return
     o_t = tl.arange(0, BT)
     row_ok = o_t < eos - t0
@@ -233,8 +234,8 @@ def _chunk_prepare_kernel(
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n, bos, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
-    if (t0 >= eos) | (eos - bos <= SHORT):  # no block, or a sequence `short_route` sends to the recurrent loop
+    i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
+    if t0 >= eos:
         return
     n_rows = tl.minimum(eos - t0, BT)
     o_t = tl.arange(0, BT)
@@ -357,8 +358,8 @@ def _chunk_intra_kernel(
     i_r = tl.program_id(1)
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n, bos, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
-    if (t0 >= eos) | (eos - bos <= SHORT):  # no block, or a sequence `short_route` sends to the recurrent loop
+    i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
+    if t0 >= eos:
         return
     n_rows = tl.minimum(eos - t0, BT)
     r0 = i_r * BC
@@ -454,8 +455,8 @@ def _chunk_solve_kernel(
     Then W = X diag(beta) Kd, U0 = X diag(beta) V."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
-    i_n, bos, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
-    if (t0 >= eos) | (eos - bos <= SHORT):  # no block, or a sequence `short_route` sends to the recurrent loop
+    i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
+    if t0 >= eos:
         return
     n_rows = tl.minimum(eos - t0, BT)
     o_t = tl.arange(0, BT)
