@@ -47,6 +47,7 @@ Decisions where the contract is silent (also in `docs/contract.md`):
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass
 
@@ -517,7 +518,7 @@ def _check_rows(name: str, x: torch.Tensor, N: int, device, col: str) -> None:
         raise ValueError(f"{name} [N, {col}] must have stride 1 along {col}, got strides {x.stride()}")
 
 
-def _host_lengths(cu_seqlens, host_bounds: list[int] | None, T: int, N: int) -> list[int] | None:
+def host_lengths(cu_seqlens, host_bounds: list[int] | None, T: int, N: int) -> list[int] | None:
     """Every sequence's length where the host knows it without a sync (dense; `host_bounds`; bounds on the
     CPU), else None."""
     if cu_seqlens is None:
@@ -525,7 +526,7 @@ def _host_lengths(cu_seqlens, host_bounds: list[int] | None, T: int, N: int) -> 
     host = host_bounds
     if host is None and cu_seqlens.is_cpu:  # on the CPU the read costs no sync
         host = cu_seqlens.tolist()
-    return None if host is None else [b - a for a, b in zip(host, host[1:])]
+    return None if host is None else list(map(operator.sub, host[1:], host[:-1]))  # C-level: N may be 1000s
 
 
 def _check_verify(fn: str, verify: bool, state_indices, num_accepted_tokens, state_cache, cu_seqlens,
@@ -544,7 +545,7 @@ def _check_verify(fn: str, verify: bool, state_indices, num_accepted_tokens, sta
         raise TypeError(f"state_indices must be int32, got {state_indices.dtype}")
     _check_rows("state_indices", state_indices, N, device, "T_max")
     T_max = state_indices.shape[1]
-    lengths = _host_lengths(cu_seqlens, host_bounds, T, N)
+    lengths = host_lengths(cu_seqlens, host_bounds, T, N)
     if lengths and max(lengths) > T_max:
         raise ValueError(f"state_indices [N, T_max] needs T_max >= the longest sequence ({max(lengths)}), "
                          f"got T_max={T_max}")
@@ -606,7 +607,7 @@ def _check_checkpoints(checkpoint_every, checkpoint_indices, mode: str, verify: 
         raise TypeError(f"checkpoint_indices must be int32 or int64, got {checkpoint_indices.dtype}")
     _check_rows("checkpoint_indices", checkpoint_indices, N, device, "C")
     if N > 0 and (debug or checkpoint_indices.is_cpu):
-        lengths = _host_lengths(cu_seqlens, host_bounds, T, N)
+        lengths = host_lengths(cu_seqlens, host_bounds, T, N)
         if lengths is not None:
             _check_checkpoint_values(checkpoint_every, checkpoint_indices, state_cache.shape[0], state_indices,
                                      has_initial_state, lengths)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import bisect
 import functools
-import operator
 from dataclasses import dataclass, replace
 
 import torch
 
-from .contract import CHECKPOINT_MULTIPLE, KDACall, interpreting
+from .contract import CHECKPOINT_MULTIPLE, KDACall, host_lengths, interpreting
 
 LOG2E = 1.4426950408889634
 CHUNK = 64  # BT: tokens per chunk of the prepare stage and the walk
@@ -190,14 +189,11 @@ def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int, int]:
     nothing is routed (kept_chunks is then 0: the grids are the full ones)."""
     S = plan.short_len if plan.walk == "plain" else 0
     N = call.N
-    if S == 0:
+    # varlen without host bounds: the lengths would cost a sync (free for CPU tensors, but CPU and GPU runs
+    # are to take the same path)
+    if S == 0 or N == 0 or (call.cu_seqlens is not None and call.host_bounds is None):
         return 0, N, 0
-    if call.cu_seqlens is None:
-        return (S, 0, 0) if 1 <= call.T <= S else (0, N, 0)
-    hb = call.host_bounds
-    if hb is None or N == 0:
-        return 0, N, 0
-    lengths = sorted(map(operator.sub, hb[1:], hb[:-1]))
+    lengths = sorted(host_lengths(call.cu_seqlens, call.host_bounds, call.T, N))
     first_long = bisect.bisect_right(lengths, S)
     routed = first_long - bisect.bisect_left(lengths, 1)
     if not routed:
