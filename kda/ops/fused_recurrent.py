@@ -414,7 +414,8 @@ def fused_recurrent_kda_fwd(
     """Run a validated call (`kda.contract.check_call`) as planned (`kda.plan.decode_plan`). Returns
     (o, final_state); final_state is None for the paged contract (the pool is written in place) and when no
     final state was asked for. `short` > 0 (from `chunk_kda_fwd`, with its `o` and state plan `st`): the
-    loop kernel takes only the sequences of 1..short tokens, the chunk kernels the others."""
+    loop kernel takes only the sequences of 1..short tokens, the chunk kernels the others (never with the
+    one-token plan: a call whose sequences all hold one token comes here whole)."""
     plan = plan or decode_plan(call, stochastic_rounding)
     o = output_buffer(call) if o is None else o
     st = state_plan(call) if st is None else st
@@ -446,7 +447,7 @@ def fused_recurrent_kda_fwd(
         HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first, SR=plan.sr,
         HAS_ERRORS=call.errors is not None, num_warps=plan.num_warps,
     )
-    if plan.nsub > 0 and short == 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
+    if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
         _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
