@@ -263,8 +263,9 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -
     - V-first [V, K]: BV = 16 rows of K contiguous elements, one warp (many small programs keep the memory
       busy at small batch); a 2-byte pool BV = 8.
     - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (the K reduction stays in a warp).
-    - One token per sequence (`KDACall.one_token_per_seq`) with a V-first pool: the one-token kernel, NSUB 4
-      blocks of BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32.
+    - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
+      BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
+      one block of BV 64 (fp32, 4 warps) or 32 (2-byte, 2 warps).
     `overrides` replace any field (tests)."""
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
                         bool(stochastic_rounding))
@@ -279,9 +280,11 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     BK = max(16, next_power_of_2(K))
     if v_first:
         BV = 8 if (V <= 8 or state_bytes == 2) else 16
+        nsub = (4 if state_bytes == 2 else 1) if one_token_per_seq else 0
     else:
-        BV = min(64 if BK <= 128 else 32, max(16, next_power_of_2(V)))
+        BV = min(64 if (BK <= 128 and not (one_token_per_seq and state_bytes == 2)) else 32,
+                 max(16, next_power_of_2(V)))
+        nsub = 1 if one_token_per_seq else 0
     num_warps = 1 if interpreted() else max(1, min(8, BK * BV // 2048))
-    nsub = (4 if state_bytes == 2 else 1) if (one_token_per_seq and v_first) else 0
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
     return DecodePlan(BK, BV, num_warps, nsub, sr)

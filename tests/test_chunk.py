@@ -465,13 +465,15 @@ def test_short_route_decisions(bounds, host, expect, device):
 
 def test_routing_scans_past_the_first_thousand_sequences(device):
     """1030 one-token sequences, then a 70-token one, then five more: the walk's and the prepare's device
-    scans for the sequences not routed (windows of 1024 bounds) must cross into the second window."""
+    scans for the sequences not routed (windows of 1024 bounds) must cross into the second window. int64
+    bounds: the scan's loop-carried counts stay int32 whatever the bounds' dtype (a compile error on the GPU
+    once)."""
     lens = [1] * 1030 + [70] + [1] * 5
     bounds = [0]
     for n in lens:
         bounds.append(bounds[-1] + n)
     q, k, v, g, beta, kw = make_inputs(1, bounds[-1], 1, 1, 16, 16, gate="lower_bound", device=device, seed=43)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    cu = torch.tensor(bounds, dtype=torch.int64, device=device)
     h0 = torch.randn(len(lens), 1, 16, 16).to(device)
     o, s = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                          cu_seqlens_cpu=bounds, **kw)

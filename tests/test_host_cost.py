@@ -169,7 +169,8 @@ def test_decode_plans_follow_dtype_layout_and_host_bounds_in_any_order():
         assert plan.decode_plan(calls[key]) == first[key]
     assert first[(torch.float32, True)].BV == 16 and first[(torch.bfloat16, True)].BV == 8
     assert first[(torch.float32, True)].nsub == 1 and first[(torch.bfloat16, True)].nsub == 4
-    assert first[(torch.float32, False)].nsub == 0 and first["varlen"].nsub == 0
+    assert first[(torch.float32, False)].nsub == 1 and first[(torch.float32, False)].BV == 32  # V = 32
+    assert first["varlen"].nsub == 0
     assert plan.decode_plan(calls[(torch.bfloat16, True)], True).sr == 1
     assert plan.decode_plan(calls[(torch.bfloat16, True)]).sr == 0
 

@@ -179,7 +179,8 @@ def kept_item(cu_seqlens, i, N, SHORT: tl.constexpr, BT: tl.constexpr):
     for j0 in range(0, N, 1024):
         j = j0 + tl.arange(0, 1024)
         ok = j < N
-        n = tl.load(cu_seqlens + j + 1, mask=ok, other=0) - tl.load(cu_seqlens + j, mask=ok, other=0)
+        # int32 lengths whatever cu_seqlens' dtype: the loop-carried count keeps one type
+        n = (tl.load(cu_seqlens + j + 1, mask=ok, other=0) - tl.load(cu_seqlens + j, mask=ok, other=0)).to(tl.int32)
         if BT == 0:
             cnt = (ok & ((n < 1) | (n > SHORT))).to(tl.int32)
         else:
