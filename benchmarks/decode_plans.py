@@ -1,0 +1,81 @@
+"""Decode plans on K-first pools: steady per-call time (`bench.Timer.steady`: one graph of 8 calls over 4
+disjoint slot sets of a pool of 4N slots, read-only L2 flush between replays) of `fused_recurrent_kda`
+under the loop kernel and the one-token kernel at several BV, warps and NSUB, fp32 and bf16 pools, dense
+`[N, 1]` and varlen with host bounds; H = 12, K = V = 128, bf16 inputs, Kimi's gate. The floor: the
+state read and written once plus the inputs and outputs, over the measured copy bandwidth. This is how
+`kda.plan.decode_plan`'s K-first one-token choice was made (docs/performance.md).
+
+    python benchmarks/decode_plans.py [PLAN NAME ...]      (a CUDA device; names from PLANS, default all)
+"""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench  # noqa: E402
+
+import kda  # noqa: E402
+import kda.ops.fused_recurrent as fr  # noqa: E402
+import kda.plan as kp  # noqa: E402
+
+H, K, V = 12, 128, 128
+PLANS = {
+    "default": {},
+    "loop BV32 nw2": dict(nsub=0, BV=32, num_warps=2),
+    "loop BV32 nw4": dict(nsub=0, BV=32, num_warps=4),
+    "loop BV64 nw4": dict(nsub=0, BV=64, num_warps=4),
+    "loop BV64 nw8": dict(nsub=0, BV=64, num_warps=8),
+    "1tok nsub1 BV16 nw1": dict(nsub=1, BV=16, num_warps=1),
+    "1tok nsub1 BV32 nw2": dict(nsub=1, BV=32, num_warps=2),
+    "1tok nsub1 BV64 nw4": dict(nsub=1, BV=64, num_warps=4),
+    "1tok nsub2 BV32 nw4": dict(nsub=2, BV=32, num_warps=4),
+    "1tok nsub4 BV16 nw2": dict(nsub=4, BV=16, num_warps=2),
+}
+
+
+def main() -> None:
+    dev = "cuda"
+    only = sys.argv[1:]
+    timer = bench.Timer(warmup_ms=25, rep_ms=150)
+    bw = bench.measure_bandwidth(timer, 1.0)
+    planner = kp.decode_plan
+    for N, pool_dtype in ((256, torch.float32), (256, torch.bfloat16), (1024, torch.float32)):
+        for varlen in (False, True):
+            torch.manual_seed(0)
+            pool = torch.randn(4 * N, H, K, V, device=dev).mul_(0.1).to(pool_dtype)
+            q, k, v = (torch.randn(N, 1, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            g = torch.randn(N, 1, H, K, device=dev)
+            beta = torch.randn(N, 1, H, device=dev, dtype=torch.bfloat16)
+            A_log = torch.empty(H, device=dev).uniform_(1.0, 16.0).log_()
+            dt_bias = 0.5 * torch.randn(H * K, device=dev)
+            kw = {}
+            if varlen:
+                q, k, v, g, beta = (x.reshape(1, N, *x.shape[2:]) for x in (q, k, v, g, beta))
+                kw = dict(cu_seqlens=torch.arange(N + 1, device=dev, dtype=torch.int32),
+                          cu_seqlens_cpu=list(range(N + 1)))
+            out = torch.empty_like(v)
+            state_bytes = N * H * K * V * pool.element_size()
+            floor_us = (2 * state_bytes + N * (2 * H * K * 2 + H * V * 4 + H * K * 4 + H * 2 + 8)) / bw * 1e6
+            for name, over in PLANS.items():
+                if only and name not in only:
+                    continue
+                fr.decode_plan = (lambda call, stochastic_rounding=False, over=over:
+                                  replace(planner(call, stochastic_rounding), **over))
+                calls = [lambda idx=(s * N + torch.arange(N, device=dev, dtype=torch.int32)): kda.fused_recurrent_kda(
+                    q, k, v, g, beta, state_cache=pool, state_indices=idx, state_v_first=False,
+                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+                    A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, out=out, **kw) for s in range(4)]
+                us = timer.steady(calls)
+                print(f"N={N} {str(pool_dtype)[6:]} {'varlen' if varlen else 'dense '} {name:22s}: {us:7.1f} us"
+                      f"  floor {floor_us:6.1f}  ratio {us / floor_us:.3f}", flush=True)
+            fr.decode_plan = planner
+            del pool
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
