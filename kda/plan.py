@@ -175,9 +175,10 @@ class ChunkPlan:
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
     """The plan of a `chunk_kda` call (module docstring); `overrides` replace any field (tests)."""
-    walk_BV = _walk_bv(call.V)
+    walk_BV = _walk_bv(call)
     segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
-    plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented)
+    plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
+                       walk_BV)
     return replace(plan, **overrides) if overrides else plan
 
 
@@ -201,18 +202,41 @@ def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int, int]:
     return S, N - routed, sum((n + CHUNK - 1) // CHUNK for n in lengths[first_long:])
 
 
-def _walk_bv(V: int) -> int:
-    return 32 if V > 16 else 16
+# A walk program with a V block of 64 steps through a chunk about 1.2x slower than with 32 (H200, K = V =
+# 128), with half the programs; one program per SM (its shared memory), so the programs run in waves.
+WALK_BV64_STEP_COST = 1.2
+
+
+def _walk_bv(call: KDACall) -> int:
+    """The walk's V block: 32 (16 for V <= 16), or 64 where the programs at 32 would run in more waves
+    than 1.2x the waves at 64 (many sequences or heads: 4x4096 H=32 walks in 371 us instead of 558;
+    docs/performance.md). From shapes alone; K <= 128 (a [K, 64] fp32 state tile in registers)."""
+    V = call.V
+    if V <= 16:
+        return 16
+    if V <= 32 or call.K > 128 or not call.q.is_cuda or interpreted():
+        return 32
+    sms = _sm_count(call.q.device.index or 0)
+    seqs = call.N
+    if seqs * call.HV * cdiv(V, 32) <= sms:
+        return 32
+    if call.cu_seqlens is not None:  # the walk holds only the sequences `short_route` keeps
+        lengths = host_lengths(call.cu_seqlens, call.host_bounds, call.T, seqs)
+        if lengths is not None:
+            lengths.sort()
+            seqs -= bisect.bisect_right(lengths, SHORT_LEN) - bisect.bisect_left(lengths, 1)
+    waves32 = cdiv(seqs * call.HV * cdiv(V, 32), sms)
+    waves64 = cdiv(seqs * call.HV * cdiv(V, 64), sms)
+    return 64 if waves64 * WALK_BV64_STEP_COST < waves32 else 32
 
 
 @functools.lru_cache(maxsize=1024)
 def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool, K: int, V: int,
-                segmented: bool) -> ChunkPlan:
+                segmented: bool, walk_BV: int) -> ChunkPlan:
     """`chunk_plan` from what determines it, cached: one frozen plan shared by every call that agrees."""
     prec = dot_precision(input_dtype)
     ws_dtype = workspace_dtype(input_dtype, qk_l2norm_in_kernel)
     BK = max(16, next_power_of_2(K))
-    walk_BV = _walk_bv(V)
     return ChunkPlan(
         prepare="fused" if fused else "split",
         walk="segmented" if segmented else "plain",

@@ -481,3 +481,40 @@ def test_routing_scans_past_the_first_thousand_sequences(device):
                                output_final_state=True, cu_seqlens=cu.cpu(), **on_cpu(kw))
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
     assert rel_err(o[:, 1030:1100], ro[:, 1030:1100]) < FP32_TOL  # the long sequence itself
+
+
+def test_walk_v_block_of_64_equals_32(device):
+    """The walk with V blocks of 64 (`kda.plan._walk_bv`: on a GPU, for calls with many sequences or heads)
+    against blocks of 32: 16-bit inputs with fp16 workspaces (S and U scaled per tile, so the two differ by
+    rounding), V = 96 (a half-masked block of 64), varlen with an empty sequence, paged V-first pool. Both
+    within the bf16 output's rounding of each other and of the oracle; the pool's other slots untouched."""
+    bounds = [0, 70, 70, 200]
+    T, H, HV, K, V, N = bounds[-1], 1, 2, 32, 96, 3
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16, gate="lower_bound",
+                                       device=device, seed=21)
+    kw.update(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device), cu_seqlens_cpu=bounds)
+    pool0 = poison_pool(6, (HV, V, K), torch.float32, device)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=device)
+    has = torch.tensor([True, False, True], device=device)
+    for n in (0, 2):
+        pool0[idx[n]] = 0.1 * torch.randn(HV, V, K, generator=torch.Generator().manual_seed(n)).to(device)
+    runs = {}
+    for bv in (32, 64):
+        pool = pool0.clone()
+        o, _, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(walk_BV=bv), state_cache=pool,
+                                 state_indices=idx, has_initial_state=has, state_v_first=True, **kw)
+        assert plan.walk_BV == bv and plan.walk == "plain" and plan.ws_dtype == torch.float16
+        runs[bv] = (o, pool)
+    init = torch.stack([pool0[idx[n]] if has[n] else torch.zeros_like(pool0[0]) for n in range(N)])
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
+                               initial_state=init.cpu().double().transpose(-1, -2), output_final_state=True,
+                               **on_cpu({key: val for key, val in kw.items() if key != "cu_seqlens_cpu"}))
+    floor = rounding_floor(ro, torch.bfloat16)
+    (o32, p32), (o64, p64) = runs[32], runs[64]
+    assert rel_err(o64, o32) <= floor
+    for o, pool in runs.values():
+        assert rel_err(o, ro) <= kernel_bound(floor, torch.bfloat16)
+        assert rel_err(pool[idx.long()].transpose(-1, -2), rs) < NARROW_STATE_TOL
+        for slot in (1, 3, 5):
+            assert torch.equal(bits(pool[slot]), bits(pool0[slot]))
