@@ -23,6 +23,7 @@
 #   suite.txt  setup log and the summary      pytest.txt     the test run
 #   sanitizer.txt                              bench.md       the benchmark table      bench.log  its log
 #   bench.json the benchmark's rows (what benchmarks/results/h200-latest.json holds)
+#   triton_autotune.tar.gz  fla's autotuning results (with the bench step): carry it back as .triton_autotune.tar.gz
 #   accuracy/  the accuracy report (at most 3 files; more are packed into accuracy.tar.gz)
 # Every step runs even when an earlier one failed; the exit status is 0 only when every step that ran passed.
 
@@ -86,6 +87,15 @@ else
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 log "PYTHONPATH=$PYTHONPATH"
+# fla's autotuning (about 80 s per prefill shape on a fresh machine) kept between calls: with
+# TRITON_CACHE_AUTOTUNING=1 Triton writes each choice into its cache as *.autotune.json; a carried
+# .triton_autotune.tar.gz (a previous call's $OUT/triton_autotune.tar.gz) is unpacked there first
+export TRITON_CACHE_AUTOTUNING=1
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [[ -f .triton_autotune.tar.gz ]]; then
+    mkdir -p "$TRITON_CACHE" && tar -xzf .triton_autotune.tar.gz -C "$TRITON_CACHE" \
+        && log "restored $(tar -tzf .triton_autotune.tar.gz | grep -c 'autotune.json$') autotuning results into $TRITON_CACHE"
+fi
 if [[ -z ${KDA_COMMIT:-} ]]; then
     KDA_COMMIT=$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)
 fi
@@ -243,6 +253,11 @@ elif [[ ! -f kda/accuracy/__main__.py && ! -f kda/accuracy.py ]] && wanted accur
     record accuracy "skipped (no kda/accuracy/__main__.py)" 0 "-"
 else
     run_step accuracy "${KDA_TIMEOUT_ACCURACY:-400}" step_accuracy "accuracy/"
+fi
+
+if wanted bench && [[ -d $TRITON_CACHE ]]; then  # for the next call's carry (see the setup step)
+    (cd "$TRITON_CACHE" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tar.gz" -T -) \
+        && log "saved $(tar -tzf "$OUT/triton_autotune.tar.gz" | wc -l) autotuning results: $OUT/triton_autotune.tar.gz"
 fi
 
 # ------------------------------------------------------------------------------------------------------------
