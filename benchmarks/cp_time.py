@@ -21,6 +21,7 @@ of the script, not a measurement.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -136,9 +137,9 @@ def main(argv=None) -> int:
         bounds = kda.distributed.split_tokens(T, world)
         lo, hi = bounds[rank], bounds[rank + 1]
         local_x = tuple(t[:, lo:hi].contiguous() for t in x)
-        one = slowest_median(clock, lambda: kda.chunk_kda(*x, None, h0, True, **gate), args.reps, device,
-                             active=rank == 0)
-        many = slowest_median(clock, lambda: kda.distributed.chunk_kda(*local_x, None, h0, True, **gate),
+        one = slowest_median(clock, functools.partial(kda.chunk_kda, *x, None, h0, True, **gate), args.reps,
+                             device, active=rank == 0)
+        many = slowest_median(clock, functools.partial(kda.distributed.chunk_kda, *local_x, None, h0, True, **gate),
                               args.reps, device)
         rows.append(dict(T=T, H=H, world=world, one_ms=one, many_ms=many, speedup=one / many))
         del x, local_x
@@ -176,8 +177,9 @@ def main(argv=None) -> int:
             print(f"| 1x{r['T']} H={r['H']} | {r['one_ms']:.3f} | {r['many_ms']:.3f} | {r['speedup']:.2f} |")
         if check:
             print(f"\naccuracy at 1x{check['T']} H={check['H']} against the float64 oracle: output "
-                  f"{check['o_one']:.3e} (one device) / {check['o_many']:.3e} ({world} ranks) = {check['o_ratio']:.2f}; "
-                  f"final state {check['s_one']:.3e} / {check['s_many']:.3e} = {check['s_ratio']:.2f}")
+                  f"{check['o_one']:.3e} (one device) / {check['o_many']:.3e} ({world} ranks) = "
+                  f"{check['o_ratio']:.2f}; final state {check['s_one']:.3e} / {check['s_many']:.3e} = "
+                  f"{check['s_ratio']:.2f}")
         if args.json:
             args.json.write_text(json.dumps(dict(rows=rows, check=check), indent=1))
     dist.barrier()

@@ -8,6 +8,7 @@ state read and written once plus the inputs and outputs, over the measured copy 
     python benchmarks/decode_plans.py [PLAN NAME ...]      (a CUDA device; names from PLANS, default all)
 """
 
+import functools
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -65,8 +66,9 @@ def main() -> None:
                     continue
                 fr.decode_plan = (lambda call, stochastic_rounding=False, over=over:
                                   replace(planner(call, stochastic_rounding), **over))
-                calls = [lambda idx=(s * N + torch.arange(N, device=dev, dtype=torch.int32)): kda.fused_recurrent_kda(
-                    q, k, v, g, beta, state_cache=pool, state_indices=idx, state_v_first=False,
+                calls = [functools.partial(
+                    kda.fused_recurrent_kda, q, k, v, g, beta, state_cache=pool,
+                    state_indices=s * N + torch.arange(N, device=dev, dtype=torch.int32), state_v_first=False,
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                     A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, out=out, **kw) for s in range(4)]
                 us = timer.steady(calls)

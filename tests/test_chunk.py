@@ -511,8 +511,7 @@ def test_walk_v_block_of_64_equals_32(device):
                                initial_state=init.cpu().double().transpose(-1, -2), output_final_state=True,
                                **on_cpu({key: val for key, val in kw.items() if key != "cu_seqlens_cpu"}))
     floor = rounding_floor(ro, torch.bfloat16)
-    (o32, p32), (o64, p64) = runs[32], runs[64]
-    assert rel_err(o64, o32) <= floor
+    assert rel_err(runs[64][0], runs[32][0]) <= floor
     for o, pool in runs.values():
         assert rel_err(o, ro) <= kernel_bound(floor, torch.bfloat16)
         assert rel_err(pool[idx.long()].transpose(-1, -2), rs) < NARROW_STATE_TOL
