@@ -175,11 +175,20 @@ class ChunkPlan:
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
     """The plan of a `chunk_kda` call (module docstring); `overrides` replace any field (tests)."""
-    walk_BV = _walk_bv(call)
+    return chunk_plan_and_route(call, **overrides)[0]
+
+
+def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[int, int, int]]:
+    """`chunk_plan` and its `short_route`, from one sort of the host lengths (what `chunk_kda` runs: the
+    walk's V block and the routing both depend on which sequences the recurrent loop takes)."""
+    lengths = _sorted_lengths(call)
+    walk_BV = _walk_bv(call, lengths)
     segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
                        walk_BV)
-    return replace(plan, **overrides) if overrides else plan
+    if overrides:
+        plan = replace(plan, **overrides)
+    return plan, _route(call.N, plan.short_len if plan.walk == "plain" else 0, lengths)
 
 
 def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int, int]:
@@ -189,14 +198,31 @@ def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int, int]:
     chunks. Decided from lengths the host knows (dense, or `cu_seqlens_cpu`) with the plain walk; else
     nothing is routed (kept_chunks is then 0: the grids are the full ones)."""
     S = plan.short_len if plan.walk == "plain" else 0
-    N = call.N
-    # varlen without host bounds: the lengths would cost a sync (free for CPU tensors, but CPU and GPU runs
-    # are to take the same path)
-    if S == 0 or N == 0 or (call.cu_seqlens is not None and call.host_bounds is None):
-        return 0, N, 0
-    lengths = sorted(host_lengths(call.cu_seqlens, call.host_bounds, call.T, N))
+    return _route(call.N, S, _sorted_lengths(call) if S else None)
+
+
+def _sorted_lengths(call: KDACall) -> list[int] | None:
+    """Every sequence's length, sorted, where the host has it: dense, or varlen with `cu_seqlens_cpu` (bounds
+    in a CPU tensor are not read: CPU and GPU runs are to take the same path, and on a GPU the read would
+    be a sync). Else None."""
+    if call.N == 0 or (call.cu_seqlens is not None and call.host_bounds is None):
+        return None
+    lengths = host_lengths(call.cu_seqlens, call.host_bounds, call.T, call.N)
+    lengths.sort()
+    return lengths
+
+
+def _routed(lengths: list[int], S: int) -> tuple[int, int]:
+    """(index of the first length over S, how many lengths are in 1..S) of sorted `lengths`."""
     first_long = bisect.bisect_right(lengths, S)
-    routed = first_long - bisect.bisect_left(lengths, 1)
+    return first_long, first_long - bisect.bisect_left(lengths, 1)
+
+
+def _route(N: int, S: int, lengths: list[int] | None) -> tuple[int, int, int]:
+    """`short_route` from the sorted host lengths (None: unknown, nothing routed)."""
+    if S == 0 or lengths is None:
+        return 0, N, 0
+    first_long, routed = _routed(lengths, S)
     if not routed:
         return 0, N, 0
     return S, N - routed, sum((n + CHUNK - 1) // CHUNK for n in lengths[first_long:])
@@ -207,10 +233,11 @@ def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int, int]:
 WALK_BV64_STEP_COST = 1.2
 
 
-def _walk_bv(call: KDACall) -> int:
+def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:
     """The walk's V block: 32 (16 for V <= 16), or 64 where the programs at 32 would run in more waves
     than 1.2x the waves at 64 (many sequences or heads: 4x4096 H=32 walks in 371 us instead of 558;
-    docs/performance.md). From shapes alone; K <= 128 (a [K, 64] fp32 state tile in registers)."""
+    docs/performance.md). From shapes and the sorted host `lengths` (the walk holds only the sequences
+    `short_route` keeps); K <= 128 (a [K, 64] fp32 state tile in registers)."""
     V = call.V
     if V <= 16:
         return 16
@@ -220,11 +247,8 @@ def _walk_bv(call: KDACall) -> int:
     seqs = call.N
     if seqs * call.HV * cdiv(V, 32) <= sms:
         return 32
-    if call.cu_seqlens is not None:  # the walk holds only the sequences `short_route` keeps
-        lengths = host_lengths(call.cu_seqlens, call.host_bounds, call.T, seqs)
-        if lengths is not None:
-            lengths.sort()
-            seqs -= bisect.bisect_right(lengths, SHORT_LEN) - bisect.bisect_left(lengths, 1)
+    if lengths is not None:
+        seqs -= _routed(lengths, SHORT_LEN)[1]
     waves32 = cdiv(seqs * call.HV * cdiv(V, 32), sms)
     waves64 = cdiv(seqs * call.HV * cdiv(V, 64), sms)
     return 64 if waves64 * WALK_BV64_STEP_COST < waves32 else 32

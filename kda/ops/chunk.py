@@ -20,7 +20,7 @@ from ..plan import (
     SUB,
     ChunkPlan,
     cdiv,
-    chunk_plan,
+    chunk_plan_and_route,
     gate_args,
     next_power_of_2,
     output_buffer,
@@ -40,9 +40,11 @@ from .fused_recurrent import fused_recurrent_kda_fwd
 
 def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a validated call (`kda.contract.check_call`) as planned. Returns (o, final_state)."""
-    plan = plan or chunk_plan(call)
+    if plan is None:
+        plan, (short, kept, kept_chunks) = chunk_plan_and_route(call)
+    else:
+        short, kept, kept_chunks = short_route(call, plan)
     B, T, H, HV, K, V, N = call.B, call.T, call.H, call.HV, call.K, call.V, call.N
-    short, kept, kept_chunks = short_route(call, plan)
     if kept == 0:  # every sequence is short: the recurrent loop alone
         return fused_recurrent_kda_fwd(call)
     o = output_buffer(call)
