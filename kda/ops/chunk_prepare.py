@@ -36,6 +36,7 @@ import triton.language as tl
 
 from .common import (
     bad_bounds,
+    chunk_program,
     decay_rate,
     dt_bias_slice,
     kda_gate_log2,
@@ -57,7 +58,7 @@ def _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.con
         i_n, i_t = kept_item(cu_seqlens, i_p, N, SHORT, BT)
         bos, eos = seq_bounds(cu_seqlens, tl.maximum(i_n, 0), T, True)
         t0 = tl.where((i_n < 0) | bad_bounds(eos), eos, bos + i_t * BT)  # no chunk: the caller returns
-        p = bos // BT + i_n + i_t
+        p = chunk_program(i_n, bos, t0, NT, True, BT)
     else:
         i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
         p = i_p

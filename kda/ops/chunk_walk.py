@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .common import (
     ERROR_KEPT_SLOT,
+    chunk_program,
     flag_errors,
     guard_slot,
     kept_item,
@@ -130,16 +131,6 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
                 ck_at += ck_every
                 ck_slot = tl.load(ck_row + ck_j, mask=ck_j < n_ck, other=-1).to(tl.int64)
     return S
-
-
-@triton.jit
-def _first_chunk_program(i_n, bos, t, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
-    """The prepare program (see `locate_block`) of the chunk of sequence i_n that starts at token t."""
-    if IS_VARLEN:
-        p = bos // BT + i_n
-    else:
-        p = i_n.to(tl.int64) * NT
-    return p + (t - bos) // BT
 
 
 @triton.jit
@@ -241,7 +232,7 @@ def _chunk_state_kernel(
     if slot < 0:  # padding sequence: no state read or write, zero output rows
         _zero_rows(o_h, s_ot, bos, eos, o_v, v_ok, BT, BV)
     else:
-        p_first = _first_chunk_program(i_n, bos, bos, NT, IS_VARLEN, BT)
+        p_first = chunk_program(i_n, bos, bos, NT, IS_VARLEN, BT)
         S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
                   o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
                   checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride,
@@ -267,7 +258,7 @@ def _segment_summary_kernel(
     if s0 >= eos:
         return
     s_end = tl.minimum(s0 + BT * G, eos)
-    p_first = _first_chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
+    p_first = chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
     o_k = tl.arange(0, BK)
     k_ok = o_k < K
     n_vb = tl.cdiv(V, BV)
@@ -364,7 +355,7 @@ def _segment_output_kernel(
     else:
         base = (i_s * HV + i_hv) * K
         S = tl.load(h_seg + (base + o_k[:, None]) * V + o_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        p_first = _first_chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
+        p_first = chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
         _walk(S, s0, s_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
               o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
               checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,

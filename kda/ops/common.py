@@ -194,6 +194,17 @@ def kept_item(cu_seqlens, i, N, SHORT: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def chunk_program(i_n, bos, t, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """The chunk program (`locate_block`'s numbering of the full grid, where the chunk's gt row lives) of the
+    chunk of sequence i_n that starts at token t."""
+    if IS_VARLEN:
+        p = bos // BT + i_n
+    else:
+        p = i_n.to(tl.int64) * NT
+    return p + (t - bos) // BT
+
+
+@triton.jit
 def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
     """Program i_p of a grid over blocks of BT tokens (chunks, or segments of chunks) -> (sequence,
     sequence start, first token of its block, sequence end). Dense: NT blocks per sequence. Varlen: program p belongs to the
