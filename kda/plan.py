@@ -169,6 +169,7 @@ class ChunkPlan:
     walk_BV: int = 32
     walk_warps: int = 4
     walk_stages: int = 2
+    walk_tma: bool = False  # the plain walk loads its chunk tiles by TMA (ragged tensor descriptors)
     segment_chunks: int = SEGMENT_CHUNKS
     short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
 
@@ -185,7 +186,7 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     walk_BV = _walk_bv(call, lengths)
     segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
-                       walk_BV)
+                       walk_BV, _tma_capable(call))
     if overrides:
         plan = replace(plan, **overrides)
     return plan, _route(call.N, plan.short_len if plan.walk == "plain" else 0, lengths)
@@ -254,9 +255,22 @@ def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:
     return 64 if waves64 * WALK_BV64_STEP_COST < waves32 else 32
 
 
+def _tma_capable(call: KDACall) -> bool:
+    """Whether the device loads by TMA (Hopper and later; the interpreter emulates it) and the token count
+    fits a ragged descriptor's 2^30 rows."""
+    if call.B * call.T > 2**30:
+        return False
+    return interpreted() or (call.q.is_cuda and _capability(call.q.device.index or 0) >= (9, 0))
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 @functools.lru_cache(maxsize=1024)
 def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool, K: int, V: int,
-                segmented: bool, walk_BV: int) -> ChunkPlan:
+                segmented: bool, walk_BV: int, tma: bool) -> ChunkPlan:
     """`chunk_plan` from what determines it, cached: one frozen plan shared by every call that agrees."""
     prec = dot_precision(input_dtype)
     ws_dtype = workspace_dtype(input_dtype, qk_l2norm_in_kernel)
@@ -267,6 +281,8 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
         walk_BV=walk_BV, walk_stages=_walk_stages(CHUNK, BK, walk_BV, ws_dtype.itemsize),
+        # TMA wants 16-byte rows and row strides: K, V multiples of 8 (fp16 and fp32 tiles)
+        walk_tma=tma and not segmented and K % 8 == 0 and V % 8 == 0,
     )
 
 

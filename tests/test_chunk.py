@@ -517,3 +517,36 @@ def test_walk_v_block_of_64_equals_32(device):
         assert rel_err(pool[idx.long()].transpose(-1, -2), rs) < NARROW_STATE_TOL
         for slot in (1, 3, 5):
             assert torch.equal(bits(pool[slot]), bits(pool0[slot]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_walk_tma_loads_equal_pointer_loads(dtype, device):
+    """The plain walk's chunk tiles by TMA (ragged descriptors: rows past a sequence read as zeros, the
+    default where the device has TMA and K, V are multiples of 8) against masked pointer loads: the same
+    arithmetic on the same values, so the same bits. Varlen with partial chunks, an empty sequence and a
+    one-chunk one; V = 40 (a V block past V, zero-filled by the descriptor's bound); fp32 (fp32 workspaces)
+    and bf16 inputs (fp16 workspaces); checkpoints on, paged K-first pool."""
+    bounds = [0, 70, 70, 100, 230]
+    T, H, HV, K, V, N = bounds[-1], 1, 2, 32, 40, 4
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device,
+                                       seed=23)
+    kw.update(use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device))
+    pool0 = poison_pool(8, (HV, K, V), torch.float32, device)
+    idx = torch.tensor([1, 3, 5, 7], dtype=torch.int32, device=device)
+    ckpt = torch.tensor([[0], [-1], [-1], [2]], dtype=torch.int32, device=device)
+    has = torch.tensor([True, True, False, True], device=device)
+    for n in range(N):
+        pool0[idx[n]] = 0.1 * torch.randn(HV, K, V, generator=torch.Generator().manual_seed(n)).to(device)
+    runs = {}
+    for tma in (True, False):
+        pool = pool0.clone()
+        o, _, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(walk_tma=tma, walk="plain"),
+                                 state_cache=pool, state_indices=idx, has_initial_state=has, state_v_first=False,
+                                 checkpoint_every=64, checkpoint_indices=ckpt, **kw)
+        assert plan.walk_tma == tma
+        runs[tma] = (o, pool)
+    if device == "cpu":  # the interpreter emulates TMA: the CPU suite runs the default path
+        assert chunk_plan(checked_call(kda.chunk_kda, q, k, v, g, beta, state_cache=pool0, state_indices=idx,
+                                       has_initial_state=has, state_v_first=False, **kw)).walk_tma
+    assert torch.equal(bits(runs[True][0]), bits(runs[False][0]))
+    assert torch.equal(bits(runs[True][1]), bits(runs[False][1]))

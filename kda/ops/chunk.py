@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import triton.language as tl
+from triton.tools.ragged_tma import create_ragged_descriptor
 
 from ..contract import KDACall
 from ..plan import (
@@ -119,6 +120,13 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     pools = st.pointers(gt_ws)
     flags = st.flags(call.state_v_first)
     walk_ws = (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws)
+    if plan.walk_tma and plan.walk == "plain":
+        # the chunk tiles by TMA from Triton's ragged descriptors (two leading dimensions whose strides wrap
+        # around 2^64): a load given a start token and a row count reads zeros past those rows, so a chunk
+        # stops at its sequence's end without a mask
+        rd = create_ragged_descriptor
+        walk_ws = (rd(aqk_ws, [BT, 1, BT]), rd(w_ws, [BT, 1, BK]), rd(u_ws, [BT, 1, BV]), rd(qd_ws, [BT, 1, BK]),
+                   rd(kr_ws, [BT, 1, BK]), gt_ws)
     s_ot, s_oh = token_head_strides(o, T)
     ckpt = call.checkpoint_indices
     has_ckpt = ckpt is not None
@@ -131,8 +139,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         _chunk_state_kernel[(n_vb, kept, HV)](
             o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors, T, N, NT,
             HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec, **flags,
-            HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors, SHORT=short, num_warps=plan.walk_warps,
-            num_stages=plan.walk_stages,
+            HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma,
+            num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
         return o, st.final_state
     G = plan.segment_chunks

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.tools.ragged_tma import load_ragged
 
 from .common import (
     ERROR_KEPT_SLOT,
@@ -56,7 +57,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
           HAS_U0: tl.constexpr, WRITE_O: tl.constexpr, DOT_PREC: tl.constexpr,
           EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
           ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
-          HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False):
+          HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False, TMA: tl.constexpr = False,
+          i_c0=0):
     """S [BK, BC] (columns o_c of the state, or of the identity for a segment operator) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). U = U0 - W S (no U0 without HAS_U0), O = Qd S + A_qk U (stored with WRITE_O),
@@ -69,8 +71,14 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
     stored to slot ck_row[j] of `pool` (rounded to its dtype, in its layout) when that slot is in
     [0, n_slots); the walk goes on from the unrounded S. ck_every is a multiple of BT and t_begin - seq_start
     a multiple of BT, so every checkpoint offset is a chunk end. The next slot is loaded a checkpoint ahead,
-    off the step's serial chain."""
-    F16: tl.constexpr = w_ws.dtype.element_ty == tl.float16
+    off the step's serial chain.
+    TMA: the workspaces are ragged tensor descriptors (`triton.tools.ragged_tma`) of `[tokens, HV, *]`, the
+    tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K, V) read as zeros,
+    columns o_c starting at i_c0: no per-element addresses or masks, which the pointer loads spend most of
+    their issue slots on."""
+    F16: tl.constexpr = (w_ws.dtype if TMA else w_ws.dtype.element_ty) == tl.float16
+    BK: tl.constexpr = o_k.shape[0]
+    BC: tl.constexpr = o_c.shape[0]
     o_t = tl.arange(0, BT)
     # int32 offsets inside a chunk from int64 chunk bases: 64-bit per-element addresses cost registers
     ws_k = o_t[:, None] * (HV * K) + o_k[None, :]
@@ -89,7 +97,12 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
         m_k = tile_mask(row_ok, k_ok, EVEN_K)
         m_c = tile_mask(row_ok, c_ok, EVEN_C)
         base_k = (t0 * HV + i_hv) * K
-        w = tl.load(w_ws + base_k + ws_k, mask=m_k, other=0.0)
+        n_in = tl.minimum(t_end - t0, BT).to(tl.int32)
+        t0_32 = tl.cast(t0, tl.int32)
+        if TMA:
+            w = tl.reshape(load_ragged(w_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
+        else:
+            w = tl.load(w_ws + base_k + ws_k, mask=m_k, other=0.0)
         if F16:
             ps = pow2_scale(S)
             Sr = (S * ps).to(tl.float16)
@@ -98,17 +111,24 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
             Sr = tf32_round(S, DOT_PREC)
             U = -tl.dot(tf32_round(w, DOT_PREC), Sr, input_precision=DOT_PREC)
         if HAS_U0:
-            U += tl.load(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_c[None, :], mask=m_c, other=0.0)
+            if TMA:
+                U += tl.reshape(load_ragged(u_ws, t0_32, n_in, [0, i_hv, i_c0]), [BT, BC])
+            else:
+                U += tl.load(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_c[None, :], mask=m_c, other=0.0)
         if F16:
             pu = pow2_scale(U)
             Ur = (U * pu).to(tl.float16)
         else:
             Ur = tf32_round(U, DOT_PREC)
         if WRITE_O:
-            qd = tl.load(qd_ws + base_k + ws_k, mask=m_k, other=0.0)
-            # the prepare stored A_qk's rows whole, zeros above the diagonal
-            aqk = tl.load(aqk_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
-                          mask=row_ok[:, None], other=0.0)
+            if TMA:
+                qd = tl.reshape(load_ragged(qd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
+                aqk = tl.reshape(load_ragged(aqk_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BT])
+            else:
+                qd = tl.load(qd_ws + base_k + ws_k, mask=m_k, other=0.0)
+                # the prepare stored A_qk's rows whole, zeros above the diagonal
+                aqk = tl.load(aqk_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
+                              mask=row_ok[:, None], other=0.0)
             if F16:
                 out = tl.dot(qd, Sr) * (1.0 / ps) + tl.dot(aqk, Ur) * (1.0 / pu)
             else:
@@ -116,7 +136,10 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
                        + tl.dot(tf32_round(aqk, DOT_PREC), Ur, input_precision=DOT_PREC))
             tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
                      mask=m_c)
-        kr = tl.load(kr_ws + base_k + ws_k, mask=m_k, other=0.0)
+        if TMA:
+            kr = tl.reshape(load_ragged(kr_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
+        else:
+            kr = tl.load(kr_ws + base_k + ws_k, mask=m_k, other=0.0)
         if F16:
             S = S * gt[:, None] + tl.dot(tl.trans(kr), Ur) * (1.0 / pu)
         else:
@@ -208,9 +231,10 @@ def _chunk_state_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
-    HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0,
+    HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
+    TMA: the workspaces come as ragged descriptors (`_walk`).
     SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
     (`short_route`), and program i_n walks the i_n-th of the others (`kept_item`).
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
@@ -236,7 +260,7 @@ def _chunk_state_kernel(
         S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
                   o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
                   checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride,
-                  n_slots, HAS_CHECKPOINTS, V_FIRST)
+                  n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
