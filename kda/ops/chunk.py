@@ -12,12 +12,16 @@ them: no extra pass.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..contract import KDACall
 from ..plan import (
+    CHUNK,
     SUB,
     ChunkPlan,
     cdiv,
@@ -124,9 +128,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         # the chunk tiles by TMA from Triton's ragged descriptors (two leading dimensions whose strides wrap
         # around 2^64): a load given a start token and a row count reads zeros past those rows, so a chunk
         # stops at its sequence's end without a mask
-        rd = create_ragged_descriptor
-        walk_ws = (rd(aqk_ws, [BT, 1, BT]), rd(w_ws, [BT, 1, BK]), rd(u_ws, [BT, 1, BV]), rd(qd_ws, [BT, 1, BK]),
-                   rd(kr_ws, [BT, 1, BK]), gt_ws)
+        walk_ws = (_ragged(aqk_ws, BT), _ragged(w_ws, BK), _ragged(u_ws, BV), _ragged(qd_ws, BK),
+                   _ragged(kr_ws, BK), gt_ws)
     s_ot, s_oh = token_head_strides(o, T)
     ckpt = call.checkpoint_indices
     has_ckpt = ckpt is not None
@@ -167,3 +170,21 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
     return o, st.final_state
+
+
+@functools.lru_cache(maxsize=256)
+def _ragged_layout(shape: tuple, dtype: torch.dtype, cols: int) -> tuple:
+    """(shape, strides, block) of Triton's ragged descriptor of a contiguous `[tokens, HV, C]` workspace with
+    tiles of [64 tokens, 1 head, cols], from `create_ragged_descriptor` itself (on a meta tensor)."""
+    desc = create_ragged_descriptor(torch.empty(shape, dtype=dtype, device="meta"), [CHUNK, 1, cols])
+    return list(desc.shape), list(desc.strides), list(desc.block_shape)
+
+
+def _ragged(ws: torch.Tensor, cols: int) -> TensorDescriptor:
+    """The ragged descriptor of a fresh contiguous workspace, its layout cached on the shape: building one
+    with `create_ragged_descriptor` costs about 10 us of host time, its checks (alignment, contiguity) hold
+    for every workspace this module allocates."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.padding = ws, "zero"
+    desc.shape, desc.strides, desc.block_shape = _ragged_layout(tuple(ws.shape), ws.dtype, cols)
+    return desc
