@@ -45,7 +45,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         plan, (short, kept, kept_chunks) = chunk_plan_and_route(call)
     else:
         short, kept, kept_chunks = short_route(call, plan)
-    B, T, H, HV, K, V, N = call.B, call.T, call.H, call.HV, call.K, call.V, call.N
+    B, T, HV, K, V, N = call.B, call.T, call.HV, call.K, call.V, call.N
     if kept == 0:  # every sequence is short: the recurrent loop alone
         return fused_recurrent_kda_fwd(call)
     o = output_buffer(call)
@@ -63,7 +63,6 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     grid_chunks = kept_chunks if short else n_chunks  # routed sequences' chunks have no program
     cu = call.cu_seqlens if varlen else call.q  # stand-in when dense
     ws_dtype, prec = plan.ws_dtype, plan.dot_prec
-    fused = plan.prepare == "fused"
     w_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     u_ws = torch.empty((total, HV, V), dtype=torch.float32, device=dev)
     qd_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
@@ -135,7 +134,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
     NT = cdiv(T, BT)
     total = call.B * T
     cu = call.cu_seqlens if varlen else q  # stand-in when dense
-    ws_dtype, prec = plan.ws_dtype, plan.dot_prec
+    prec = plan.dot_prec
     fused = plan.prepare == "fused"
     BK = max(16, next_power_of_2(K))
     A_log, dt_bias, lower_bound = gate_args(call)
@@ -185,9 +184,9 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
     chunk-aligned parts. The prepare of part i + 1 runs beside the walk of part i (the walk on a side
     stream, each part after its prepare's event), so the SMs the walk leaves idle prepare the next part;
     the walks run in order, the state carried in fp32 between them (two planes, used in turn)."""
-    T, HV, K, V, BT = call.T, call.HV, call.K, call.V, plan.BT
+    T, K, BT = call.T, call.K, plan.BT
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws = ws
+    gt_ws = ws[5]
     size = cdiv(cdiv(T, plan.parts), BT) * BT
     bounds = list(range(0, T, size)) + [T]
     BV, BK = plan.walk_BV, max(16, next_power_of_2(K))
