@@ -172,6 +172,7 @@ class ChunkPlan:
     walk_tma: bool = False  # the plain walk loads its chunk tiles by TMA (ragged tensor descriptors)
     segment_chunks: int = SEGMENT_CHUNKS
     short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
+    parts: int = 1  # a dense one-sequence call prepared and walked in this many overlapped parts (`_parts`)
 
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
@@ -187,6 +188,9 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
                        walk_BV, _tma_capable(call))
+    parts = _parts(call, segmented, walk_BV)
+    if parts > 1:
+        plan = replace(plan, parts=parts)
     if overrides:
         plan = replace(plan, **overrides)
     return plan, _route(call.N, plan.short_len if plan.walk == "plain" else 0, lengths)
@@ -232,6 +236,24 @@ def _route(N: int, S: int, lengths: list[int] | None) -> tuple[int, int, int]:
 # A walk program with a V block of 64 steps through a chunk about 1.2x slower than with 32 (H200, K = V =
 # 128), with half the programs; one program per SM (its shared memory), so the programs run in waves.
 WALK_BV64_STEP_COST = 1.2
+
+
+# tokens per part of a walk in parts: the prepare of the next part must outlast a part's launches
+PART_TOKENS = 2048
+MAX_PARTS = 8
+
+
+def _parts(call: KDACall, segmented: bool, walk_BV: int) -> int:
+    """Parts of a dense one-sequence call whose walk keeps at most half the SMs (few heads): the prepare of
+    each next part runs on the other SMs while the walk of the part before it runs (`kda.ops.chunk`).
+    Not with checkpoints (they are stored by the walk into the pool the parts do not write until the last)
+    nor on the CPU (no streams). 1: one prepare, then one walk."""
+    if (segmented or call.cu_seqlens is not None or call.B != 1 or call.checkpoint_every or not call.q.is_cuda
+            or interpreted() or call.T < 2 * PART_TOKENS):
+        return 1
+    if 2 * call.HV * cdiv(call.V, walk_BV) > _sm_count(call.q.device.index or 0):
+        return 1
+    return min(MAX_PARTS, call.T // PART_TOKENS)
 
 
 def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:

@@ -550,3 +550,50 @@ def test_walk_tma_loads_equal_pointer_loads(dtype, device):
                                        has_initial_state=has, state_v_first=False, **kw)).walk_tma
     assert torch.equal(bits(runs[True][0]), bits(runs[False][0]))
     assert torch.equal(bits(runs[True][1]), bits(runs[False][1]))
+
+
+@pytest.mark.parametrize("contract,dtype", [("dense", torch.float32), ("dense", torch.bfloat16),
+                                            ("paged", torch.float32), ("paged_padding", torch.float32)])
+def test_walk_in_parts_equals_one_walk(contract, dtype, device):
+    """A dense one-sequence call prepared and walked in parts (`ChunkPlan.parts`: on a GPU for few heads,
+    the prepare of each next part beside the walk of the part before it), the state carried between the
+    parts in fp32: the same arithmetic on the same chunks as one walk, so the same bits, with T not a
+    multiple of the parts (a short last part). Dense initial and final state; a paged pool (the other slots
+    untouched); a padding sequence (no slot read or written in any part, zero output, error word clear)."""
+    T, H, HV, K, V = 300, 1, 2, 32, 32
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device, seed=25)
+    kw.update(use_qk_l2norm_in_kernel=True)
+    runs = {}
+    for parts in (1, 3):
+        errors = torch.zeros(1, dtype=torch.int32, device=device)
+        if contract == "dense":
+            h0 = 0.1 * torch.randn(1, HV, K, V, generator=torch.Generator().manual_seed(1)).to(device)
+            o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(parts=parts), initial_state=h0,
+                                     output_final_state=True, errors=errors, **kw)
+            runs[parts] = (o, s)
+        else:
+            pool = poison_pool(4, (HV, K, V), torch.float32, device)
+            pool[2] = 0.1 * torch.randn(HV, K, V, generator=torch.Generator().manual_seed(2)).to(device)
+            before = pool.clone()
+            slot = -1 if contract == "paged_padding" else 2
+            o, _, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(parts=parts), state_cache=pool,
+                                     state_indices=torch.tensor([slot], dtype=torch.int32, device=device),
+                                     has_initial_state=torch.tensor([True], device=device), state_v_first=False,
+                                     errors=errors, **kw)
+            for other in (0, 1, 3) if slot == 2 else range(4):
+                assert torch.equal(bits(pool[other]), bits(before[other]))
+            runs[parts] = (o, pool[2])
+        assert plan.parts == parts and not errors.any()
+    assert torch.equal(bits(runs[3][0]), bits(runs[1][0])) and torch.equal(bits(runs[3][1]), bits(runs[1][1]))
+    if contract == "paged_padding":
+        assert torch.equal(runs[3][0], torch.zeros_like(runs[3][0]))
+    else:
+        init = h0 if contract == "dense" else before[2:3]
+        ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=init.cpu().double(),
+                                   output_final_state=True, **on_cpu(kw))
+        if dtype == torch.float32:
+            assert rel_err(runs[3][0], ro) < FP32_TOL and rel_err(runs[3][1], rs[0]) < FP32_TOL
+        else:  # 16-bit inputs: the gate pass and fp16 workspaces, per part
+            floor = rounding_floor(ro, dtype)
+            assert rel_err(runs[3][0], ro) <= kernel_bound(floor, dtype)
+            assert rel_err(runs[3][1], rs[0]) < NARROW_STATE_TOL

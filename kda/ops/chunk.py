@@ -24,6 +24,7 @@ from ..plan import (
     CHUNK,
     SUB,
     ChunkPlan,
+    StatePlan,
     cdiv,
     chunk_plan_and_route,
     gate_args,
@@ -49,7 +50,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         plan, (short, kept, kept_chunks) = chunk_plan_and_route(call)
     else:
         short, kept, kept_chunks = short_route(call, plan)
-    B, T, H, HV, K, V, N = call.B, call.T, call.H, call.HV, call.K, call.V, call.N
+    B, T, HV, K, V, N = call.B, call.T, call.HV, call.K, call.V, call.N
     if kept == 0:  # every sequence is short: the recurrent loop alone
         return fused_recurrent_kda_fwd(call)
     o = output_buffer(call)
@@ -67,7 +68,6 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     grid_chunks = kept_chunks if short else n_chunks  # routed sequences' chunks have no program
     cu = call.cu_seqlens if varlen else call.q  # stand-in when dense
     ws_dtype, prec = plan.ws_dtype, plan.dot_prec
-    fused = plan.prepare == "fused"
     w_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     u_ws = torch.empty((total, HV, V), dtype=torch.float32, device=dev)
     qd_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
@@ -76,48 +76,10 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     gt_ws = torch.empty((max(n_chunks, 1), HV, K), dtype=torch.float32, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+    if plan.parts > 1:
+        return _walk_in_parts(call, plan, o, st, (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws))
     if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
-        A_log, dt_bias, lower_bound = gate_args(call)
-        strides = (*token_head_strides(q, T), *token_head_strides(k, T))
-        g_beta = (*token_head_strides(g, T), *token_head_strides(beta, T))
-        v_strides = token_head_strides(v, T)
-        BV = min(64, max(16, next_power_of_2(V)))
-        common = dict(IS_VARLEN=varlen, SHORT=short, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
-                      DOT_PREC=prec)
-        if fused:
-            gate = dict(HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None)
-            b2_ws = gt_ws
-            if plan.gate_pass:
-                b2_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
-                _chunk_gate_kernel[(grid_chunks, HV, cdiv(K, plan.prepare_BK))](
-                    g, A_log, dt_bias, cu, b2_ws, gt_ws, *g_beta[:2], T, N, NT, lower_bound,
-                    HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short, **gate, num_warps=4,
-                    num_stages=1,
-                )
-            _chunk_prepare_kernel[(grid_chunks, HV)](
-                q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
-                *strides, *v_strides, *g_beta, T, N, NT, call.scale, lower_bound,
-                H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV, **gate,
-                CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
-                num_warps=plan.prepare_warps, num_stages=1, **common,
-            )
-        else:
-            akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
-            kd_ws = torch.empty_like(w_ws)
-            _chunk_intra_kernel[(grid_chunks, BT // SUB, HV)](
-                q, k, g, beta, A_log, dt_bias, cu, akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws, *strides, *g_beta,
-                T, N, NT, call.scale, lower_bound,
-                H=H, HV=HV, K=K, BT=BT, BC=SUB, BK=16,
-                USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
-                HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
-                USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **common,
-            )
-            _chunk_solve_kernel[(grid_chunks, HV)](
-                v, beta, cu, akk_ws, kd_ws, w_ws, u_ws, *v_strides, g_beta[2], g_beta[3],
-                T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), BV=BV, INV_PREC="ieee",
-                num_warps=4, num_stages=1, **common,
-            )
-
+        _prepare(call, plan, (q, k, v, g, beta), (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws), T, grid_chunks, short)
     # the walk
     BV = plan.walk_BV
     n_vb = cdiv(V, BV)
@@ -140,7 +102,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     errors = call.errors if has_errors else gt_ws  # gt_ws: a stand-in never written (HAS_ERRORS off)
     if plan.walk == "plain":  # with short sequences routed, only the kept ones have programs
         _chunk_state_kernel[(n_vb, kept, HV)](
-            o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors, T, N, NT,
+            o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors, T, N, NT, 0, total,
             HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec, **flags,
             HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma,
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
@@ -188,3 +150,137 @@ def _ragged(ws: torch.Tensor, cols: int) -> TensorDescriptor:
     desc.base, desc.padding = ws, "zero"
     desc.shape, desc.strides, desc.block_shape = _ragged_layout(tuple(ws.shape), ws.dtype, cols)
     return desc
+
+
+def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, grid_chunks: int, short: int) -> None:
+    """The gate pass (where planned) and the prepare of `grid_chunks` chunks: the whole call, or (with views of
+    the inputs and workspaces starting at a chunk boundary) a part of a dense one-sequence call of T tokens."""
+    q, k, v, g, beta = inputs
+    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws = ws
+    H, HV, K, V, N = call.H, call.HV, call.K, call.V, call.N
+    BT, dev = plan.BT, q.device
+    varlen = call.cu_seqlens is not None
+    NT = cdiv(T, BT)
+    total = call.B * T
+    cu = call.cu_seqlens if varlen else q  # stand-in when dense
+    prec = plan.dot_prec
+    fused = plan.prepare == "fused"
+    BK = max(16, next_power_of_2(K))
+    A_log, dt_bias, lower_bound = gate_args(call)
+    strides = (*token_head_strides(q, T), *token_head_strides(k, T))
+    g_beta = (*token_head_strides(g, T), *token_head_strides(beta, T))
+    v_strides = token_head_strides(v, T)
+    BV = min(64, max(16, next_power_of_2(V)))
+    common = dict(IS_VARLEN=varlen, SHORT=short, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
+                  DOT_PREC=prec)
+    if fused:
+        gate = dict(HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None)
+        b2_ws = gt_ws
+        if plan.gate_pass:
+            b2_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
+            _chunk_gate_kernel[(grid_chunks, HV, cdiv(K, plan.prepare_BK))](
+                g, A_log, dt_bias, cu, b2_ws, gt_ws, *g_beta[:2], T, N, NT, lower_bound,
+                HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short, **gate, num_warps=4,
+                num_stages=1,
+            )
+        _chunk_prepare_kernel[(grid_chunks, HV)](
+            q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
+            *strides, *v_strides, *g_beta, T, N, NT, call.scale, lower_bound,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV, **gate,
+            CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
+            num_warps=plan.prepare_warps, num_stages=1, **common,
+        )
+    else:
+        akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
+        kd_ws = torch.empty_like(w_ws)
+        _chunk_intra_kernel[(grid_chunks, BT // SUB, HV)](
+            q, k, g, beta, A_log, dt_bias, cu, akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws, *strides, *g_beta,
+            T, N, NT, call.scale, lower_bound,
+            H=H, HV=HV, K=K, BT=BT, BC=SUB, BK=16,
+            USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
+            HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
+            USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **common,
+        )
+        _chunk_solve_kernel[(grid_chunks, HV)](
+            v, beta, cu, akk_ws, kd_ws, w_ws, u_ws, *v_strides, g_beta[2], g_beta[3],
+            T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), BV=BV, INV_PREC="ieee",
+            num_warps=4, num_stages=1, **common,
+        )
+
+
+def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, ws: tuple):
+    """A dense one-sequence call with few walk programs (`ChunkPlan.parts`): the tokens in `plan.parts`
+    chunk-aligned parts. The prepare of part i + 1 runs beside the walk of part i (the walk on a side
+    stream, each part after its prepare's event), so the SMs the walk leaves idle prepare the next part;
+    the walks run in order, the state carried in fp32 between them (two planes, used in turn)."""
+    T, K, BT = call.T, call.K, plan.BT
+    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+    gt_ws = ws[5]
+    size = cdiv(cdiv(T, plan.parts), BT) * BT
+    bounds = list(range(0, T, size)) + [T]
+    BV, BK = plan.walk_BV, max(16, next_power_of_2(K))
+    w_ws, u_ws, qd_ws, kr_ws, aqk_ws = ws[:5]
+    walk_ws = ((_ragged(aqk_ws, BT), _ragged(w_ws, BK), _ragged(u_ws, BV), _ragged(qd_ws, BK), _ragged(kr_ws, BK),
+                gt_ws) if plan.walk_tma else (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws))
+    carry = torch.empty((2, 1, *call.state_plane_shape), dtype=torch.float32, device=q.device)
+    s_ot, s_oh = token_head_strides(o, T)
+    has_errors = call.errors is not None
+    errors = call.errors if has_errors else gt_ws
+    NT = cdiv(T, BT)
+    side = _side_stream(q) if q.is_cuda else None
+    main = torch.cuda.current_stream(q.device) if side is not None else None
+    if side is not None:
+        side.wait_stream(main)  # the inputs, and what the caller queued before this call
+    for i, (t_lo, t_hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        c_lo, c_hi = t_lo // BT, cdiv(t_hi, BT)
+        views = tuple(x[:, t_lo:t_hi] for x in (q, k, v, g, beta))
+        part_ws = tuple(x[t_lo:t_hi] for x in ws[:5]) + (gt_ws[c_lo:c_hi],)
+        _prepare(call, plan, views, part_ws, t_hi - t_lo, c_hi - c_lo, 0)
+        part = _part_state(st, carry, i, len(bounds) - 2)
+        if side is not None:
+            ready = torch.cuda.Event()
+            ready.record(main)
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                _part_walk(call, plan, o, part, walk_ws, errors, has_errors, s_ot, s_oh, NT, t_lo, t_hi, BK, BV)
+        else:
+            _part_walk(call, plan, o, part, walk_ws, errors, has_errors, s_ot, s_oh, NT, t_lo, t_hi, BK, BV)
+    if side is not None:
+        main.wait_stream(side)  # the caller's stream owns o, the state and every workspace again
+    return o, st.final_state
+
+
+def _part_state(st: StatePlan, carry: torch.Tensor, i: int, last: int) -> StatePlan:
+    """Where part i of `_walk_in_parts` reads and writes state: the call's source for the first part and
+    its destination for the last, a carry plane between (paged: the carry seen as a pool whose every slot is
+    that plane, stride 0, so a padding sequence or a bad slot stays a guarded no-op in every part)."""
+    def plane(j):
+        return carry[j].expand(st.src.shape[0], *carry.shape[2:]) if st.paged else carry[j]
+
+    src = st.src if i == 0 else plane((i - 1) % 2)
+    dst = st.dst if i == last else plane(i % 2)
+    return StatePlan(src, dst, st.slot_of_seq, st.has_initial_state if i == 0 else None, None, st.paged)
+
+
+def _part_walk(call, plan, o, st, walk_ws, errors, has_errors, s_ot, s_oh, NT, t_lo, t_hi, BK, BV) -> None:
+    gt_ws = walk_ws[5]
+    HV, K, V, T = call.HV, call.K, call.V, call.T
+    _chunk_state_kernel[(cdiv(V, BV), 1, HV)](
+        o, call.q, *walk_ws, *st.pointers(gt_ws), s_ot, s_oh, st.src_stride,
+        st.dst_stride, gt_ws, 0, 0, plan.BT, st.slot_count, errors, T, 1, NT, t_lo, t_hi,
+        HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV, IS_VARLEN=False, DOT_PREC=plan.dot_prec,
+        **st.flags(call.state_v_first), HAS_CHECKPOINTS=False, HAS_ERRORS=has_errors, SHORT=0,
+        TMA=plan.walk_tma, num_warps=plan.walk_warps, num_stages=plan.walk_stages,
+    )
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
+    """One side stream per device for `_walk_in_parts`, made at its first use."""
+    index = x.device.index or 0
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=x.device)
+    return stream

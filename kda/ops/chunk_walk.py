@@ -225,7 +225,7 @@ def _chunk_state_kernel(
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_ot, s_oh, src_stride, dst_stride,
     checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors,
-    T, N, NT,
+    T, N, NT, t_lo, t_hi,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -239,7 +239,9 @@ def _chunk_state_kernel(
     (`short_route`), and program i_n walks the i_n-th of the others (`kept_item`).
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
     s_ck, n_ck columns, one every ck_every tokens) stored into the pool `state_dst` of n_slots slots as
-    the walk passes them (`_walk`)."""
+    the walk passes them (`_walk`).
+    Only the tokens in [t_lo, t_hi) of each sequence are walked (a part of a dense one-sequence call whose
+    parts run one after another, the state carried between them: `kda.ops.chunk`); t_lo is a chunk start."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     if SHORT > 0:
@@ -253,11 +255,13 @@ def _chunk_state_kernel(
             n_slots, HAS_CHECKPOINTS, HAS_ERRORS)
     kv_ok = k_ok[:, None] & v_ok[None, :]
     o_h = o + i_hv * s_oh
+    w_lo = tl.maximum(bos, t_lo)
+    w_hi = tl.minimum(eos, t_hi)
     if slot < 0:  # padding sequence: no state read or write, zero output rows
-        _zero_rows(o_h, s_ot, bos, eos, o_v, v_ok, BT, BV)
+        _zero_rows(o_h, s_ot, w_lo, w_hi, o_v, v_ok, BT, BV)
     else:
-        p_first = chunk_program(i_n, bos, bos, NT, IS_VARLEN, BT)
-        S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
+        p_first = chunk_program(i_n, bos, w_lo, NT, IS_VARLEN, BT)
+        S = _walk(S, w_lo, w_hi, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
                   o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
                   checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride,
                   n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV)
