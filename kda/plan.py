@@ -238,22 +238,31 @@ def _route(N: int, S: int, lengths: list[int] | None) -> tuple[int, int, int]:
 WALK_BV64_STEP_COST = 1.2
 
 
-# tokens per part of a walk in parts: the prepare of the next part must outlast a part's launches
-PART_TOKENS = 2048
+# A walk in parts (H200, 1x4096..65536 H=12, `benchmarks/results/2026-12-01-915f3f1-h200-parts.md`): under CUDA
+# graph capture the host's launches cost nothing at replay, and parts of 1024 tokens or more (at most 8) were
+# fastest; called eagerly each part costs about 0.3 ms of host time (three Triton launches and the stream
+# handoff), so a part must hold about 98304 token-heads (8192 tokens at H = 12) of GPU work to outlast it.
+CAPTURED_PART_TOKENS = 1024
+EAGER_PART_TOKEN_HEADS = 98304
 MAX_PARTS = 8
 
 
 def _parts(call: KDACall, segmented: bool, walk_BV: int) -> int:
     """Parts of a dense one-sequence call whose walk keeps at most half the SMs (few heads): the prepare of
     each next part runs on the other SMs while the walk of the part before it runs (`kda.ops.chunk`).
-    Not with checkpoints (they are stored by the walk into the pool the parts do not write until the last)
-    nor on the CPU (no streams). 1: one prepare, then one walk."""
+    Finer under CUDA graph capture than eagerly (the constants above). Not with checkpoints (they are stored
+    by the walk into the pool the parts do not write until the last) nor on the CPU (no streams). 1: one
+    prepare, then one walk."""
     if (segmented or call.cu_seqlens is not None or call.B != 1 or call.checkpoint_every or not call.q.is_cuda
-            or interpreted() or call.T < 2 * PART_TOKENS):
+            or interpreted()):
         return 1
     if 2 * call.HV * cdiv(call.V, walk_BV) > _sm_count(call.q.device.index or 0):
         return 1
-    return min(MAX_PARTS, call.T // PART_TOKENS)
+    if torch.cuda.is_current_stream_capturing():
+        parts = call.T // CAPTURED_PART_TOKENS
+    else:
+        parts = call.T * call.HV // EAGER_PART_TOKEN_HEADS
+    return max(1, min(MAX_PARTS, parts))
 
 
 def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:

@@ -278,9 +278,11 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
-    """One side stream per device for `_walk_in_parts`, made at its first use."""
+    """One side stream per device for `_walk_in_parts`, made at its first use. At a higher priority than the
+    caller's streams: the walk is the call's serial chain, and its programs should take the SMs a finished
+    prepare program frees before the next prepare's do (1x65536 H=12: 2558 against 2758 us)."""
     index = x.device.index or 0
     stream = _SIDE_STREAMS.get(index)
     if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=x.device)
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=x.device, priority=-1)
     return stream
