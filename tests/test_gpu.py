@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import bits, make_inputs, rel_err, rounding_floor
+from helpers import bits, checked_call, make_inputs, rel_err, rounding_floor
 
 import kda
 import kda_reference as ref
@@ -167,6 +167,36 @@ def test_decode_replays_in_a_cuda_graph_bitwise():
     torch.cuda.synchronize()
     assert torch.equal(bits(out), bits(eager_out))
     assert torch.equal(bits(pool), bits(eager_pool))
+
+
+def test_prefill_in_parts_captured_replays_to_the_eager_bits():
+    """A dense one-sequence call with few heads runs in parts (the walk of each part on a side stream beside
+    the next part's prepare), finer under graph capture than eagerly (`kda.plan._parts`): the replayed graph
+    and the eager call give the same bits, and both equal a plan of one walk."""
+    from kda.ops.chunk import chunk_kda_fwd
+    from kda.plan import chunk_plan
+
+    args, h0, kw = _inputs(8192, H=2)
+    full = dict(output_final_state=True, initial_state=h0, **kw)
+    eager_o, eager_s = kda.chunk_kda(*args, **full)
+    call = checked_call(kda.chunk_kda, *args, **full)
+    one_o, one_s = chunk_kda_fwd(call, chunk_plan(call, parts=1))
+    out = torch.empty_like(eager_o)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kda.chunk_kda(*args, out=out, **full)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_plan = chunk_plan(call)
+        _, graph_s = kda.chunk_kda(*args, out=out, **full)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured_plan.parts == 8 and chunk_plan(call).parts < 8
+    assert torch.equal(bits(out), bits(eager_o)) and torch.equal(bits(graph_s), bits(eager_s))
+    assert torch.equal(bits(one_o), bits(eager_o)) and torch.equal(bits(one_s), bits(eager_s))
 
 
 def test_prefill_graph_replays_with_new_bounds_bitwise():
