@@ -176,7 +176,7 @@ def test_prefill_in_parts_captured_replays_to_the_eager_bits():
     from kda.ops.chunk import chunk_kda_fwd
     from kda.plan import chunk_plan
 
-    args, h0, kw = _inputs(8192, H=2)
+    args, h0, kw = _inputs(8192, H=12)  # 48 walk programs: the plain walk (fewer take the segmented one)
     full = dict(output_final_state=True, initial_state=h0, **kw)
     eager_o, eager_s = kda.chunk_kda(*args, **full)
     call = checked_call(kda.chunk_kda, *args, **full)
