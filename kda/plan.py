@@ -240,10 +240,11 @@ WALK_BV64_STEP_COST = 1.2
 
 # A walk in parts (H200, 1x4096..65536 H=12, `benchmarks/results/2026-12-01-915f3f1-h200-parts.md`): under CUDA
 # graph capture the host's launches cost nothing at replay, and parts of 1024 tokens or more (at most 8) were
-# fastest; called eagerly each part costs about 0.3 ms of host time (three Triton launches and the stream
-# handoff), so a part must hold about 98304 token-heads (8192 tokens at H = 12) of GPU work to outlast it.
+# fastest. Called eagerly each part costs 0.3-0.5 ms of host time (three Triton launches, the views, the
+# stream handoff): with two parts at 1x16384 H=12 the host took 0.7-1.0 ms a call and the eager call was no
+# faster than one walk, so a part must hold 196608 token-heads (16384 tokens at H = 12, about 0.7 ms of GPU).
 CAPTURED_PART_TOKENS = 1024
-EAGER_PART_TOKEN_HEADS = 98304
+EAGER_PART_TOKEN_HEADS = 196608
 MAX_PARTS = 8
 
 
