@@ -307,14 +307,20 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     prec = dot_precision(input_dtype)
     ws_dtype = workspace_dtype(input_dtype, qk_l2norm_in_kernel)
     BK = max(16, next_power_of_2(K))
+    # TMA wants 16-byte rows and row strides: K, V multiples of 8 (fp16 and fp32 tiles)
+    walk_tma = tma and not segmented and K % 8 == 0 and V % 8 == 0
+    stages = _walk_stages(CHUNK, BK, walk_BV, ws_dtype.itemsize)
+    if walk_tma and walk_BV == 64 and BK <= 128:
+        # V blocks of 64 serve shapes whose programs run in waves; by TMA two stages take 98 KiB of shared
+        # memory and 255 registers, two programs per SM, so twice the programs run at once (H200: 4x4096
+        # H=32 1449 -> 1396 us, 1x8192 H=96 2286 -> 2157; docs/performance.md)
+        stages = min(stages, 2)
     return ChunkPlan(
         prepare="fused" if fused else "split",
         walk="segmented" if segmented else "plain",
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
-        walk_BV=walk_BV, walk_stages=_walk_stages(CHUNK, BK, walk_BV, ws_dtype.itemsize),
-        # TMA wants 16-byte rows and row strides: K, V multiples of 8 (fp16 and fp32 tiles)
-        walk_tma=tma and not segmented and K % 8 == 0 and V % 8 == 0,
+        walk_BV=walk_BV, walk_stages=stages, walk_tma=walk_tma,
     )
 
 
