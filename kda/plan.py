@@ -248,13 +248,22 @@ EAGER_PART_TOKEN_HEADS = 196608
 MAX_PARTS = 8
 
 
+def one_whole_sequence(call: KDACall) -> bool:
+    """The call holds one sequence of all T tokens, known on the host: dense with B = 1, or varlen with one
+    sequence and host bounds (`cu_seqlens_cpu`, checked to be [0, T]), the form a serving engine passes for
+    a lone prefill."""
+    if call.cu_seqlens is None:
+        return call.B == 1
+    return call.N == 1 and call.host_bounds is not None
+
+
 def _parts(call: KDACall, segmented: bool, walk_BV: int) -> int:
-    """Parts of a dense one-sequence call whose walk keeps at most half the SMs (few heads): the prepare of
-    each next part runs on the other SMs while the walk of the part before it runs (`kda.ops.chunk`).
-    Finer under CUDA graph capture than eagerly (the constants above). Not with checkpoints (they are stored
-    by the walk into the pool the parts do not write until the last) nor on the CPU (no streams). 1: one
-    prepare, then one walk."""
-    if (segmented or call.cu_seqlens is not None or call.B != 1 or call.checkpoint_every or not call.q.is_cuda
+    """Parts of a one-sequence call (`one_whole_sequence`) whose walk keeps at most half the SMs (few heads):
+    the prepare of each next part runs on the other SMs while the walk of the part before it runs
+    (`kda.ops.chunk`). Finer under CUDA graph capture than eagerly (the constants above). Not with
+    checkpoints (they are stored by the walk into the pool the parts do not write until the last) nor on
+    the CPU (no streams). 1: one prepare, then one walk."""
+    if (segmented or not one_whole_sequence(call) or call.checkpoint_every or not call.q.is_cuda
             or interpreted()):
         return 1
     if 2 * call.HV * cdiv(call.V, walk_BV) > _sm_count(call.q.device.index or 0):

@@ -553,16 +553,22 @@ def test_walk_tma_loads_equal_pointer_loads(dtype, device):
 
 
 @pytest.mark.parametrize("contract,dtype", [("dense", torch.float32), ("dense", torch.bfloat16),
-                                            ("paged", torch.float32), ("paged_padding", torch.float32)])
+                                            ("paged", torch.float32), ("paged_padding", torch.float32),
+                                            ("varlen_paged", torch.bfloat16)])
 def test_walk_in_parts_equals_one_walk(contract, dtype, device):
-    """A dense one-sequence call prepared and walked in parts (`ChunkPlan.parts`: on a GPU for few heads,
-    the prepare of each next part beside the walk of the part before it), the state carried between the
-    parts in fp32: the same arithmetic on the same chunks as one walk, so the same bits, with T not a
-    multiple of the parts (a short last part). Dense initial and final state; a paged pool (the other slots
-    untouched); a padding sequence (no slot read or written in any part, zero output, error word clear)."""
+    """A one-sequence call prepared and walked in parts (`ChunkPlan.parts`: on a GPU for few heads, the
+    prepare of each next part beside the walk of the part before it), the state carried between the parts
+    in fp32: the same arithmetic on the same chunks as one walk, so the same bits, with T not a multiple
+    of the parts (a short last part). Dense initial and final state; a paged pool (the other slots
+    untouched); a padding sequence (no slot read or written in any part, zero output, error word clear);
+    varlen with bounds [0, T] given on the host too (an engine's lone prefill: the parts run it as dense,
+    one walk as varlen)."""
     T, H, HV, K, V = 300, 1, 2, 32, 32
     q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device, seed=25)
     kw.update(use_qk_l2norm_in_kernel=True)
+    if contract == "varlen_paged":
+        kw.update(cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=device),
+                  cu_seqlens_cpu=torch.tensor([0, T], dtype=torch.int32))
     runs = {}
     for parts in (1, 3):
         errors = torch.zeros(1, dtype=torch.int32, device=device)
@@ -597,3 +603,26 @@ def test_walk_in_parts_equals_one_walk(contract, dtype, device):
             floor = rounding_floor(ro, dtype)
             assert rel_err(runs[3][0], ro) <= kernel_bound(floor, dtype)
             assert rel_err(runs[3][1], rs[0]) < NARROW_STATE_TOL
+
+
+def test_one_whole_sequence_needs_the_bounds_on_the_host(device):
+    """Only a call whose one sequence covers all T tokens, known without reading the device, may run in
+    parts as a dense call: dense B = 1, or varlen with host bounds [0, T]; not two sequences, nor bounds
+    the host lacks."""
+    from kda.plan import one_whole_sequence
+
+    T = 200
+    q, k, v, g, beta, kw = make_inputs(2, T, 1, 1, 16, 16, gate="lower_bound", device=device, seed=3)
+    one = dict(q=q[:1], k=k[:1], v=v[:1], g=g[:1], beta=beta[:1])
+
+    def call(inputs, **extra):
+        return checked_call(kda.chunk_kda, *inputs.values(), **kw, **extra)
+
+    def bounds(*b):
+        return dict(cu_seqlens=torch.tensor(b, dtype=torch.int32, device=device))
+
+    assert one_whole_sequence(call(one))
+    assert not one_whole_sequence(checked_call(kda.chunk_kda, q, k, v, g, beta, **kw))
+    assert one_whole_sequence(call(one, **bounds(0, T), cu_seqlens_cpu=torch.tensor([0, T], dtype=torch.int32)))
+    assert not one_whole_sequence(call(one, **bounds(0, T)))
+    assert not one_whole_sequence(call(one, **bounds(0, 90, T), cu_seqlens_cpu=torch.tensor([0, 90, T])))

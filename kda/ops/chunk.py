@@ -29,6 +29,7 @@ from ..plan import (
     chunk_plan_and_route,
     gate_args,
     next_power_of_2,
+    one_whole_sequence,
     output_buffer,
     short_route,
     state_plan,
@@ -79,7 +80,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     if plan.parts > 1:
         return _walk_in_parts(call, plan, o, st, (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws))
     if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
-        _prepare(call, plan, (q, k, v, g, beta), (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws), T, grid_chunks, short)
+        _prepare(call, plan, (q, k, v, g, beta), (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws), T, grid_chunks, short,
+                 varlen)
     # the walk
     BV = plan.walk_BV
     n_vb = cdiv(V, BV)
@@ -152,14 +154,14 @@ def _ragged(ws: torch.Tensor, cols: int) -> TensorDescriptor:
     return desc
 
 
-def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, grid_chunks: int, short: int) -> None:
+def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, grid_chunks: int, short: int,
+             varlen: bool) -> None:
     """The gate pass (where planned) and the prepare of `grid_chunks` chunks: the whole call, or (with views of
-    the inputs and workspaces starting at a chunk boundary) a part of a dense one-sequence call of T tokens."""
+    the inputs and workspaces starting at a chunk boundary, `varlen` False) a part of a one-sequence call."""
     q, k, v, g, beta = inputs
     w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws = ws
     H, HV, K, V, N = call.H, call.HV, call.K, call.V, call.N
     BT, dev = plan.BT, q.device
-    varlen = call.cu_seqlens is not None
     NT = cdiv(T, BT)
     total = call.B * T
     cu = call.cu_seqlens if varlen else q  # stand-in when dense
@@ -209,10 +211,13 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
 
 
 def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, ws: tuple):
-    """A dense one-sequence call with few walk programs (`ChunkPlan.parts`): the tokens in `plan.parts`
-    chunk-aligned parts. The prepare of part i + 1 runs beside the walk of part i (the walk on a side
-    stream, each part after its prepare's event), so the SMs the walk leaves idle prepare the next part;
-    the walks run in order, the state carried in fp32 between them (two planes, used in turn)."""
+    """A one-sequence call with few walk programs (`ChunkPlan.parts`; `kda.plan.one_whole_sequence`: dense,
+    or varlen with host bounds [0, T], run here as dense): the tokens in `plan.parts` chunk-aligned parts.
+    The prepare of part i + 1 runs beside the walk of part i (the walk on a side stream, each part after its
+    prepare's event), so the SMs the walk leaves idle prepare the next part; the walks run in order, the
+    state carried in fp32 between them (two planes, used in turn)."""
+    if not one_whole_sequence(call):
+        raise ValueError("a plan in parts needs one sequence of all T tokens known on the host")
     T, K, BT = call.T, call.K, plan.BT
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     gt_ws = ws[5]
@@ -235,7 +240,7 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
         c_lo, c_hi = t_lo // BT, cdiv(t_hi, BT)
         views = tuple(x[:, t_lo:t_hi] for x in (q, k, v, g, beta))
         part_ws = tuple(x[t_lo:t_hi] for x in ws[:5]) + (gt_ws[c_lo:c_hi],)
-        _prepare(call, plan, views, part_ws, t_hi - t_lo, c_hi - c_lo, 0)
+        _prepare(call, plan, views, part_ws, t_hi - t_lo, c_hi - c_lo, 0, False)
         part = _part_state(st, carry, i, len(bounds) - 2)
         if side is not None:
             ready = torch.cuda.Event()
