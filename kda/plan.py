@@ -172,7 +172,7 @@ class ChunkPlan:
     walk_tma: bool = False  # the plain walk loads its chunk tiles by TMA (ragged tensor descriptors)
     segment_chunks: int = SEGMENT_CHUNKS
     short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
-    parts: int = 1  # a dense one-sequence call prepared and walked in this many overlapped parts (`_parts`)
+    parts: int = 1  # a one-sequence call prepared and walked in this many overlapped parts (`_parts`)
 
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
