@@ -169,14 +169,20 @@ def test_decode_replays_in_a_cuda_graph_bitwise():
     assert torch.equal(bits(pool), bits(eager_pool))
 
 
-def test_prefill_in_parts_captured_replays_to_the_eager_bits():
-    """A dense one-sequence call with few heads runs in parts (the walk of each part on a side stream beside
-    the next part's prepare), finer under graph capture than eagerly (`kda.plan._parts`): the replayed graph
-    and the eager call give the same bits, and both equal a plan of one walk."""
+@pytest.mark.parametrize("form", ["dense", "varlen"])
+def test_prefill_in_parts_captured_replays_to_the_eager_bits(form):
+    """A one-sequence call with few heads runs in parts (the walk of each part on a side stream beside the
+    next part's prepare), finer under graph capture than eagerly (`kda.plan._parts`): the replayed graph and
+    the eager call give the same bits, and both equal a plan of one walk. Varlen with host bounds [0, T]
+    (an engine's lone prefill) takes the same parts, run as the dense form."""
     from kda.ops.chunk import chunk_kda_fwd
     from kda.plan import chunk_plan
 
-    args, h0, kw = _inputs(8192, H=12)  # 48 walk programs: the plain walk (fewer take the segmented one)
+    T = 8192
+    args, h0, kw = _inputs(T, H=12)  # 48 walk programs: the plain walk (fewer take the segmented one)
+    if form == "varlen":
+        kw.update(cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device="cuda"),
+                  cu_seqlens_cpu=torch.tensor([0, T], dtype=torch.int32))
     full = dict(output_final_state=True, initial_state=h0, **kw)
     eager_o, eager_s = kda.chunk_kda(*args, **full)
     call = checked_call(kda.chunk_kda, *args, **full)
