@@ -238,11 +238,9 @@ def _route(N: int, S: int, lengths: list[int] | None) -> tuple[int, int, int]:
 WALK_BV64_STEP_COST = 1.2
 
 
-# A walk in parts (H200, 1x4096..65536 H=12, `benchmarks/results/2026-12-01-915f3f1-h200-parts.md`): under CUDA
-# graph capture the host's launches cost nothing at replay, and parts of 1024 tokens or more (at most 8) were
-# fastest. Called eagerly each part costs 0.3-0.5 ms of host time (three Triton launches, the views, the
-# stream handoff): with two parts at 1x16384 H=12 the host took 0.7-1.0 ms a call and the eager call was no
-# faster than one walk, so a part must hold 196608 token-heads (16384 tokens at H = 12, about 0.7 ms of GPU).
+# Parts of a walk in parts: under CUDA graph capture the host's launches cost nothing at replay; called eagerly
+# each part costs its launches' host time, so a part must hold enough GPU work to outlast them (H200 sweep:
+# docs/performance.md, "Walk in parts").
 CAPTURED_PART_TOKENS = 1024
 EAGER_PART_TOKEN_HEADS = 196608
 MAX_PARTS = 8
@@ -320,9 +318,8 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     walk_tma = tma and not segmented and K % 8 == 0 and V % 8 == 0
     stages = _walk_stages(CHUNK, BK, walk_BV, ws_dtype.itemsize)
     if walk_tma and walk_BV == 64 and BK <= 128:
-        # V blocks of 64 serve shapes whose programs run in waves; by TMA two stages take 98 KiB of shared
-        # memory and 255 registers, two programs per SM, so twice the programs run at once (H200: 4x4096
-        # H=32 1449 -> 1396 us, 1x8192 H=96 2286 -> 2157; docs/performance.md)
+        # V blocks of 64 serve shapes whose programs run in waves; by TMA two stages fit two programs on an
+        # SM, so twice the programs run at once (docs/performance.md, "Two walk programs per SM")
         stages = min(stages, 2)
     return ChunkPlan(
         prepare="fused" if fused else "split",

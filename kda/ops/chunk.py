@@ -21,7 +21,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..contract import KDACall
 from ..plan import (
-    CHUNK,
     SUB,
     ChunkPlan,
     StatePlan,
@@ -83,33 +82,23 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         _prepare(call, plan, (q, k, v, g, beta), (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws), T, grid_chunks, short,
                  varlen)
     # the walk
-    BV = plan.walk_BV
-    n_vb = cdiv(V, BV)
-    pools = st.pointers(gt_ws)
-    flags = st.flags(call.state_v_first)
     walk_ws = (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws)
-    if plan.walk_tma and plan.walk == "plain":
-        # the chunk tiles by TMA from Triton's ragged descriptors (two leading dimensions whose strides wrap
-        # around 2^64): a load given a start token and a row count reads zeros past those rows, so a chunk
-        # stops at its sequence's end without a mask
-        walk_ws = (_ragged(aqk_ws, BT), _ragged(w_ws, BK), _ragged(u_ws, BV), _ragged(qd_ws, BK),
-                   _ragged(kr_ws, BK), gt_ws)
-    s_ot, s_oh = token_head_strides(o, T)
     ckpt = call.checkpoint_indices
     has_ckpt = ckpt is not None
     # checkpoint row, row stride, columns, spacing (a stand-in and zeros without checkpoints), pool slots
     ck_args = ((ckpt, ckpt.stride(0), ckpt.shape[1], call.checkpoint_every, st.slot_count) if has_ckpt
                else (gt_ws, 0, 0, BT, st.slot_count))
+    if plan.walk == "plain":  # with short sequences routed, only the kept ones have programs
+        _plain_walk(call, plan, o, st, _walk_tiles(plan, walk_ws, BK), cu, kept, N, varlen, short, ck_args,
+                    has_ckpt, 0, total)
+        return o, st.final_state
+    BV = plan.walk_BV
+    n_vb = cdiv(V, BV)
+    pools = st.pointers(gt_ws)
+    flags = st.flags(call.state_v_first)
+    s_ot, s_oh = token_head_strides(o, T)
     has_errors = call.errors is not None
     errors = call.errors if has_errors else gt_ws  # gt_ws: a stand-in never written (HAS_ERRORS off)
-    if plan.walk == "plain":  # with short sequences routed, only the kept ones have programs
-        _chunk_state_kernel[(n_vb, kept, HV)](
-            o, cu, *walk_ws, *pools, s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors, T, N, NT, 0, total,
-            HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec, **flags,
-            HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma,
-            num_warps=plan.walk_warps, num_stages=plan.walk_stages,
-        )
-        return o, st.final_state
     G = plan.segment_chunks
     NSEG = cdiv(T, BT * G)
     n_seg = (T // (BT * G) + N) if varlen else B * NSEG
@@ -137,20 +126,50 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
 
 
 @functools.lru_cache(maxsize=256)
-def _ragged_layout(shape: tuple, dtype: torch.dtype, cols: int) -> tuple:
+def _ragged_layout(shape: tuple, dtype: torch.dtype, rows: int, cols: int) -> tuple:
     """(shape, strides, block) of Triton's ragged descriptor of a contiguous `[tokens, HV, C]` workspace with
-    tiles of [64 tokens, 1 head, cols], from `create_ragged_descriptor` itself (on a meta tensor)."""
-    desc = create_ragged_descriptor(torch.empty(shape, dtype=dtype, device="meta"), [CHUNK, 1, cols])
+    tiles of [rows tokens, 1 head, cols], from `create_ragged_descriptor` itself (on a meta tensor)."""
+    desc = create_ragged_descriptor(torch.empty(shape, dtype=dtype, device="meta"), [rows, 1, cols])
     return list(desc.shape), list(desc.strides), list(desc.block_shape)
 
 
-def _ragged(ws: torch.Tensor, cols: int) -> TensorDescriptor:
+def _walk_tiles(plan: ChunkPlan, walk_ws: tuple, BK: int) -> tuple:
+    """The plain walk's workspaces (A_qk, W, U0, Qd, Kr, gt) as its kernel takes them: with TMA, ragged
+    descriptors (two leading dimensions whose strides wrap around 2^64: a load given a start token and a row
+    count reads zeros past those rows, so a chunk stops at its sequence's end without a mask)."""
+    if not plan.walk_tma:
+        return walk_ws
+    aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws = walk_ws
+    BT, BV = plan.BT, plan.walk_BV
+    return (_ragged(aqk_ws, BT, BT), _ragged(w_ws, BT, BK), _ragged(u_ws, BT, BV), _ragged(qd_ws, BT, BK),
+            _ragged(kr_ws, BT, BK), gt_ws)
+
+
+def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
+                N: int, varlen: bool, short: int, ck_args: tuple, has_ckpt: bool, t_lo: int, t_hi: int) -> None:
+    """`_chunk_state_kernel` over `seqs` sequences and the tokens [t_lo, t_hi) of each: the whole call, or one
+    part of `_walk_in_parts` (run as a dense call of one sequence, `st` that part's state)."""
+    T, HV, K, V, BT, BV = call.T, call.HV, call.K, call.V, plan.BT, plan.walk_BV
+    s_ot, s_oh = token_head_strides(o, T)
+    has_errors = call.errors is not None
+    errors = call.errors if has_errors else walk_ws[5]  # gt_ws: a stand-in never written (HAS_ERRORS off)
+    _chunk_state_kernel[(cdiv(V, BV), seqs, HV)](
+        o, cu, *walk_ws, *st.pointers(walk_ws[5]), s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors,
+        T, N, cdiv(T, BT), t_lo, t_hi,
+        HV=HV, K=K, V=V, BT=BT, BK=max(16, next_power_of_2(K)), BV=BV, IS_VARLEN=varlen, DOT_PREC=plan.dot_prec,
+        **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
+        HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma,
+        num_warps=plan.walk_warps, num_stages=plan.walk_stages,
+    )
+
+
+def _ragged(ws: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
     """The ragged descriptor of a fresh contiguous workspace, its layout cached on the shape: building one
     with `create_ragged_descriptor` costs about 10 us of host time, its checks (alignment, contiguity) hold
     for every workspace this module allocates."""
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.padding = ws, "zero"
-    desc.shape, desc.strides, desc.block_shape = _ragged_layout(tuple(ws.shape), ws.dtype, cols)
+    desc.shape, desc.strides, desc.block_shape = _ragged_layout(tuple(ws.shape), ws.dtype, rows, cols)
     return desc
 
 
@@ -218,20 +237,15 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
     state carried in fp32 between them (two planes, used in turn)."""
     if not one_whole_sequence(call):
         raise ValueError("a plan in parts needs one sequence of all T tokens known on the host")
-    T, K, BT = call.T, call.K, plan.BT
+    T, BT = call.T, plan.BT
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     gt_ws = ws[5]
     size = cdiv(cdiv(T, plan.parts), BT) * BT
     bounds = list(range(0, T, size)) + [T]
-    BV, BK = plan.walk_BV, max(16, next_power_of_2(K))
     w_ws, u_ws, qd_ws, kr_ws, aqk_ws = ws[:5]
-    walk_ws = ((_ragged(aqk_ws, BT), _ragged(w_ws, BK), _ragged(u_ws, BV), _ragged(qd_ws, BK), _ragged(kr_ws, BK),
-                gt_ws) if plan.walk_tma else (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws))
+    walk_ws = _walk_tiles(plan, (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws), max(16, next_power_of_2(call.K)))
     carry = torch.empty((2, 1, *call.state_plane_shape), dtype=torch.float32, device=q.device)
-    s_ot, s_oh = token_head_strides(o, T)
-    has_errors = call.errors is not None
-    errors = call.errors if has_errors else gt_ws
-    NT = cdiv(T, BT)
+    no_ckpt = (gt_ws, 0, 0, BT, st.slot_count)  # the parts keep no checkpoints (`kda.plan._parts`)
     side = _side_stream(q) if q.is_cuda else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
     if side is not None:
@@ -247,9 +261,9 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
             ready.record(main)
             side.wait_event(ready)
             with torch.cuda.stream(side):
-                _part_walk(call, plan, o, part, walk_ws, errors, has_errors, s_ot, s_oh, NT, t_lo, t_hi, BK, BV)
+                _plain_walk(call, plan, o, part, walk_ws, q, 1, 1, False, 0, no_ckpt, False, t_lo, t_hi)
         else:
-            _part_walk(call, plan, o, part, walk_ws, errors, has_errors, s_ot, s_oh, NT, t_lo, t_hi, BK, BV)
+            _plain_walk(call, plan, o, part, walk_ws, q, 1, 1, False, 0, no_ckpt, False, t_lo, t_hi)
     if side is not None:
         main.wait_stream(side)  # the caller's stream owns o, the state and every workspace again
     return o, st.final_state
@@ -267,25 +281,13 @@ def _part_state(st: StatePlan, carry: torch.Tensor, i: int, last: int) -> StateP
     return StatePlan(src, dst, st.slot_of_seq, st.has_initial_state if i == 0 else None, None, st.paged)
 
 
-def _part_walk(call, plan, o, st, walk_ws, errors, has_errors, s_ot, s_oh, NT, t_lo, t_hi, BK, BV) -> None:
-    gt_ws = walk_ws[5]
-    HV, K, V, T = call.HV, call.K, call.V, call.T
-    _chunk_state_kernel[(cdiv(V, BV), 1, HV)](
-        o, call.q, *walk_ws, *st.pointers(gt_ws), s_ot, s_oh, st.src_stride,
-        st.dst_stride, gt_ws, 0, 0, plan.BT, st.slot_count, errors, T, 1, NT, t_lo, t_hi,
-        HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV, IS_VARLEN=False, DOT_PREC=plan.dot_prec,
-        **st.flags(call.state_v_first), HAS_CHECKPOINTS=False, HAS_ERRORS=has_errors, SHORT=0,
-        TMA=plan.walk_tma, num_warps=plan.walk_warps, num_stages=plan.walk_stages,
-    )
-
-
 _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
     """One side stream per device for `_walk_in_parts`, made at its first use. At a higher priority than the
     caller's streams: the walk is the call's serial chain, and its programs should take the SMs a finished
-    prepare program frees before the next prepare's do (1x65536 H=12: 2558 against 2758 us)."""
+    prepare program frees before the next prepare's do."""
     index = x.device.index or 0
     stream = _SIDE_STREAMS.get(index)
     if stream is None:
