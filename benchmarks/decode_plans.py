@@ -35,6 +35,14 @@ PLANS = {
     "1tok nsub1 BV64 nw4": dict(nsub=1, BV=64, num_warps=4),
     "1tok nsub2 BV32 nw4": dict(nsub=2, BV=32, num_warps=4),
     "1tok nsub4 BV16 nw2": dict(nsub=4, BV=16, num_warps=2),
+    "1tok nsub1 BV32 nw1": dict(nsub=1, BV=32, num_warps=1),
+    "1tok nsub1 BV32 nw4": dict(nsub=1, BV=32, num_warps=4),
+    "1tok nsub1 BV64 nw2": dict(nsub=1, BV=64, num_warps=2),
+    "1tok nsub1 BV64 nw8": dict(nsub=1, BV=64, num_warps=8),
+    "1tok nsub1 BV128 nw4": dict(nsub=1, BV=128, num_warps=4),
+    "1tok nsub1 BV128 nw8": dict(nsub=1, BV=128, num_warps=8),
+    "1tok nsub2 BV32 nw2": dict(nsub=2, BV=32, num_warps=2),
+    "1tok nsub2 BV64 nw4": dict(nsub=2, BV=64, num_warps=4),
 }
 
 
