@@ -373,7 +373,7 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -
     - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (the K reduction stays in a warp).
     - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
-      one block of BV 64 (fp32, 4 warps) or 32 (2-byte, 2 warps).
+      one block of BV 64 (fp32, 2 warps) or 32 (2-byte, 1 warp).
     `overrides` replace any field (tests)."""
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
                         bool(stochastic_rounding))
@@ -393,6 +393,9 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         BV = min(64 if (BK <= 128 and not (one_token_per_seq and state_bytes == 2)) else 32,
                  max(16, next_power_of_2(V)))
         nsub = 1 if one_token_per_seq else 0
-    num_warps = 1 if interpreted() else max(1, min(8, BK * BV // 2048))
+    # about 64 fp32 state elements a thread; a K-first one-token program twice that (H200 sweep, fewer
+    # threads per plane: docs/performance.md)
+    per_warp = 4096 if (nsub and not v_first) else 2048
+    num_warps = 1 if interpreted() else max(1, min(8, BK * BV // per_warp))
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
     return DecodePlan(BK, BV, num_warps, nsub, sr)
