@@ -605,6 +605,37 @@ def test_walk_in_parts_equals_one_walk(contract, dtype, device):
             assert rel_err(runs[3][1], rs[0]) < NARROW_STATE_TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lone_varlen_prefill_with_host_bounds_runs_as_dense(dtype, device):
+    """A varlen call of one sequence with host bounds [0, T] (an engine's lone prefill) runs the dense
+    kernels: the same bits as the dense call into the same paged K-first pool, checkpoints included, and
+    every other slot untouched; the varlen kernels (no host bounds) agree to rounding."""
+    T, H, HV, K, V = 300, 1, 2, 32, 32
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device, seed=31)
+    kw.update(use_qk_l2norm_in_kernel=True, state_v_first=False, checkpoint_every=128,
+              checkpoint_indices=torch.tensor([[4, 1]], dtype=torch.int32, device=device),
+              state_indices=torch.tensor([2], dtype=torch.int32, device=device),
+              has_initial_state=torch.tensor([True], device=device))
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    forms = {"dense": {}, "host": dict(cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, T], dtype=torch.int32)),
+             "device": dict(cu_seqlens=cu)}
+    runs = {}
+    for name, extra in forms.items():
+        pool = poison_pool(6, (HV, K, V), torch.float32, device)
+        pool[2] = 0.1 * torch.randn(HV, K, V, generator=torch.Generator().manual_seed(2)).to(device)
+        before = pool.clone()
+        o, _ = kda.chunk_kda(q, k, v, g, beta, state_cache=pool, **kw, **extra)
+        for other in (0, 3, 5):
+            assert torch.equal(bits(pool[other]), bits(before[other]))
+        runs[name] = (o, pool)
+    assert torch.equal(bits(runs["host"][0]), bits(runs["dense"][0]))
+    assert torch.equal(bits(runs["host"][1]), bits(runs["dense"][1]))
+    tol = FP32_TOL if dtype == torch.float32 else NARROW_STATE_TOL
+    for slot in (1, 2, 4):
+        assert rel_err(runs["device"][1][slot], runs["dense"][1][slot].double()) < tol
+    assert rel_err(runs["device"][0], runs["dense"][0].double()) < tol
+
+
 def test_one_whole_sequence_needs_the_bounds_on_the_host(device):
     """Only a call whose one sequence covers all T tokens, known without reading the device, may run in
     parts as a dense call: dense B = 1, or varlen with host bounds [0, T]; not two sequences, nor bounds

@@ -60,7 +60,9 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     if short:
         fused_recurrent_kda_fwd(call, short=short, o=o, st=st)
     BT, dev = plan.BT, call.q.device
-    varlen = call.cu_seqlens is not None
+    # a lone varlen prefill with host bounds [0, T] runs as the dense call it equals: the same bits, and the
+    # varlen kernels' bound loads and extra chunk program per head cost 5% (docs/performance.md)
+    varlen = call.cu_seqlens is not None and not one_whole_sequence(call)
     total = B * T
     NT = cdiv(T, BT)
     BK = max(16, next_power_of_2(K))  # the K tile that covers K (walk) or its slices (split prepare)
