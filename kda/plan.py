@@ -25,8 +25,8 @@ LOG2E = 1.4426950408889634
 CHUNK = 64  # BT: tokens per chunk of the prepare stage and the walk
 assert CHECKPOINT_MULTIPLE % CHUNK == 0  # every checkpoint offset is a chunk end of the walk
 SUB = 16  # BC: rows of the diagonal blocks inverted by forward substitution (split prepare)
-# the fused prepare's: 4 x 4 blocks by forward substitution, then four block merges as tf32 dots (timed
-# faster than 16 x 16 blocks and two merges, same accuracy: docs/performance.md)
+# the fused prepare's: 4 x 4 diagonal blocks by their series (two dots), then four block merges as tf32
+# dots (timed faster than 16 x 16 blocks and two merges, same accuracy: docs/performance.md)
 FUSED_SUB = 4
 SEGMENT_CHUNKS = 16  # G: chunks per segment of the segmented walk
 # chunk_kda sends sequences of 1..SHORT_LEN tokens (decodes and short continuations in a mixed batch)

@@ -17,8 +17,8 @@ Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
   most |lb| log2(e) log2 units per token: each 32-row half of A is anchored at its middle row (at most 16
   tokens away: 2^115 at lb = -5; both halves in one dot whose off-diagonal quadrants are dropped), the
   block of second-half rows against first-half columns at the first row of the second half (both factors
-  <= 1, so fp16 operands where the dots run in tf32). The inverse: forward substitution inside the
-  `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling.
+  <= 1, so fp16 operands where the dots run in tf32). The inverse: the finite series I - L + L^2 - ... inside
+  the `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling.
 - `_chunk_intra_kernel` + `_chunk_solve_kernel`, for any gate (a raw log-decay may be -1000 per token):
   the diagonal 16 x 16 blocks take 2^(b_i - b_j) pairwise (every exponent <= 0), the cumsum in fp64.
 
@@ -145,25 +145,40 @@ def _cat_cols(a, b):
 @triton.jit
 def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """X = (I + L)^-1 for a strictly lower [BT, BT] tile L (the oracle's `INV`). Inside the BC x BC
-    diagonal blocks by forward substitution in fp32 (X_i = e_i - sum_{j<i} L_ij X_j, all blocks at once),
-    then one merge per doubling of the block width: for M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1),
-    M^-1 = D - D E D with E = [[0, 0], [C, 0]] (block forward substitution written as two dots)."""
+    diagonal blocks by their finite series with tf32 dots (below; forward substitution with fp32 ones, which
+    run on the FMA units and spill more as two more dots), then one merge per doubling of the block width: for
+    M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1), M^-1 = D - D E D with E = [[0, 0], [C, 0]] (block forward
+    substitution written as two dots). Every dot takes operands rounded to nearest at PREC, as X is in the
+    merges anyway; the series' terms stay small (entries of L are at most |beta| in magnitude, and a 4 x 4
+    block's square and cube have at most two and one terms per entry), so little is lost to cancellation
+    (forward substitution in fp32 on [NB, BC, BC] tiles gave the same accuracy, also with correlated keys
+    and beta up to 1.9, and took 2.4% longer at 1x16384 H=32: docs/performance.md)."""
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
-    o_b = tl.arange(0, NB)
-    same_blk = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]
-    L3 = tl.sum(tl.where(same_blk, tl.reshape(L, [NB, BC, NB, BC]), 0.0), 2)  # the diagonal blocks
-    o_i = tl.arange(0, BC)[None, :, None]
-    o_j = tl.arange(0, BC)[None, None, :]
-    eye3 = tl.where(o_i == o_j, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    X3 = eye3
-    for i in tl.static_range(1, BC):
-        l_i = tl.sum(tl.where(o_i == i, L3, 0.0), 1)  # [NB, BC]: row i of every block
-        x_i = tl.sum(l_i[:, :, None] * X3, 1)
-        X3 = tl.where(o_i == i, eye3 - x_i[:, None, :], X3)
-    X = tl.reshape(tl.where(same_blk, tl.reshape(X3, [NB, BC, 1, BC]), 0.0), [BT, BT])
     rb = o_t[:, None] // BC
     cb = o_t[None, :] // BC
+    if PREC == "tf32":
+        # the diagonal blocks' inverse as the series I - Ld + Ld^2 - ... (Ld^BC = 0: Ld is strictly lower
+        # inside BC x BC blocks), by X <- I - Ld X from X = I - Ld: BC - 2 tensor-core dots, no 3-D tiles
+        eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+        Ld = tl.where(rb == cb, L, 0.0)
+        X = eye - Ld
+        Ldr = tf32_round(Ld, PREC)
+        for _ in tl.static_range(2, BC):
+            X = eye - tl.dot(Ldr, tf32_round(X, PREC), input_precision=PREC)
+    else:  # fp32 dots run on the FMA units: forward substitution, all blocks at once in [NB, BC, BC] tiles
+        o_b = tl.arange(0, NB)
+        same_blk = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]
+        L3 = tl.sum(tl.where(same_blk, tl.reshape(L, [NB, BC, NB, BC]), 0.0), 2)  # the diagonal blocks
+        o_i = tl.arange(0, BC)[None, :, None]
+        o_j = tl.arange(0, BC)[None, None, :]
+        eye3 = tl.where(o_i == o_j, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+        X3 = eye3
+        for i in tl.static_range(1, BC):
+            l_i = tl.sum(tl.where(o_i == i, L3, 0.0), 1)  # [NB, BC]: row i of every block
+            x_i = tl.sum(l_i[:, :, None] * X3, 1)
+            X3 = tl.where(o_i == i, eye3 - x_i[:, None, :], X3)
+        X = tl.reshape(tl.where(same_blk, tl.reshape(X3, [NB, BC, 1, BC]), 0.0), [BT, BT])
     for lvl in tl.static_range(0, 4):
         if (1 << lvl) < NB:
             # blocks of width BC 2^lvl: E holds L's blocks just below the diagonal of every pair
