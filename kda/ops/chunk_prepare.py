@@ -143,6 +143,22 @@ def _cat_cols(a, b):
 
 
 @triton.jit
+def _block_forward_substitution(L3, BC: tl.constexpr):
+    """(I + L_b)^-1 of every strictly lower BC x BC block L_b of the [NB, BC, BC] tile L3, by forward
+    substitution in fp32, all blocks at once: X_i = e_i - sum_{j<i} L_ij X_j."""
+    NB: tl.constexpr = L3.shape[0]
+    o_i = tl.arange(0, BC)[None, :, None]
+    o_j = tl.arange(0, BC)[None, None, :]
+    eye3 = tl.where(o_i == o_j, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    X3 = eye3
+    for i in tl.static_range(1, BC):
+        l_i = tl.sum(tl.where(o_i == i, L3, 0.0), 1)  # [NB, BC]: row i of every block
+        x_i = tl.sum(l_i[:, :, None] * X3, 1)
+        X3 = tl.where(o_i == i, eye3 - x_i[:, None, :], X3)
+    return X3
+
+
+@triton.jit
 def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """X = (I + L)^-1 for a strictly lower [BT, BT] tile L (the oracle's `INV`). Inside the BC x BC
     diagonal blocks by their finite series with tf32 dots (below; forward substitution with fp32 ones, which
@@ -170,14 +186,7 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
         o_b = tl.arange(0, NB)
         same_blk = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]
         L3 = tl.sum(tl.where(same_blk, tl.reshape(L, [NB, BC, NB, BC]), 0.0), 2)  # the diagonal blocks
-        o_i = tl.arange(0, BC)[None, :, None]
-        o_j = tl.arange(0, BC)[None, None, :]
-        eye3 = tl.where(o_i == o_j, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-        X3 = eye3
-        for i in tl.static_range(1, BC):
-            l_i = tl.sum(tl.where(o_i == i, L3, 0.0), 1)  # [NB, BC]: row i of every block
-            x_i = tl.sum(l_i[:, :, None] * X3, 1)
-            X3 = tl.where(o_i == i, eye3 - x_i[:, None, :], X3)
+        X3 = _block_forward_substitution(L3, BC)
         X = tl.reshape(tl.where(same_blk, tl.reshape(X3, [NB, BC, 1, BC]), 0.0), [BT, BT])
     for lvl in tl.static_range(0, 4):
         if (1 << lvl) < NB:
@@ -488,12 +497,7 @@ def _chunk_solve_kernel(
     addr3 = (t0 + o_b * BC + o_i) * (HV * BT) + o_b * BC + o_j
     ok3 = ((o_b * BC + o_i) < n_rows) & ((o_b * BC + o_j) < n_rows)
     L3 = tl.load(a_h + addr3, mask=ok3 & (o_j < o_i), other=0.0)
-    eye3 = tl.where(o_i == o_j, 1.0, 0.0) + tl.zeros([NC, BC, BC], dtype=tl.float32)
-    X3 = eye3
-    for i in tl.static_range(1, BC):
-        l_i = tl.sum(tl.where(o_i == i, L3, 0.0), 1)  # [NC, BC]: row i of every block
-        x_i = tl.sum(l_i[:, :, None] * X3, 1)
-        X3 = tl.where(o_i == i, eye3 - x_i[:, None, :], X3)
+    X3 = _block_forward_substitution(L3, BC)
     tl.debug_barrier()  # every thread has read its part of A_kk before the diagonal blocks are overwritten
     tl.store(a_h + addr3, X3, mask=ok3)
     tl.debug_barrier()
