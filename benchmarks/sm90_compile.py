@@ -140,7 +140,7 @@ def compile_case(name: str, maxnreg: int | None, out: Path | None) -> dict:
     ptx = kernel.asm["ptx"]
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas(90).path if callable(get_ptxas) else get_ptxas().path
+    ptxas = get_ptxas(90).path
     work = out or Path("/tmp") / "kda_sm90"
     work.mkdir(parents=True, exist_ok=True)
     (work / f"{name}.ptx").write_text(ptx)

@@ -561,8 +561,8 @@ def test_walk_in_parts_equals_one_walk(contract, dtype, device):
     in fp32: the same arithmetic on the same chunks as one walk, so the same bits, with T not a multiple
     of the parts (a short last part). Dense initial and final state; a paged pool (the other slots
     untouched); a padding sequence (no slot read or written in any part, zero output, error word clear);
-    varlen with bounds [0, T] given on the host too (an engine's lone prefill: the parts run it as dense,
-    one walk as varlen)."""
+    varlen with bounds [0, T] given on the host too (an engine's lone prefill, run as the dense form in
+    parts and in one walk alike)."""
     T, H, HV, K, V = 300, 1, 2, 32, 32
     q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device, seed=25)
     kw.update(use_qk_l2norm_in_kernel=True)
