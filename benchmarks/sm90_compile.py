@@ -113,6 +113,7 @@ FLOATS = ("scale", "lower_bound")
 
 def compile_case(name: str, maxnreg: int | None, out: Path | None) -> dict:
     fn, ptrs, consts, special, warps, stages = CASES[name]()
+    fn = getattr(fn, "fn", fn)  # the JIT function under `kda.ops.launch.DirectKernel`
     sig, attrs, cx = {}, {}, dict(consts)
     for i, p in enumerate(fn.params):
         if p.is_constexpr:

@@ -46,6 +46,7 @@ from .common import (
     tf32_round,
     tile_mask,
 )
+from .launch import direct
 
 
 @triton.jit
@@ -199,6 +200,7 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
     return X
 
 
+@direct
 @triton.jit
 def _chunk_gate_kernel(
     g, A_log, dt_bias, cu_seqlens, b2_ws, gt_ws,
@@ -236,6 +238,7 @@ def _b2_row(b2_ws, ws_base, r, n_rows, cols, HV: tl.constexpr, K: tl.constexpr):
     return tl.load(b2_ws + ws_base + tl.minimum(r, n_rows - 1) * (HV * K) + cols, mask=cols < K, other=0.0)
 
 
+@direct
 @triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
@@ -360,6 +363,7 @@ def _chunk_prepare_kernel(
                  tl.dot(Xb, tf32_round(v_c, DOT_PREC), input_precision=DOT_PREC), mask=m)
 
 
+@direct
 @triton.jit
 def _chunk_intra_kernel(
     q, k, g, beta, A_log, dt_bias, cu_seqlens,
@@ -462,6 +466,7 @@ def _chunk_intra_kernel(
 
 
 
+@direct
 @triton.jit
 def _chunk_solve_kernel(
     v, beta, cu_seqlens, akk_ws, kd_ws, w_ws, u_ws,

@@ -48,6 +48,7 @@ from .common import (
     tf32_round,
     tile_mask,
 )
+from .launch import direct
 
 
 @triton.jit
@@ -219,6 +220,7 @@ def _zero_rows(o_h, s_ot, t_begin, t_end, o_v, v_ok, BT: tl.constexpr, BV: tl.co
         tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], tl.zeros([BT, BV], dtype=o_h.dtype.element_ty), mask=m)
 
 
+@direct
 @triton.jit(do_not_specialize=["n_slots"])
 def _chunk_state_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
@@ -269,6 +271,7 @@ def _chunk_state_kernel(
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
 
+@direct
 @triton.jit
 def _segment_summary_kernel(
     cu_seqlens, w_ws, u_ws, kr_ws, gt_ws, a_seg, b_seg,
@@ -309,6 +312,7 @@ def _segment_summary_kernel(
         tl.store(a_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
 
 
+@direct
 @triton.jit(do_not_specialize=["n_slots"])
 def _segment_scan_kernel(
     cu_seqlens, a_seg, b_seg, h_seg,
@@ -350,6 +354,7 @@ def _segment_scan_kernel(
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
 
+@direct
 @triton.jit(do_not_specialize=["n_slots"])
 def _segment_output_kernel(
     o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, h_seg, slot_of_seq,

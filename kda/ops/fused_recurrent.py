@@ -81,6 +81,7 @@ from .common import (
     slot_of,
     token_head_strides,
 )
+from .launch import direct
 
 # store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
 # 1 stochastic bf16, 2 stochastic fp16
@@ -227,6 +228,7 @@ def _first_state(src_plane, has_initial_state, i_n, i_vb, BV: tl.constexpr, BK: 
     return S
 
 
+@direct
 @triton.jit(do_not_specialize=["seed", "n_slots"])
 def _fused_recurrent_kda_kernel(
     q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens,
@@ -331,6 +333,7 @@ def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, 
         _store_state(S, dst_plane, tile_off, tile_ok, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
 
 
+@direct
 @triton.jit(do_not_specialize=["seed", "paged", "n_slots"])
 def _fused_recurrent_one_token_kernel(
     q, k, v, g, beta, o, A_log, dt_bias,

@@ -1,0 +1,123 @@
+"""Kernel launches without Triton's per-launch binding.
+
+`kernel[grid](*args, **meta)` on a `triton.jit` function binds every argument, specialises each one in
+native code, builds a cache key from the options and only then calls the compiled kernel's C launcher:
+about 55 us of host time a launch on the H200 machine's host, against 9 us for the launcher alone
+(docs/performance.md, "Host cost per call"). `direct` wraps a kernel so that a launch whose
+specialisation was seen before goes straight to the compiled kernel's launcher.
+
+The specialisation key is computed here, per argument, as Triton computes it (`native_specialize_impl`,
+the same in Triton 3.6 and 3.9): a tensor by its dtype and whether its address is a multiple of 16; an
+int by whether it equals 1 (then a constant), is a multiple of 16, and which of i32, i64 or u64 holds it
+(range only, for the kernel's `do_not_specialize` ints); a float, a bool or None by its type. Together
+with the constexpr and option keywords (`meta`) and the current device, that key names exactly one
+compiled kernel. Tensors reach the launcher as their addresses. A launch falls back to Triton's own path
+(which compiles on a miss) for an argument of any other type (a TMA descriptor), while a launch hook is
+registered (a profiler's), under the interpreter, and for a kernel whose signature this key cannot cover.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+
+_I32 = 2**31
+_I64 = 2**63
+
+
+class _Slow(Exception):
+    """An argument the key does not cover: Triton's own launch path takes the call."""
+
+
+def _int_class(x: int) -> int:
+    """Triton's integer type for a run-time int: 0 i32, 1 i64, 2 u64."""
+    return 0 if -_I32 <= x < _I32 else (1 if -_I64 <= x < _I64 else 2)
+
+
+def specialization(args: tuple, fixed: tuple) -> tuple[tuple, list]:
+    """(key, launcher arguments) of a kernel's run-time arguments: two argument lists get one key exactly when
+    Triton specialises them alike (`fixed[i]`: argument i is in the kernel's `do_not_specialize`); tensors
+    become their addresses. Raises `_Slow` for an argument of another type."""
+    key = []
+    vals = []
+    for x, fixed_i in zip(args, fixed):
+        t = type(x)
+        if t is torch.Tensor or isinstance(x, torch.Tensor):
+            p = x.data_ptr()
+            key.append((x.dtype, fixed_i or p & 15 == 0))
+            vals.append(p)
+            continue
+        if t is int:
+            if fixed_i:
+                key.append(_int_class(x))
+            elif x == 1:
+                key.append(None)  # Triton makes an argument equal to 1 a constant
+            else:
+                key.append((_int_class(x), x & 15 == 0))
+        elif t is float:
+            key.append(1.5)
+        elif t is bool:
+            key.append("u1")  # as Triton: a bool is its own type, whatever its value
+        elif x is None:
+            key.append("None")
+        else:
+            raise _Slow
+        vals.append(x)
+    return tuple(key), vals
+
+
+class DirectKernel:
+    """A `triton.jit` kernel launched as `kernel[grid](*args, **meta)` (run-time arguments positional, in
+    the signature's order; constexprs and launch options by keyword), through the compiled kernel's
+    launcher once its specialisation has been launched through Triton. `fn` is the JIT function."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._cache: dict = {}
+        params = getattr(fn, "params", None)
+        # None: not a JIT function we can bypass (the interpreter's), every launch goes through `fn`
+        self._plain = None
+        if params is not None and not knobs.runtime.interpret:
+            runtime = [p for p in params if not p.is_constexpr]
+            # the run-time arguments must come first, unannotated and specialised the default way
+            if (all(not p.is_constexpr for p in params[:len(runtime)])
+                    and not any(p.annotation_type or p.is_const or p.do_not_specialize_on_alignment
+                                for p in runtime)):
+                self._plain = tuple(p.do_not_specialize for p in runtime)
+                self._constexprs = tuple((p.name, p.default) for p in params[len(runtime):])
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def launch(self, grid, args: tuple, meta: dict):
+        plain = self._plain
+        if plain is None or len(args) != len(plain) or knobs.runtime.launch_enter_hook.calls:
+            return self.fn[grid](*args, **meta)
+        try:
+            spec, vals = specialization(args, plain)
+        except _Slow:
+            return self.fn[grid](*args, **meta)
+        device = torch.cuda.current_device()
+        key = (device, spec, tuple(meta.items()))
+        hit = self._cache.get(key)
+        if hit is None:
+            compiled = self.fn[grid](*args, **meta)  # compiles on a miss, and launches
+            if getattr(compiled, "packed_metadata", None) is not None:
+                run = compiled.run  # a property: loads the binary where the launch has not
+                tail = tuple(meta.get(name, default) for name, default in self._constexprs)
+                self._cache[key] = (run, compiled.function, compiled.packed_metadata, tail)
+            return compiled
+        run, function, packed, tail = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), function, packed, None, None, None,
+            *vals, *tail)
+        return None
+
+
+def direct(fn) -> DirectKernel:
+    """Decorator, above `@triton.jit`: launches through `DirectKernel`."""
+    return DirectKernel(fn)
+
+
+__all__ = ["DirectKernel", "direct", "specialization"]

@@ -1,0 +1,140 @@
+"""Direct launches (`kda.ops.launch`): a launch that skips Triton's binding must run the binary Triton itself
+would pick, or a kernel compiled for 16-byte-aligned pointers (or for an argument equal to 1, or for an i32)
+would run on arguments it was not compiled for.
+
+On CPU: the key's classes are Triton's (its native specialisation, run here on every pair of values). On
+the GPU: calls through the direct path equal Triton's own launches bit for bit, across alignments and
+values that change the specialisation."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import make_inputs, same_bits
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+
+import kda
+from kda.ops import chunk_prepare, chunk_walk, fused_recurrent, launch
+from kda.ops.launch import DirectKernel, specialization
+
+INTS = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1,
+        -2**31 - 16, 2**40, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16]
+
+
+def _tensors():
+    base = torch.zeros(64, dtype=torch.float32)
+    half = torch.zeros(64, dtype=torch.bfloat16)
+    idx = torch.zeros(64, dtype=torch.int32)
+    return [base, base[1:], base[4:], half, half[1:], half[8:], idx, idx[2:], idx[4:]]
+
+
+def _triton(x, fixed: bool):
+    return native_specialize_impl(BaseBackend, x, False, not fixed, True)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_key_classes_are_tritons(fixed):
+    """Two arguments share our key exactly when Triton specialises them alike (ints, floats, bools, None and
+    tensors of several dtypes and alignments, with and without `do_not_specialize`)."""
+    values = INTS + [0.0, 1.0, -2.5, 1e30, True, False, None] + _tensors()
+    ours = {i: specialization((x,), (fixed,))[0] for i, x in enumerate(values)}
+    theirs = {i: _triton(x, fixed) for i, x in enumerate(values)}
+    for i, j in itertools.combinations(range(len(values)), 2):
+        assert (ours[i] == ours[j]) == (theirs[i] == theirs[j]), (values[i], values[j], theirs[i], theirs[j])
+
+
+def test_launcher_arguments_are_the_values_and_addresses():
+    t = _tensors()[1]
+    key, vals = specialization((t, 17, 2.5, None, True), (False,) * 5)
+    assert vals == [t.data_ptr(), 17, 2.5, None, True]
+    with pytest.raises(launch._Slow):  # an argument of another type (a TMA descriptor) takes Triton's path
+        specialization((object(),), (False,))
+
+
+def test_every_launched_kernel_takes_the_direct_path():
+    """The kernels `kda` launches are wrapped, and (off the interpreter) their run-time arguments come first."""
+    kernels = [chunk_prepare._chunk_gate_kernel, chunk_prepare._chunk_prepare_kernel,
+               chunk_prepare._chunk_intra_kernel, chunk_prepare._chunk_solve_kernel, chunk_walk._chunk_state_kernel,
+               chunk_walk._segment_summary_kernel, chunk_walk._segment_scan_kernel,
+               chunk_walk._segment_output_kernel, fused_recurrent._fused_recurrent_kda_kernel,
+               fused_recurrent._fused_recurrent_one_token_kernel]
+    for kern in kernels:
+        assert isinstance(kern, DirectKernel)
+        if DEVICE == "cuda":
+            assert kern._plain is not None, kern.fn
+
+
+def _all_kernels():
+    return [getattr(mod, name) for mod in (chunk_prepare, chunk_walk, fused_recurrent) for name in dir(mod)
+            if isinstance(getattr(mod, name), DirectKernel)]
+
+
+def _through_triton(monkeypatch):
+    for kern in _all_kernels():
+        monkeypatch.setattr(kern, "_plain", None)
+
+
+def _decode(inputs, pool, idx, out, **kw):
+    q, k, v, g, beta = inputs
+    return kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, state_v_first=True,
+                                   out=out, use_qk_l2norm_in_kernel=True, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 1, 8])
+def test_direct_decode_equals_tritons_launch(monkeypatch, offset):
+    """The same decode through the direct path (twice: the second a cache hit) and through Triton, with q,
+    k, v and the output starting `offset` elements into their buffers (offset 1: 2-byte aligned, a
+    different binary; 8: 16-byte aligned, the aligned binary again)."""
+    N, H, K = 8, 2, 64
+
+    def views(t):
+        flat = torch.zeros(t.numel() + offset, dtype=t.dtype, device=DEVICE)
+        flat[offset:] = t.reshape(-1)
+        return flat[offset:].view(t.shape)
+
+    q, k, v, g, beta, kw = make_inputs(N, 1, H, H, K, K, dtype=torch.bfloat16, gate="lower_bound", device=DEVICE,
+                                       seed=offset, beta_sigmoid=True)
+    inputs = (views(q), views(k), views(v), g, beta)
+    pool0 = torch.randn(3 * N, H, K, K, generator=torch.Generator().manual_seed(offset)).to(DEVICE)
+    idx = torch.arange(0, 3 * N, 3, dtype=torch.int32, device=DEVICE)
+    results = []
+    for path in ("direct", "direct", "triton"):
+        if path == "triton":
+            _through_triton(monkeypatch)
+        pool = pool0.clone()
+        out = views(torch.zeros_like(v))
+        _decode(inputs, pool, idx, out, **kw)
+        torch.cuda.synchronize()
+        results.append((out.clone(), pool))
+    for o, p in results[:2]:
+        assert same_bits(o, results[2][0]) and same_bits(p, results[2][1])
+
+
+@pytest.mark.gpu
+def test_direct_prefill_equals_tritons_launch(monkeypatch):
+    """A prefill (gate pass, prepare, walk) and a varlen one with a sequence of one token (T values that
+    Triton specialises differently) through both paths, bit for bit."""
+    H, K = 2, 64
+    runs = []
+    for path in ("direct", "direct", "triton"):
+        if path == "triton":
+            _through_triton(monkeypatch)
+        got = []
+        for bounds in ([0, 200], [0, 1, 17, 145], [0, 16, 16, 160]):
+            T = bounds[-1]
+            q, k, v, g, beta, kw = make_inputs(1, T, H, H, K, K, dtype=torch.bfloat16, gate="lower_bound",
+                                               device=DEVICE, seed=T, beta_sigmoid=True)
+            cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+            o, s = kda.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                 cu_seqlens=cu, **kw)
+            got.append((o, s))
+        torch.cuda.synchronize()
+        runs.append(got)
+    for run in runs[:2]:
+        for (o, s), (o_ref, s_ref) in zip(run, runs[2]):
+            assert same_bits(o, o_ref) and same_bits(s, s_ref)
