@@ -13,8 +13,8 @@ import inspect
 
 import torch
 
-from . import library
-from .contract import check_call
+from . import library, replay
+from .contract import check_call, debug_enabled
 
 
 @functools.cache
@@ -124,6 +124,23 @@ def chunk_kda(
             state_dtype=state_dtype, out=out, checkpoint_every=checkpoint_every,
             checkpoint_indices=checkpoint_indices, errors=errors,
         )
+    # a call of a kind seen before launches its recorded kernels (kda.replay); KDA_DEBUG on takes the full path
+    key = None if debug_enabled() or not isinstance(q, torch.Tensor) else replay.chunk_key(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
+        state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, checkpoint_every,
+        checkpoint_indices, errors)
+    if key is not None:
+        tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
+                   has_initial_state, None, checkpoint_indices, errors, out)
+        try:
+            entry = replay.CACHE.get(key)
+        except TypeError:  # an unhashable entry in cu_seqlens_cpu: the full path says what is wrong
+            entry = key = None
+        if entry is not None:
+            result = entry(tensors, None)
+            if result is not None:
+                return result
     # the plain path passes its keywords directly: a dict built for both paths costs a microsecond a call
     call = check_call(
         "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -134,7 +151,20 @@ def chunk_kda(
         state_dtype=state_dtype, out=out, require_has_initial_state=True,
         checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices, errors=errors,
     )
-    return _launchers()[0](call)
+    if key is None:
+        return _launchers()[0](call)
+    return _recorded(key, tensors, _launchers()[0], call)
+
+
+def _recorded(key, tensors, fwd, call, **kw):
+    """`fwd(call, **kw)` with its launches recorded under `key` (`kda.replay`)."""
+    record = replay.recording()
+    try:
+        result = fwd(call, **kw)
+    finally:
+        replay.stop()
+    replay.remember(key, tensors, record, result)
+    return result
 
 
 def fused_recurrent_kda(
@@ -200,6 +230,23 @@ def fused_recurrent_kda(
             state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
             num_accepted_tokens=num_accepted_tokens, errors=errors,
         )
+    # a call of a kind seen before launches its recorded kernel (kda.replay); KDA_DEBUG on takes the full path
+    key = None if debug_enabled() or not isinstance(q, torch.Tensor) else replay.decode_key(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
+        state_v_first, state_cache, state_indices, has_initial_state, num_accepted_tokens, state_dtype, out,
+        stochastic_rounding, errors)
+    if key is not None:
+        tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
+                   has_initial_state, num_accepted_tokens, None, errors, out)
+        try:
+            entry = replay.CACHE.get(key)
+        except TypeError:  # an unhashable entry in cu_seqlens_cpu: the full path says what is wrong
+            entry = key = None
+        if entry is not None:
+            result = entry(tensors, seed)
+            if result is not None:
+                return result
     call = check_call(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -209,4 +256,6 @@ def fused_recurrent_kda(
         state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
         require_has_initial_state=False, num_accepted_tokens=num_accepted_tokens, errors=errors,
     )
-    return _launchers()[1](call, stochastic_rounding=stochastic_rounding, seed=seed)
+    if key is None:
+        return _launchers()[1](call, stochastic_rounding=stochastic_rounding, seed=seed)
+    return _recorded(key, tensors, _launchers()[1], call, stochastic_rounding=stochastic_rounding, seed=seed)

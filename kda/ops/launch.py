@@ -11,18 +11,29 @@ the same in Triton 3.6 and 3.9): a tensor by its dtype and whether its address i
 int by whether it equals 1 (then a constant), is a multiple of 16, and which of i32, i64 or u64 holds it
 (range only, for the kernel's `do_not_specialize` ints); a float, a bool or None by its type. Together
 with the constexpr and option keywords (`meta`) and the current device, that key names exactly one
-compiled kernel. Tensors reach the launcher as their addresses. A launch falls back to Triton's own path
-(which compiles on a miss) for an argument of any other type (a TMA descriptor), while a launch hook is
-registered (a profiler's), under the interpreter, and for a kernel whose signature this key cannot cover.
+compiled kernel; a host TMA descriptor by its dtype and block shape. Tensors reach the launcher as their
+addresses. A launch falls back to Triton's own path (which compiles on a miss) for an argument of any
+other type, while a launch hook is registered (a profiler's), under the interpreter, and for a kernel whose
+signature this key cannot cover.
+
+`RECORD.launches`, when a list, receives every launch this thread makes as (kernel, grid, run-time arguments,
+keywords, stream), for `kda.replay`.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _I32 = 2**31
 _I64 = 2**63
+
+
+RECORD = threading.local()
+RECORD.launches = None
 
 
 class _Slow(Exception):
@@ -37,7 +48,8 @@ def _int_class(x: int) -> int:
 def specialization(args: tuple, fixed: tuple) -> tuple[tuple, list]:
     """(key, launcher arguments) of a kernel's run-time arguments: two argument lists get one key exactly when
     Triton specialises them alike (`fixed[i]`: argument i is in the kernel's `do_not_specialize`); tensors
-    become their addresses. Raises `_Slow` for an argument of another type."""
+    become their addresses, TMA descriptors stay objects (the launcher encodes them). Raises `_Slow` for an
+    argument of another type."""
     key = []
     vals = []
     for x, fixed_i in zip(args, fixed):
@@ -54,6 +66,8 @@ def specialization(args: tuple, fixed: tuple) -> tuple[tuple, list]:
                 key.append(None)  # Triton makes an argument equal to 1 a constant
             else:
                 key.append((_int_class(x), x & 15 == 0))
+        elif t is TensorDescriptor:  # Triton: its dtype and block shape; the launcher encodes the rest
+            key.append((x.base.dtype, tuple(x.block_shape), x.padding))
         elif t is float:
             key.append(1.5)
         elif t is bool:
@@ -90,6 +104,9 @@ class DirectKernel:
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def launch(self, grid, args: tuple, meta: dict):
+        record = getattr(RECORD, "launches", None)
+        if record is not None:
+            record.append((self, grid, args, meta, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())))
         plain = self._plain
         if plain is None or len(args) != len(plain) or knobs.runtime.launch_enter_hook.calls:
             return self.fn[grid](*args, **meta)

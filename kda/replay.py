@@ -1,0 +1,315 @@
+"""Repeated calls without the Python around their launches.
+
+A serving step calls `fused_recurrent_kda` or `chunk_kda` once per KDA layer with the same shapes, strides,
+dtypes, devices, flags and host bounds, only the tensors' memory changing. Everything
+`kda.contract.check_call`, the plan and the launchers derive from a call is a function of that metadata (no
+check reads a tensor's values without KDA_DEBUG), so the first call of a kind runs the full path while its
+launches are recorded (`kda.ops.launch.RECORD`, per thread), and a later call with the same key (`decode_key`,
+`chunk_key`) only reads its tensors' addresses, allocates its outputs and workspaces (one buffer for all
+workspaces) and launches the recorded kernels (`Replay`): the contract's checks, the plan and the argument
+assembly ran once for every call that shares the key. What depends on the addresses is redone per call:
+the 16-byte alignment each compiled kernel was specialised on (another alignment takes the full path, which
+compiles for it) and the byte overlap of `out` with an input or the state (an overlap takes the full path,
+which raises).
+
+Not recorded (every such call takes the full path): KDA_DEBUG on, the interpreter, a launch hook registered
+(a profiler's), an argument whose type the key does not cover, one tensor passed in two roles, workspaces
+that share memory, a launch on another stream (the walk in parts) and a launch Triton's own path made. At
+most `CAPACITY` kinds are kept, the oldest dropped first.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .ops import launch as _launch
+from .ops.launch import DirectKernel, specialization
+
+CAPACITY = 256
+_I32 = 2**31
+_SCALARS = (type(None), bool, int, float)
+_ALIGN = 256  # workspace offsets in the one buffer: every workspace as aligned as its own allocation's TMA needs
+
+# a call's tensors in the order `Replay` reads them: the caller's (both functions' in one list), then o and
+# the final state (allocated by the call unless `out` is o)
+ROLES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "state_cache",
+         "state_indices", "has_initial_state", "num_accepted_tokens", "checkpoint_indices", "errors", "o",
+         "final")
+_OUT = ROLES.index("o")
+_FINAL = ROLES.index("final")
+# out may not overlap these (`kda.contract._check_out`): q, k, v, g, beta and the state read
+_NO_OVERLAP = tuple(ROLES.index(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "state_cache"))
+
+CACHE: dict = {}
+
+
+class _Uncached(Exception):
+    """A call the key does not describe: it takes the full path and is not recorded."""
+
+
+def _meta(x):
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise _Uncached
+    return (x.shape, x.stride(), x.dtype, x.device)
+
+
+def _scalar(x):
+    if type(x) not in _SCALARS:
+        raise _Uncached
+    return (type(x), x)
+
+
+def _bounds(x):
+    if x is None:
+        return None
+    t = type(x)
+    if t is list or t is tuple:
+        return tuple(x)
+    if isinstance(x, torch.Tensor) and x.is_cpu:
+        return (x.dtype, tuple(x.tolist()))
+    raise _Uncached
+
+
+def _common(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
+            state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, errors) -> tuple:
+    if state_dtype is not None and not isinstance(state_dtype, torch.dtype):
+        raise _Uncached
+    return (torch.cuda.current_device(), _meta(q), _meta(k), _meta(v), _meta(g), _meta(beta), _scalar(scale),
+            _meta(initial_state), _scalar(output_final_state), _scalar(use_qk_l2norm_in_kernel),
+            _scalar(use_beta_sigmoid_in_kernel), _scalar(use_gate_in_kernel), _meta(A_log), _meta(dt_bias),
+            _scalar(lower_bound), _meta(cu_seqlens), _bounds(cu_seqlens_cpu), _scalar(state_v_first),
+            _meta(state_cache), _meta(state_indices), _meta(has_initial_state), state_dtype, _meta(out),
+            _meta(errors))
+
+
+def decode_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+               use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens,
+               cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, num_accepted_tokens,
+               state_dtype, out, stochastic_rounding, errors) -> tuple | None:
+    """Everything a `fused_recurrent_kda` call's checks, plan and launch depend on but its tensors' memory
+    and `seed`; None where the call is not recorded."""
+    if knobs.runtime.launch_enter_hook.calls or not q.is_cuda:
+        return None
+    try:
+        return ("decode", _meta(num_accepted_tokens), _scalar(stochastic_rounding)) + _common(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
+            state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, errors)
+    except (_Uncached, AttributeError):
+        return None
+
+
+def chunk_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+              use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens,
+              cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out,
+              checkpoint_every, checkpoint_indices, errors) -> tuple | None:
+    """The same for a `chunk_kda` call (its plan also reads whether the stream is being captured)."""
+    if knobs.runtime.launch_enter_hook.calls or not q.is_cuda:
+        return None
+    try:
+        return ("chunk", torch.cuda.is_current_stream_capturing(), _scalar(checkpoint_every),
+                _meta(checkpoint_indices)) + _common(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
+            state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, errors)
+    except (_Uncached, AttributeError):
+        return None
+
+
+def _extent(x: torch.Tensor) -> int:
+    """Bytes from x's first element to the end of its last (0 when empty)."""
+    if x.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))) * x.element_size()
+
+
+class _Address:
+    """A TMA descriptor's base for the launcher, which reads only its address."""
+
+    __slots__ = ("p",)
+
+    def __init__(self, p: int):
+        self.p = p
+
+    def data_ptr(self) -> int:
+        return self.p
+
+
+class _Descriptor:
+    """What the launcher reads of a host `TensorDescriptor` (base, shape, strides, padding), over a workspace
+    of this call."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, p: int, shape, strides, padding):
+        self.base = _Address(p)
+        self.shape = shape
+        self.strides = strides
+        self.padding = padding
+
+
+class Replay:
+    """A kind's recorded launches: `__call__(tensors, seed)` with a call's tensors (in `ROLES` order up to
+    errors, then `out`) launches them and returns what the full path returns, or None where the call must
+    take the full path (another address modulo 16, `out` overlapping an input, a seed outside i32)."""
+
+    __slots__ = ("launches", "uses", "residues", "workspaces", "new_o", "new_final", "returns_final", "checks_out",
+                 "extents", "device")
+
+    def __init__(self, launches, uses, residues, workspaces, new_o, new_final, returns_final, checks_out, extents,
+                 device):
+        # per launch: (launcher, gx, gy, gz, function, packed, template, seed position or None,
+        #              ((position, workspace offset), ...), ((position, offset, shape, strides, padding), ...))
+        self.launches = launches
+        self.uses = uses  # ((role, ((launch, position, byte offset into the role's tensor), ...)), ...)
+        # per use: the address modulo 16 (the kernels were specialised on the alignment of each address and
+        # of the views at fixed offsets from it)
+        self.residues = residues
+        self.workspaces = workspaces  # bytes of the one workspace buffer (0: none)
+        self.new_o = new_o  # (shape, dtype) of o to allocate, or None: o is `out`
+        self.new_final = new_final  # (shape, dtype) of the final state to allocate, or None
+        self.returns_final = returns_final
+        self.checks_out = checks_out
+        self.extents = extents  # per role: bytes spanned (for out's overlap check)
+        self.device = device
+
+    def __call__(self, tensors: tuple, seed):
+        if seed is not None and (type(seed) is not int or not -_I32 <= seed < _I32):
+            return None
+        dev = tensors[0].device
+        o = tensors[_OUT] if self.new_o is None else torch.empty(self.new_o[0], dtype=self.new_o[1], device=dev)
+        final = None
+        if self.new_final is not None:
+            final = torch.empty(self.new_final[0], dtype=self.new_final[1], device=dev)
+        tensors = tensors[:_OUT] + (o, final)
+        if self.checks_out:
+            ext = self.extents
+            o0 = o.data_ptr()
+            o1 = o0 + ext[_OUT]
+            for r in _NO_OVERLAP:
+                x = tensors[r]
+                if x is not None:
+                    x0 = x.data_ptr()
+                    if x0 < o1 and o0 < x0 + ext[r]:
+                        return None
+        filled = [list(launch[6]) for launch in self.launches]
+        for (role, places), residue in zip(self.uses, self.residues):
+            p = tensors[role].data_ptr()
+            if p & 15 != residue:
+                return None
+            for i, pos, delta in places:
+                filled[i][pos] = p + delta
+        base = 0
+        if self.workspaces:
+            ws = torch.empty(self.workspaces, dtype=torch.uint8, device=dev)
+            base = ws.data_ptr()
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        for (run, gx, gy, gz, function, packed, _, seed_at, ws_at, desc_at), vals in zip(self.launches, filled):
+            for pos, off in ws_at:
+                vals[pos] = base + off
+            for pos, off, shape, strides, padding in desc_at:
+                vals[pos] = _Descriptor(base + off, shape, strides, padding)
+            if seed_at is not None and seed is not None:
+                vals[seed_at] = seed
+            run(gx, gy, gz, stream, function, packed, None, None, None, *vals)
+        return o, (final if self.returns_final else None)
+
+
+def remember(key, tensors: tuple, record: list, result: tuple) -> None:
+    """Record the launches a full call made (`record`: `kda.ops.launch.RECORD`'s entries) under `key`.
+    `tensors`: the call's tensors in `ROLES` order up to errors, then `out`; `result`: its (o, final state)."""
+    if CAPACITY <= 0 or not record:
+        return
+    o, final = result
+    out_given = tensors[_OUT] is not None
+    roles = tensors[:_OUT] + (o, final)
+    role_of, storage_of = {}, {}
+    for r, x in enumerate(roles):
+        if x is not None:
+            sp = x.untyped_storage().data_ptr()
+            # one object, or one buffer, in two roles would be read back into the wrong one
+            if id(x) in role_of or (sp in storage_of and x.numel() and roles[storage_of[sp]].numel()):
+                return
+            role_of[id(x)] = r
+            storage_of[sp] = r
+    device = torch.cuda.current_device()
+    stream = record[0][4]
+    launches, places, workspaces = [], {}, {}
+    size = 0
+
+    def workspace(x: torch.Tensor) -> int | None:
+        """The offset of an internal tensor in the one buffer, or None where it cannot be one."""
+        nonlocal size
+        key_ = x.untyped_storage().data_ptr()
+        if key_ in workspaces:
+            return workspaces[key_] if workspaces[key_][1] is x else None
+        if x.storage_offset() != 0 or not x.is_contiguous():
+            return None
+        off = size
+        size += -(-_extent(x) // _ALIGN) * _ALIGN
+        workspaces[key_] = (off, x)
+        return workspaces[key_]
+
+    for i, (kernel, grid, args, meta, st) in enumerate(record):
+        if st != stream or not isinstance(kernel, DirectKernel) or kernel._plain is None:
+            return
+        try:
+            spec, vals = specialization(args, kernel._plain)
+        except Exception:
+            return
+        hit = kernel._cache.get((device, spec, tuple(meta.items())))
+        if hit is None:
+            return
+        run, function, packed, tail = hit
+        ws_at, desc_at = [], []
+        for pos, a in enumerate(args):
+            if isinstance(a, TensorDescriptor):
+                base = a.base
+                if not isinstance(base, torch.Tensor) or base.untyped_storage().data_ptr() in storage_of:
+                    return
+                w = workspace(base)
+                if w is None:
+                    return
+                desc_at.append((pos, w[0], tuple(a.shape), tuple(a.strides), a.padding))
+            elif isinstance(a, torch.Tensor):
+                r = role_of.get(id(a))
+                if r is None:  # a view of a role's tensor, at a fixed offset from it for this key
+                    r = storage_of.get(a.untyped_storage().data_ptr())
+                if r is not None:
+                    places.setdefault(r, []).append((i, pos, a.data_ptr() - roles[r].data_ptr()))
+                    continue
+                w = workspace(a)
+                if w is None:
+                    return
+                ws_at.append((pos, w[0]))
+        names = kernel.fn.arg_names
+        seed_at = names.index("seed") if "seed" in names else None
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        launches.append((run, *g, function, packed, tuple(vals) + tuple(tail), seed_at, tuple(ws_at),
+                         tuple(desc_at)))
+    uses = tuple((r, tuple(p)) for r, p in places.items())
+    entry = Replay(
+        launches=tuple(launches), uses=uses, residues=tuple(roles[r].data_ptr() & 15 for r, _ in uses),
+        workspaces=size,
+        new_o=None if out_given else (tuple(o.shape), o.dtype),
+        new_final=None if final is None else (tuple(final.shape), final.dtype), returns_final=final is not None,
+        checks_out=out_given, extents=tuple(_extent(x) if x is not None else 0 for x in roles), device=device,
+    )
+    while len(CACHE) >= CAPACITY:
+        del CACHE[next(iter(CACHE))]
+    CACHE[key] = entry
+
+
+def recording() -> list:
+    """Start recording this thread's launches (`kda.ops.launch.RECORD`); `stop` ends it."""
+    _launch.RECORD.launches = []
+    return _launch.RECORD.launches
+
+
+def stop() -> None:
+    _launch.RECORD.launches = None

@@ -1,0 +1,268 @@
+"""Recorded decode launches (`kda.replay`): a call of a kind seen before skips the checks and the argument
+assembly, so each test states what that could break. A hit must give the bits the full path gives (new
+tensors' addresses, a new seed, a new `out`, untouched slots), must not hit where anything the checks or the
+plan read differs, and must still refuse what depends on the addresses (an `out` overlapping an input, an
+alignment the compiled kernel was not specialised for)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import make_inputs, poisoned_pool, rel_err, same_bits
+
+import kda
+from kda import api, contract, replay
+
+N, H, K = 6, 2, 64
+
+
+def test_keys_name_every_parameter():
+    """A parameter of `fused_recurrent_kda` (but its seed, filled in per call) or of `chunk_kda` missing from
+    its key would let two calls that differ in it share one recording."""
+    public = list(inspect.signature(kda.fused_recurrent_kda).parameters)
+    assert sorted(public) == sorted(list(inspect.signature(replay.decode_key).parameters) + ["seed"])
+    public = list(inspect.signature(kda.chunk_kda).parameters)
+    assert sorted(public) == sorted(inspect.signature(replay.chunk_key).parameters)
+
+
+def test_key_is_none_off_the_gpu_and_for_uncovered_types():
+    q = torch.zeros(1, 1, 1, 16)
+    args = dict(q=q, k=q, v=q, g=q, beta=q[..., 0], scale=None, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
+                A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None,
+                state_v_first=None, state_cache=None, state_indices=None, has_initial_state=None,
+                num_accepted_tokens=None, state_dtype=None, out=None, stochastic_rounding=False, errors=None)
+    assert replay.decode_key(**args) is None  # CPU tensors: the interpreter always takes the full path
+    if DEVICE != "cuda":
+        return
+    cuda = {n: (x.cuda() if isinstance(x, torch.Tensor) else x) for n, x in args.items()}
+    assert replay.decode_key(**cuda) is not None
+    for name, bad in (("scale", torch.tensor(1.0)), ("lower_bound", "x"), ("cu_seqlens_cpu", {0: 1}),
+                      ("state_dtype", "float32"), ("A_log", [1.0])):
+        assert replay.decode_key(**dict(cuda, **{name: bad})) is None, name
+
+
+def _decode_case(v_first: bool, dtype, form: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g, beta, kw = make_inputs(N, 1, H, H, K, K, dtype=torch.bfloat16, gate="lower_bound", device=DEVICE,
+                                       seed=seed, beta_sigmoid=True)
+    plane = (H, K, K)
+    storage, pool = poisoned_pool(4 * N, plane, dtype, device=DEVICE, pad=8)
+    pool[1::4] = torch.randn(N, *plane, generator=gen).to(DEVICE, dtype)
+    idx = torch.arange(1, 4 * N, 4, dtype=torch.int32, device=DEVICE)
+    idx[2] = -1  # a padding sequence
+    call = dict(state_cache=pool, state_indices=idx, state_v_first=v_first, use_qk_l2norm_in_kernel=True, **kw)
+    if form == "varlen":
+        q, k, v, g, beta = (x.reshape(1, N, *x.shape[2:]) for x in (q, k, v, g, beta))
+        call.update(cu_seqlens=torch.arange(N + 1, dtype=torch.int32, device=DEVICE),
+                    cu_seqlens_cpu=list(range(N + 1)))
+    if form == "verify":
+        T = 3
+        q, k, v, g, beta = (x.reshape(N // T, T, *x.shape[2:]) for x in (q, k, v, g, beta))
+        # sequence 0 starts from slot 1 (its second draft's), sequence 1 from slot 5: both hold random states
+        call.update(state_indices=torch.tensor([[2, 1, 3], [5, 6, 7]], dtype=torch.int32, device=DEVICE),
+                    num_accepted_tokens=torch.tensor([2, 1], dtype=torch.int32, device=DEVICE))
+    return (q, k, v, g, beta), call, storage
+
+
+def _run(inputs, call, storage, **extra):
+    st = storage.clone()
+    pool = st[:, :call["state_cache"][0].numel()].view(call["state_cache"].shape)
+    o, final = kda.fused_recurrent_kda(*inputs, **dict(call, state_cache=pool, **extra))
+    torch.cuda.synchronize()
+    assert final is None
+    return o.clone(), st
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["dense", "varlen", "verify"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v_first", [True, False])
+def test_hit_equals_the_full_path(monkeypatch, v_first, dtype, form):
+    """Record a kind, then call it with new tensors (other values, other memory): the hit, which skips
+    `check_call`, gives the full path's bits in the output and in every slot of the pool."""
+    replay.CACHE.clear()
+    first = _decode_case(v_first, dtype, form, seed=1)
+    _run(*first)
+    assert len(replay.CACHE) == 1
+    second = _decode_case(v_first, dtype, form, seed=2)
+    with monkeypatch.context() as m:  # the hit may not validate or plan
+        m.setattr(api, "check_call", lambda *a, **kw: pytest.fail("a recorded kind took the full path"))
+        hit = _run(*second)
+    replay.CACHE.clear()
+    with monkeypatch.context() as m:
+        m.setattr(replay, "CAPACITY", 0)  # nothing recorded: the full path
+        m.setattr(replay, "CACHE", {})
+        full = _run(*second)
+    assert same_bits(hit[0], full[0]) and same_bits(hit[1], full[1])
+
+
+@pytest.mark.gpu
+def test_hit_with_out_final_state_errors_and_seed():
+    """A dense final state and `o` allocated anew per hit, the caller's `out` and `errors` written, and each
+    call's seed honoured (stochastic rounding into a bf16 final state)."""
+    replay.CACHE.clear()
+    q, k, v, g, beta, kw = make_inputs(N, 1, H, H, K, K, dtype=torch.bfloat16, gate="lower_bound", device=DEVICE,
+                                       beta_sigmoid=True)
+    h0 = torch.randn(N, H, K, K, device=DEVICE)
+    call = dict(initial_state=h0, output_final_state=True, state_dtype=torch.float32, **kw)
+    results = []
+    for seed in (3, 4):  # a seed without stochastic rounding changes nothing
+        for use_out in (False, True):
+            out = torch.full_like(v, float("nan")) if use_out else None
+            errors = torch.zeros(N, dtype=torch.int32, device=DEVICE)
+            o1, f1 = kda.fused_recurrent_kda(q, k, v, g, beta, out=out, errors=errors, seed=seed, **call)
+            o2, f2 = kda.fused_recurrent_kda(q, k, v, g, beta, out=out, errors=errors, seed=seed, **call)  # a hit
+            assert (o1 is out) == use_out and f1 is not f2 and o1.data_ptr() != f1.data_ptr()
+            results.append((o1.clone(), f1, o2, f2))
+    torch.cuda.synchronize()
+    for o1, f1, o2, f2 in results:
+        assert same_bits(o1, o2) and same_bits(f1, f2)
+    # stochastic rounding: the seed reaches the kernel on a hit
+    bf = dict(call, initial_state=h0.bfloat16(), state_dtype=torch.bfloat16, stochastic_rounding=True)
+    kda.fused_recurrent_kda(q, k, v, g, beta, seed=0, **bf)
+    s5 = kda.fused_recurrent_kda(q, k, v, g, beta, seed=5, **bf)[1]
+    s6 = kda.fused_recurrent_kda(q, k, v, g, beta, seed=6, **bf)[1]
+    replay.CACHE.clear()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(replay, "CAPACITY", 0)
+        m.setattr(replay, "CACHE", {})
+        f5 = kda.fused_recurrent_kda(q, k, v, g, beta, seed=5, **bf)[1]
+        f6 = kda.fused_recurrent_kda(q, k, v, g, beta, seed=6, **bf)[1]
+    assert same_bits(s5, f5) and same_bits(s6, f6) and not same_bits(s5, s6)
+
+
+@pytest.mark.gpu
+def test_hit_still_refuses_what_depends_on_addresses():
+    """After a kind is recorded: an `out` that overlaps q raises as the full path does, and inputs at an
+    address not 16-byte aligned run a binary compiled for that (the aligned one's vector loads would fault)
+    and give the aligned call's answer to rounding."""
+    replay.CACHE.clear()
+    q, k, v, g, beta, kw = make_inputs(N, 1, H, H, K, K, dtype=torch.bfloat16, gate="lower_bound", device=DEVICE,
+                                       beta_sigmoid=True)
+    buf = torch.zeros(2 * q.numel() + 8, dtype=q.dtype, device=DEVICE)
+    out = torch.empty_like(v)
+    kda.fused_recurrent_kda(q, k, v, g, beta, out=out, **kw)
+    kda.fused_recurrent_kda(q, k, v, g, beta, out=out, **kw)
+    assert len(replay.CACHE) == 1
+    q_in_buf = buf[:q.numel()].view(q.shape)
+    q_in_buf.copy_(q)
+    overlapping = buf[q.numel() // 2:q.numel() // 2 + v.numel()].view(v.shape)
+    with pytest.raises(ValueError, match="out overlaps q"):
+        kda.fused_recurrent_kda(q_in_buf, k, v, g, beta, out=overlapping, **kw)
+    # misaligned q, k, v (2 bytes past a 16-byte boundary): the same key, another specialisation
+    views = []
+    for x in (q, k, v):
+        b = torch.zeros(x.numel() + 1, dtype=x.dtype, device=DEVICE)
+        b[1:] = x.reshape(-1)
+        views.append(b[1:].view(x.shape))
+    o_mis = kda.fused_recurrent_kda(*views, g, beta, out=torch.empty_like(v), **kw)[0]
+    o_ref = kda.fused_recurrent_kda(q, k, v, g, beta, out=torch.empty_like(v), **kw)[0]
+    torch.cuda.synchronize()
+    assert rel_err(o_mis, o_ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_changed_property_is_another_kind():
+    """Calls that differ only in what the checks read (a dtype, a stride, a flag, host bounds) are not hits
+    of a recorded kind: a bad one still raises its ValueError/TypeError."""
+    replay.CACHE.clear()
+    q, k, v, g, beta, kw = make_inputs(N, 1, H, H, K, K, dtype=torch.bfloat16, device=DEVICE)
+    kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
+    kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
+    with pytest.raises(TypeError, match="k must have q's dtype"):
+        kda.fused_recurrent_kda(q, k.float(), v, g, beta, **kw)
+    with pytest.raises(ValueError, match="out must be"):
+        kda.fused_recurrent_kda(q, k, v, g, beta, out=torch.empty_like(v, dtype=torch.float32), **kw)
+    qt = q.transpose(2, 3).contiguous().transpose(2, 3)  # the same shape, last dim strided
+    with pytest.raises(ValueError, match="stride 1"):
+        kda.fused_recurrent_kda(qt, k, v, g, beta, **kw)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+        kda.fused_recurrent_kda(*(x.reshape(1, N, *x.shape[2:]) for x in (q, k, v, g, beta)),
+                                cu_seqlens=torch.arange(N + 1, dtype=torch.int32, device=DEVICE),
+                                cu_seqlens_cpu=list(range(N)) + [N + 1], **kw)
+    with pytest.raises(TypeError, match="scale"):
+        kda.fused_recurrent_kda(q, k, v, g, beta, scale=True, **kw)
+    assert contract.debug_enabled() is False
+
+
+def _prefill_case(form: str, seed: int):
+    """(inputs, keywords) of a prefill: dense batch with a dense state in and out; varlen whose short
+    sequences go to the recurrent loop inside the call (host bounds); paged with checkpoints; a long sequence
+    of few heads (the segmented walk)."""
+    H, K = 2, 64
+    if form == "dense":
+        B, T = 2, 300
+    elif form == "segmented":
+        B, T = 1, 4096
+    else:
+        B, T = 1, 330
+    q, k, v, g, beta, kw = make_inputs(B, T, H, H, K, K, dtype=torch.bfloat16, gate="lower_bound", device=DEVICE,
+                                       seed=seed, beta_sigmoid=True)
+    kw["use_qk_l2norm_in_kernel"] = True
+    gen = torch.Generator().manual_seed(seed)
+    if form in ("dense", "segmented"):
+        kw.update(initial_state=torch.randn(B, H, K, K, generator=gen).to(DEVICE), output_final_state=True)
+    elif form == "varlen":
+        bounds = [0, 1, 5, 200, 200, 330]
+        kw.update(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=DEVICE), cu_seqlens_cpu=bounds,
+                  initial_state=torch.randn(5, H, K, K, generator=gen).to(DEVICE), output_final_state=True)
+    else:  # paged with checkpoints
+        bounds = [0, 130, 330]
+        storage, pool = poisoned_pool(8, (H, K, K), torch.bfloat16, device=DEVICE)
+        pool[1] = torch.randn(H, K, K, generator=gen).to(DEVICE, torch.bfloat16)
+        kw.update(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=DEVICE), cu_seqlens_cpu=bounds,
+                  state_cache=pool, state_v_first=False,
+                  state_indices=torch.tensor([1, 4], dtype=torch.int32, device=DEVICE),
+                  has_initial_state=torch.tensor([True, False], device=DEVICE), checkpoint_every=64,
+                  checkpoint_indices=torch.tensor([[2, -1], [5, 6]], dtype=torch.int32, device=DEVICE))
+    return (q, k, v, g, beta), kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["dense", "varlen", "paged", "segmented"])
+def test_prefill_hit_equals_the_full_path(monkeypatch, form):
+    """A recorded prefill kind (gate pass, prepare and walk; the recurrent loop beside them; checkpoints;
+    the segmented walk's three kernels), called with new tensors: every workspace from one buffer, every
+    descriptor rebuilt over it, and the full path's bits in the output, the final state and the pool."""
+    replay.CACHE.clear()
+    inputs, kw = _prefill_case(form, seed=1)
+    kda.chunk_kda(*inputs, **kw)
+    assert len(replay.CACHE) == 1
+    inputs, kw = _prefill_case(form, seed=2)
+    kw_full = {n: (x.clone() if n == "state_cache" else x) for n, x in kw.items()}
+    with monkeypatch.context() as m:
+        m.setattr(api, "check_call", lambda *a, **kw: pytest.fail("a recorded kind took the full path"))
+        o_hit, s_hit = kda.chunk_kda(*inputs, **kw)
+    replay.CACHE.clear()
+    with monkeypatch.context() as m:
+        m.setattr(replay, "CAPACITY", 0)
+        o_full, s_full = kda.chunk_kda(*inputs, **kw_full)
+    torch.cuda.synchronize()
+    assert same_bits(o_hit, o_full)
+    if form == "paged":
+        assert s_hit is None and s_full is None
+        assert same_bits(kw["state_cache"], kw_full["state_cache"])
+    else:
+        assert same_bits(s_hit, s_full)
+
+
+@pytest.mark.gpu
+def test_walk_in_parts_is_not_recorded():
+    """A prefill whose walk runs in parts on a side stream (events between the streams) is never replayed
+    from one stream's launches."""
+    replay.CACHE.clear()
+    q, k, v, g, beta, kw = make_inputs(1, 32768, 12, 12, 128, 128, dtype=torch.bfloat16, gate="lower_bound",
+                                       device=DEVICE, beta_sigmoid=True)
+    from kda import plan
+    call = contract.check_call("chunk_kda", q, k, v, g, beta, None, None, False, use_qk_l2norm_in_kernel=True,
+                               use_beta_sigmoid_in_kernel=True, cu_seqlens=None, cu_seqlens_cpu=None,
+                               state_v_first=None, state_cache=None, state_indices=None, has_initial_state=None,
+                               state_dtype=None, out=None, require_has_initial_state=True,
+                               **{n: kw.get(n) for n in ("use_gate_in_kernel", "A_log", "dt_bias", "lower_bound")})
+    assert plan.chunk_plan(call).parts > 1
+    kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
+    assert len(replay.CACHE) == 0
