@@ -290,6 +290,8 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
         names = kernel.fn.arg_names
         seed_at = names.index("seed") if "seed" in names else None
         g = tuple(grid) + (1,) * (3 - len(grid))
+        for pos, *_ in desc_at:
+            vals[pos] = None  # the descriptor holds this call's workspace: keep no tensor alive
         launches.append((run, *g, function, packed, tuple(vals) + tuple(tail), seed_at, tuple(ws_at),
                          tuple(desc_at)))
     uses = tuple((r, tuple(p)) for r, p in places.items())

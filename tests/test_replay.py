@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from helpers import make_inputs, poisoned_pool, rel_err, same_bits
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import kda
 from kda import api, contract, replay
@@ -222,6 +223,12 @@ def _prefill_case(form: str, seed: int):
     return (q, k, v, g, beta), kw
 
 
+def _holds_tensor(x) -> bool:
+    if isinstance(x, (torch.Tensor, TensorDescriptor)):
+        return True
+    return isinstance(x, (tuple, list)) and any(_holds_tensor(y) for y in x)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["dense", "varlen", "paged", "segmented"])
 def test_prefill_hit_equals_the_full_path(monkeypatch, form):
@@ -232,6 +239,8 @@ def test_prefill_hit_equals_the_full_path(monkeypatch, form):
     inputs, kw = _prefill_case(form, seed=1)
     kda.chunk_kda(*inputs, **kw)
     assert len(replay.CACHE) == 1
+    entry = next(iter(replay.CACHE.values()))
+    assert not _holds_tensor(entry.launches)  # a recording keeps no workspace (or input) alive
     inputs, kw = _prefill_case(form, seed=2)
     kw_full = {n: (x.clone() if n == "state_cache" else x) for n, x in kw.items()}
     with monkeypatch.context() as m:
