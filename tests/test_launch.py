@@ -18,6 +18,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
 import kda
+from kda import replay
 from kda.ops import chunk_prepare, chunk_walk, fused_recurrent, launch
 from kda.ops.launch import DirectKernel, specialization
 
@@ -74,8 +75,11 @@ def _all_kernels():
 
 
 def _through_triton(monkeypatch):
+    """Every launch through Triton's own path: no direct launch, and no recorded call replayed."""
     for kern in _all_kernels():
         monkeypatch.setattr(kern, "_plain", None)
+    monkeypatch.setattr(replay, "CACHE", {})
+    monkeypatch.setattr(replay, "CAPACITY", 0)
 
 
 def _decode(inputs, pool, idx, out, **kw):
