@@ -231,12 +231,12 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
     role_of, storage_of = {}, {}
     for r, x in enumerate(roles):
         if x is not None:
-            sp = x.untyped_storage().data_ptr()
-            # one object, or one buffer, in two roles would be read back into the wrong one
-            if id(x) in role_of or (sp in storage_of and x.numel() and roles[storage_of[sp]].numel()):
+            if id(x) in role_of:  # one object in two roles: an argument would be read back into one of them
                 return
             role_of[id(x)] = r
-            storage_of[sp] = r
+            # roles may share a buffer (q, k, v split from one projection); a view derived from a buffer is
+            # placed by its role only where one role holds that buffer
+            storage_of.setdefault(x.untyped_storage().data_ptr(), []).append(r)
     device = torch.cuda.current_device()
     stream = record[0][4]
     launches, places, workspaces = [], {}, {}
@@ -279,7 +279,10 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
             elif isinstance(a, torch.Tensor):
                 r = role_of.get(id(a))
                 if r is None:  # a view of a role's tensor, at a fixed offset from it for this key
-                    r = storage_of.get(a.untyped_storage().data_ptr())
+                    holders = storage_of.get(a.untyped_storage().data_ptr(), ())
+                    if len(holders) > 1:
+                        return
+                    r = holders[0] if holders else None
                 if r is not None:
                     places.setdefault(r, []).append((i, pos, a.data_ptr() - roles[r].data_ptr()))
                     continue

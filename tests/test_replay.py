@@ -275,3 +275,37 @@ def test_walk_in_parts_is_not_recorded():
     assert plan.chunk_plan(call).parts > 1
     kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
     assert len(replay.CACHE) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", ["decode", "prefill"])
+def test_q_k_v_split_from_one_projection_are_recorded(monkeypatch, fn):
+    """q, k and v as views of one [tokens, 3 * H * K] projection (one buffer in three roles, as engines pass
+    them) are recorded, and a hit with another such buffer gives the full path's bits."""
+    H, K = 2, 64
+    T = 1 if fn == "decode" else 200
+    B = 5 if fn == "decode" else 1
+
+    def call(seed, **extra):
+        gen = torch.Generator().manual_seed(seed)
+        proj = torch.randn(B, T, 3 * H * K, generator=gen).to(DEVICE, torch.bfloat16)
+        q, k, v = (proj[..., i * H * K:(i + 1) * H * K].view(B, T, H, K) for i in range(3))
+        g = torch.randn(B, T, H, K, generator=gen).to(DEVICE)
+        beta = torch.randn(B, T, H, generator=gen).to(DEVICE)
+        kw = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True,
+                  use_qk_l2norm_in_kernel=True, output_final_state=True,
+                  initial_state=torch.randn(B, H, K, K, generator=gen).to(DEVICE), **extra)
+        f = kda.fused_recurrent_kda if fn == "decode" else kda.chunk_kda
+        return f(q, k, v, g, beta, **kw)
+
+    replay.CACHE.clear()
+    call(1)
+    assert len(replay.CACHE) == 1
+    with monkeypatch.context() as m:
+        m.setattr(api, "check_call", lambda *a, **kw: pytest.fail("a recorded kind took the full path"))
+        o_hit, s_hit = call(2)
+    replay.CACHE.clear()
+    monkeypatch.setattr(replay, "CAPACITY", 0)
+    o_full, s_full = call(2)
+    torch.cuda.synchronize()
+    assert same_bits(o_hit, o_full) and same_bits(s_hit, s_full)
