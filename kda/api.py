@@ -133,14 +133,9 @@ def chunk_kda(
     if key is not None:
         tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
                    has_initial_state, None, checkpoint_indices, errors, out)
-        try:
-            entry = replay.CACHE.get(key)
-        except TypeError:  # an unhashable entry in cu_seqlens_cpu: the full path says what is wrong
-            entry = key = None
-        if entry is not None:
-            result = entry(tensors, None)
-            if result is not None:
-                return result
+        result, key = replay.replayed(key, tensors, None)
+        if result is not None:
+            return result
     # the plain path passes its keywords directly: a dict built for both paths costs a microsecond a call
     call = check_call(
         "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -239,14 +234,9 @@ def fused_recurrent_kda(
     if key is not None:
         tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
                    has_initial_state, num_accepted_tokens, None, errors, out)
-        try:
-            entry = replay.CACHE.get(key)
-        except TypeError:  # an unhashable entry in cu_seqlens_cpu: the full path says what is wrong
-            entry = key = None
-        if entry is not None:
-            result = entry(tensors, seed)
-            if result is not None:
-                return result
+        result, key = replay.replayed(key, tensors, seed)
+        if result is not None:
+            return result
     call = check_call(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,

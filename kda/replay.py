@@ -220,6 +220,17 @@ class Replay:
         return o, (final if self.returns_final else None)
 
 
+def replayed(key, tensors: tuple, seed) -> tuple:
+    """(result, key): the recorded kind's result for this call, or None (the full path runs) and the key to
+    record it under (None where it cannot be: an unhashable entry in `cu_seqlens_cpu`, which the full path
+    then names)."""
+    try:
+        entry = CACHE.get(key)
+    except TypeError:
+        return None, None
+    return (None if entry is None else entry(tensors, seed)), key
+
+
 def remember(key, tensors: tuple, record: list, result: tuple) -> None:
     """Record the launches a full call made (`record`: `kda.ops.launch.RECORD`'s entries) under `key`.
     `tensors`: the call's tensors in `ROLES` order up to errors, then `out`; `result`: its (o, final state)."""
