@@ -13,9 +13,11 @@ compiles for it) and the byte overlap of `out` with an input or the state (an ov
 which raises).
 
 Not recorded (every such call takes the full path): KDA_DEBUG on, the interpreter, a launch hook registered
-(a profiler's), an argument whose type the key does not cover, one tensor passed in two roles, workspaces
-that share memory, a launch on another stream (the walk in parts) and a launch Triton's own path made. At
-most `CAPACITY` kinds are kept, the oldest dropped first.
+(a profiler's), an argument whose type the key does not cover, one tensor passed in two roles, a view of a
+buffer that several roles share, and a launch Triton's own path made. Workspaces and their views come from
+one buffer per call, a region per buffer the call allocated. The walk in parts is recorded with its streams: each
+launch on the caller's stream or the side stream, and the waits between them in order. At most `CAPACITY`
+kinds are kept, the oldest dropped first.
 """
 
 from __future__ import annotations
@@ -158,14 +160,17 @@ class Replay:
     errors, then `out`) launches them and returns what the full path returns, or None where the call must
     take the full path (another address modulo 16, `out` overlapping an input, a seed outside i32)."""
 
-    __slots__ = ("launches", "uses", "residues", "workspaces", "new_o", "new_final", "returns_final", "checks_out",
-                 "extents", "device")
+    __slots__ = ("launches", "order", "uses", "residues", "workspaces", "new_o", "new_final", "returns_final",
+                 "checks_out", "extents", "device")
 
-    def __init__(self, launches, uses, residues, workspaces, new_o, new_final, returns_final, checks_out, extents,
-                 device):
+    def __init__(self, launches, order, uses, residues, workspaces, new_o, new_final, returns_final, checks_out,
+                 extents, device):
         # per launch: (launcher, gx, gy, gz, function, packed, template, seed position or None,
         #              ((position, workspace offset), ...), ((position, offset, shape, strides, padding), ...))
         self.launches = launches
+        # in the call's order: (0, launch, side stream or None for the caller's) or (1, waiter, waited), a
+        # stream None standing for the caller's current stream
+        self.order = order
         self.uses = uses  # ((role, ((launch, position, byte offset into the role's tensor), ...)), ...)
         # per use: the address modulo 16 (the kernels were specialised on the alignment of each address and
         # of the views at fixed offsets from it)
@@ -209,14 +214,22 @@ class Replay:
             ws = torch.empty(self.workspaces, dtype=torch.uint8, device=dev)
             base = ws.data_ptr()
         stream = torch._C._cuda_getCurrentRawStream(self.device)
-        for (run, gx, gy, gz, function, packed, _, seed_at, ws_at, desc_at), vals in zip(self.launches, filled):
+        current = None
+        for kind, a, b in self.order:
+            if kind:  # a wait between the caller's stream (None) and a side stream
+                if current is None:
+                    current = torch.cuda.current_stream(self.device)
+                (current if a is None else a).wait_stream(current if b is None else b)
+                continue
+            run, gx, gy, gz, function, packed, _, seed_at, ws_at, desc_at = self.launches[a]
+            vals = filled[a]
             for pos, off in ws_at:
                 vals[pos] = base + off
             for pos, off, shape, strides, padding in desc_at:
                 vals[pos] = _Descriptor(base + off, shape, strides, padding)
             if seed_at is not None and seed is not None:
                 vals[seed_at] = seed
-            run(gx, gy, gz, stream, function, packed, None, None, None, *vals)
+            run(gx, gy, gz, stream if b is None else b.cuda_stream, function, packed, None, None, None, *vals)
         return o, (final if self.returns_final else None)
 
 
@@ -249,25 +262,30 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
             # placed by its role only where one role holds that buffer
             storage_of.setdefault(x.untyped_storage().data_ptr(), []).append(r)
     device = torch.cuda.current_device()
-    stream = record[0][4]
-    launches, places, workspaces = [], {}, {}
+    main = _launch.RECORD.main
+    # streams other than the caller's: the torch streams the recorded waits name (the walk in parts' side
+    # stream, one per device for the process), by raw handle
+    sides = {x.cuda_stream: x for op in record if op[0] == "wait" for x in op[1:] if x.cuda_stream != main}
+    launches, order, places, regions = [], [], {}, {}
     size = 0
 
-    def workspace(x: torch.Tensor) -> int | None:
-        """The offset of an internal tensor in the one buffer, or None where it cannot be one."""
+    def workspace(x: torch.Tensor) -> int:
+        """Where x's first element lies in the one buffer: a region per buffer of this call's own."""
         nonlocal size
-        key_ = x.untyped_storage().data_ptr()
-        if key_ in workspaces:
-            return workspaces[key_] if workspaces[key_][1] is x else None
-        if x.storage_offset() != 0 or not x.is_contiguous():
-            return None
-        off = size
-        size += -(-_extent(x) // _ALIGN) * _ALIGN
-        workspaces[key_] = (off, x)
-        return workspaces[key_]
+        storage = x.untyped_storage()
+        sp = storage.data_ptr()
+        if sp not in regions:
+            regions[sp] = size
+            size += -(-storage.nbytes() // _ALIGN) * _ALIGN
+        return regions[sp] + x.data_ptr() - sp
 
-    for i, (kernel, grid, args, meta, st) in enumerate(record):
-        if st != stream or not isinstance(kernel, DirectKernel) or kernel._plain is None:
+    for op in record:
+        if op[0] == "wait":
+            order.append((1, None if op[1].cuda_stream == main else op[1],
+                          None if op[2].cuda_stream == main else op[2]))
+            continue
+        kernel, grid, args, meta, st = op
+        if (st != main and st not in sides) or not isinstance(kernel, DirectKernel) or kernel._plain is None:
             return
         try:
             spec, vals = specialization(args, kernel._plain)
@@ -277,16 +295,14 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
         if hit is None:
             return
         run, function, packed, tail = hit
+        i = len(launches)
         ws_at, desc_at = [], []
         for pos, a in enumerate(args):
             if isinstance(a, TensorDescriptor):
                 base = a.base
                 if not isinstance(base, torch.Tensor) or base.untyped_storage().data_ptr() in storage_of:
                     return
-                w = workspace(base)
-                if w is None:
-                    return
-                desc_at.append((pos, w[0], tuple(a.shape), tuple(a.strides), a.padding))
+                desc_at.append((pos, workspace(base), tuple(a.shape), tuple(a.strides), a.padding))
             elif isinstance(a, torch.Tensor):
                 r = role_of.get(id(a))
                 if r is None:  # a view of a role's tensor, at a fixed offset from it for this key
@@ -296,11 +312,8 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
                     r = holders[0] if holders else None
                 if r is not None:
                     places.setdefault(r, []).append((i, pos, a.data_ptr() - roles[r].data_ptr()))
-                    continue
-                w = workspace(a)
-                if w is None:
-                    return
-                ws_at.append((pos, w[0]))
+                else:
+                    ws_at.append((pos, workspace(a)))
         names = kernel.fn.arg_names
         seed_at = names.index("seed") if "seed" in names else None
         g = tuple(grid) + (1,) * (3 - len(grid))
@@ -308,10 +321,11 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
             vals[pos] = None  # the descriptor holds this call's workspace: keep no tensor alive
         launches.append((run, *g, function, packed, tuple(vals) + tuple(tail), seed_at, tuple(ws_at),
                          tuple(desc_at)))
+        order.append((0, i, None if st == main else sides[st]))
     uses = tuple((r, tuple(p)) for r, p in places.items())
     entry = Replay(
-        launches=tuple(launches), uses=uses, residues=tuple(roles[r].data_ptr() & 15 for r, _ in uses),
-        workspaces=size,
+        launches=tuple(launches), order=tuple(order), uses=uses,
+        residues=tuple(roles[r].data_ptr() & 15 for r, _ in uses), workspaces=size,
         new_o=None if out_given else (tuple(o.shape), o.dtype),
         new_final=None if final is None else (tuple(final.shape), final.dtype), returns_final=final is not None,
         checks_out=out_given, extents=tuple(_extent(x) if x is not None else 0 for x in roles), device=device,
@@ -322,7 +336,9 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
 
 
 def recording() -> list:
-    """Start recording this thread's launches (`kda.ops.launch.RECORD`); `stop` ends it."""
+    """Start recording this thread's launches (`kda.ops.launch.RECORD`), on the current stream; `stop` ends
+    it."""
+    _launch.RECORD.main = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
     _launch.RECORD.launches = []
     return _launch.RECORD.launches
 

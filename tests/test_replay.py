@@ -260,21 +260,53 @@ def test_prefill_hit_equals_the_full_path(monkeypatch, form):
 
 
 @pytest.mark.gpu
-def test_walk_in_parts_is_not_recorded():
-    """A prefill whose walk runs in parts on a side stream (events between the streams) is never replayed
-    from one stream's launches."""
-    replay.CACHE.clear()
-    q, k, v, g, beta, kw = make_inputs(1, 32768, 12, 12, 128, 128, dtype=torch.bfloat16, gate="lower_bound",
-                                       device=DEVICE, beta_sigmoid=True)
+@pytest.mark.parametrize("paged", [False, True])
+def test_walk_in_parts_hit_equals_the_full_path(monkeypatch, paged):
+    """A prefill walked in parts (prepares on the caller's stream, walks on the side stream, the state carried
+    between parts in a workspace, waits between the streams) recorded and replayed: the full path's bits."""
+    T, H, K = 32768, 12, 128
+
+    def case(seed):
+        q, k, v, g, beta, kw = make_inputs(1, T, H, H, K, K, dtype=torch.bfloat16, gate="lower_bound", device=DEVICE,
+                                           beta_sigmoid=True, seed=seed)
+        kw["use_qk_l2norm_in_kernel"] = True
+        h0 = torch.randn(1, H, K, K, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        if paged:
+            pool = torch.full((3, H, K, K), float("nan"), device=DEVICE)
+            pool[1] = h0[0]
+            kw.update(state_cache=pool, state_v_first=False, state_indices=torch.tensor([1], dtype=torch.int32,
+                      device=DEVICE), has_initial_state=torch.ones(1, dtype=torch.bool, device=DEVICE))
+        else:
+            kw.update(initial_state=h0, output_final_state=True)
+        return (q, k, v, g, beta), kw
+
     from kda import plan
-    call = contract.check_call("chunk_kda", q, k, v, g, beta, None, None, False, use_qk_l2norm_in_kernel=True,
-                               use_beta_sigmoid_in_kernel=True, cu_seqlens=None, cu_seqlens_cpu=None,
-                               state_v_first=None, state_cache=None, state_indices=None, has_initial_state=None,
-                               state_dtype=None, out=None, require_has_initial_state=True,
-                               **{n: kw.get(n) for n in ("use_gate_in_kernel", "A_log", "dt_bias", "lower_bound")})
+    inputs, kw = case(1)
+    call = contract.check_call("chunk_kda", *inputs, None, kw.get("initial_state"), not paged,
+                               require_has_initial_state=True, cu_seqlens=None, cu_seqlens_cpu=None,
+                               state_dtype=None, out=None,
+                               **{n: kw.get(n) for n in ("use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel",
+                                                         "use_gate_in_kernel", "A_log", "dt_bias", "lower_bound",
+                                                         "state_v_first", "state_cache", "state_indices",
+                                                         "has_initial_state")})
     assert plan.chunk_plan(call).parts > 1
-    kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
-    assert len(replay.CACHE) == 0
+    replay.CACHE.clear()
+    kda.chunk_kda(*inputs, **kw)
+    assert len(replay.CACHE) == 1
+    inputs, kw = case(2)
+    kw_full = {n: (x.clone() if n == "state_cache" else x) for n, x in kw.items()}
+    with monkeypatch.context() as m:
+        m.setattr(api, "check_call", lambda *a, **kw: pytest.fail("a recorded kind took the full path"))
+        o_hit, s_hit = kda.chunk_kda(*inputs, **kw)
+    replay.CACHE.clear()
+    monkeypatch.setattr(replay, "CAPACITY", 0)
+    o_full, s_full = kda.chunk_kda(*inputs, **kw_full)
+    torch.cuda.synchronize()
+    assert same_bits(o_hit, o_full)
+    if paged:
+        assert same_bits(kw["state_cache"], kw_full["state_cache"])
+    else:
+        assert same_bits(s_hit, s_full)
 
 
 @pytest.mark.gpu

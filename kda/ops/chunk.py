@@ -42,6 +42,7 @@ from .chunk_walk import (
 )
 from .common import token_head_strides
 from .fused_recurrent import fused_recurrent_kda_fwd
+from .launch import wait_stream
 
 
 def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -251,7 +252,7 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
     side = _side_stream(q) if q.is_cuda else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
     if side is not None:
-        side.wait_stream(main)  # the inputs, and what the caller queued before this call
+        wait_stream(side, main)  # the inputs, and what the caller queued before this call
     for i, (t_lo, t_hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         c_lo, c_hi = t_lo // BT, cdiv(t_hi, BT)
         views = tuple(x[:, t_lo:t_hi] for x in (q, k, v, g, beta))
@@ -259,15 +260,13 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
         _prepare(call, plan, views, part_ws, t_hi - t_lo, c_hi - c_lo, 0, False)
         part = _part_state(st, carry, i, len(bounds) - 2)
         if side is not None:
-            ready = torch.cuda.Event()
-            ready.record(main)
-            side.wait_event(ready)
+            wait_stream(side, main)  # this part's prepare
             with torch.cuda.stream(side):
                 _plain_walk(call, plan, o, part, walk_ws, q, 1, 1, False, 0, no_ckpt, False, t_lo, t_hi)
         else:
             _plain_walk(call, plan, o, part, walk_ws, q, 1, 1, False, 0, no_ckpt, False, t_lo, t_hi)
     if side is not None:
-        main.wait_stream(side)  # the caller's stream owns o, the state and every workspace again
+        wait_stream(main, side)  # the caller's stream owns o, the state and every workspace again
     return o, st.final_state
 
 

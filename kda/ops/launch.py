@@ -17,7 +17,7 @@ other type, while a launch hook is registered (a profiler's), under the interpre
 signature this key cannot cover.
 
 `RECORD.launches`, when a list, receives every launch this thread makes as (kernel, grid, run-time arguments,
-keywords, stream), for `kda.replay`.
+keywords, stream), and every `wait_stream` between streams, for `kda.replay`.
 """
 
 from __future__ import annotations
@@ -132,9 +132,18 @@ class DirectKernel:
         return None
 
 
+def wait_stream(waiter, waited) -> None:
+    """`waiter.wait_stream(waited)` (torch streams), noted in `RECORD.launches` as ("wait", waiter, waited)
+    while launches are recorded, so that a replay orders its streams as the call did."""
+    waiter.wait_stream(waited)
+    record = getattr(RECORD, "launches", None)
+    if record is not None:
+        record.append(("wait", waiter, waited))
+
+
 def direct(fn) -> DirectKernel:
     """Decorator, above `@triton.jit`: launches through `DirectKernel`."""
     return DirectKernel(fn)
 
 
-__all__ = ["DirectKernel", "direct", "specialization"]
+__all__ = ["DirectKernel", "direct", "specialization", "wait_stream"]
