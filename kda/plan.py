@@ -239,10 +239,10 @@ WALK_BV64_STEP_COST = 1.2
 
 
 # Parts of a walk in parts: under CUDA graph capture the host's launches cost nothing at replay; called eagerly
-# each part costs its launches' host time, so a part must hold enough GPU work to outlast them (H200 sweep:
-# docs/performance.md, "Walk in parts").
+# each part costs host time (about 0.5 ms a part on a kind's first call, 35-70 us once `kda.replay` recorded
+# it), so a part must hold enough GPU work to outlast it (H200 sweeps: docs/performance.md, "Walk in parts").
 CAPTURED_PART_TOKENS = 1024
-EAGER_PART_TOKEN_HEADS = 196608
+EAGER_PART_TOKEN_HEADS = 49152
 MAX_PARTS = 8
 
 
