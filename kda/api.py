@@ -1,7 +1,9 @@
 """The public functions. Both share one signature (the first eight parameters positional, as in fla;
 the rest keyword-only) and one contract, checked by `kda.contract.check_call` before any launch.
 
-A plain call validates and launches directly. While `torch.compile` traces a call
+A plain call validates and launches directly; a call of a kind seen before (the same metadata, flags and host
+bounds) launches the kernels recorded for that kind (`kda.replay`, docs/contract.md "Repeated calls"). While
+`torch.compile` traces a call
 (`torch.compiler.is_compiling()`), it goes through the custom op of `kda.library` instead (`out`
 allocated here when not given; the op validates when it runs): docs/contract.md, "torch.compile and
 custom ops"."""
@@ -158,7 +160,10 @@ def _recorded(key, tensors, fwd, call, **kw):
         result = fwd(call, **kw)
     finally:
         replay.stop()
-    replay.remember(key, tensors, record, result)
+    try:
+        replay.remember(key, tensors, record, result)
+    except Exception:  # a kind that cannot be recorded takes the full path next time too; the call has run
+        replay.CACHE.pop(key, None)
     return result
 
 

@@ -46,6 +46,23 @@ def test_key_is_none_off_the_gpu_and_for_uncovered_types():
         assert replay.decode_key(**dict(cuda, **{name: bad})) is None, name
 
 
+def test_a_recording_that_fails_never_fails_the_call(monkeypatch):
+    """The call has run when its launches are recorded: a recording that raises leaves the call's result and
+    no entry for its key."""
+    monkeypatch.setattr(replay, "recording", lambda: [])
+    monkeypatch.setattr(replay, "stop", lambda: None)
+
+    def broken(*args):
+        replay.CACHE["kind"] = "half-made"
+        raise RuntimeError("cannot record")
+
+    monkeypatch.setattr(replay, "remember", broken)
+    monkeypatch.setattr(replay, "CACHE", {})
+    result = ("o", None)
+    assert api._recorded("kind", (), lambda call: result, None) is result
+    assert "kind" not in replay.CACHE
+
+
 def _decode_case(v_first: bool, dtype, form: str, seed: int):
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g, beta, kw = make_inputs(N, 1, H, H, K, K, dtype=torch.bfloat16, gate="lower_bound", device=DEVICE,
