@@ -16,7 +16,7 @@ import inspect
 import torch
 
 from . import library, replay
-from .contract import check_call, debug_enabled
+from .contract import check_call
 
 
 @functools.cache
@@ -127,7 +127,7 @@ def chunk_kda(
             checkpoint_indices=checkpoint_indices, errors=errors,
         )
     # a call of a kind seen before launches its recorded kernels (kda.replay); KDA_DEBUG on takes the full path
-    key = None if debug_enabled() or not isinstance(q, torch.Tensor) else replay.chunk_key(
+    key = replay.chunk_key(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
         state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, checkpoint_every,
@@ -231,7 +231,7 @@ def fused_recurrent_kda(
             num_accepted_tokens=num_accepted_tokens, errors=errors,
         )
     # a call of a kind seen before launches its recorded kernel (kda.replay); KDA_DEBUG on takes the full path
-    key = None if debug_enabled() or not isinstance(q, torch.Tensor) else replay.decode_key(
+    key = replay.decode_key(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
         state_v_first, state_cache, state_indices, has_initial_state, num_accepted_tokens, state_dtype, out,

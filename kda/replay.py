@@ -26,11 +26,11 @@ import torch
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .contract import _byte_span, debug_enabled
 from .ops import launch as _launch
-from .ops.launch import DirectKernel, specialization
+from .ops.launch import DirectKernel, _int_class
 
 CAPACITY = 256
-_I32 = 2**31
 _SCALARS = (type(None), bool, int, float)
 _ALIGN = 256  # workspace offsets in the one buffer: every workspace as aligned as its own allocation's TMA needs
 
@@ -40,7 +40,6 @@ ROLES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_se
          "state_indices", "has_initial_state", "num_accepted_tokens", "checkpoint_indices", "errors", "o",
          "final")
 _OUT = ROLES.index("o")
-_FINAL = ROLES.index("final")
 # out may not overlap these (`kda.contract._check_out`): q, k, v, g, beta and the state read
 _NO_OVERLAP = tuple(ROLES.index(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "state_cache"))
 
@@ -76,6 +75,13 @@ def _bounds(x):
     raise _Uncached
 
 
+def _recordable(q) -> bool:
+    """Whether a call may replay or be recorded at all: a GPU call, KDA_DEBUG off (its checks read device
+    values; a bad KDA_DEBUG value raises here as it would in the checks), no launch hook registered."""
+    return (isinstance(q, torch.Tensor) and q.is_cuda and not debug_enabled()
+            and not knobs.runtime.launch_enter_hook.calls)
+
+
 def _common(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
             state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, errors) -> tuple:
@@ -95,7 +101,7 @@ def decode_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_q
                state_dtype, out, stochastic_rounding, errors) -> tuple | None:
     """Everything a `fused_recurrent_kda` call's checks, plan and launch depend on but its tensors' memory
     and `seed`; None where the call is not recorded."""
-    if knobs.runtime.launch_enter_hook.calls or not q.is_cuda:
+    if not _recordable(q):
         return None
     try:
         return ("decode", _meta(num_accepted_tokens), _scalar(stochastic_rounding)) + _common(
@@ -111,7 +117,7 @@ def chunk_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk
               cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out,
               checkpoint_every, checkpoint_indices, errors) -> tuple | None:
     """The same for a `chunk_kda` call (its plan also reads whether the stream is being captured)."""
-    if knobs.runtime.launch_enter_hook.calls or not q.is_cuda:
+    if not _recordable(q):
         return None
     try:
         return ("chunk", torch.cuda.is_current_stream_capturing(), _scalar(checkpoint_every),
@@ -124,10 +130,9 @@ def chunk_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk
 
 
 def _extent(x: torch.Tensor) -> int:
-    """Bytes from x's first element to the end of its last (0 when empty)."""
-    if x.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))) * x.element_size()
+    """Bytes x spans (`kda.contract._byte_span`; 0 when empty)."""
+    start, end = _byte_span(x)
+    return end - start
 
 
 class _Address:
@@ -184,7 +189,7 @@ class Replay:
         self.device = device
 
     def __call__(self, tensors: tuple, seed):
-        if seed is not None and (type(seed) is not int or not -_I32 <= seed < _I32):
+        if seed is not None and (type(seed) is not int or _int_class(seed)):  # not i32: another binary
             return None
         dev = tensors[0].device
         o = tensors[_OUT] if self.new_o is None else torch.empty(self.new_o[0], dtype=self.new_o[1], device=dev)
@@ -288,10 +293,10 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
         if (st != main and st not in sides) or not isinstance(kernel, DirectKernel) or kernel._plain is None:
             return
         try:
-            spec, vals = specialization(args, kernel._plain)
+            kernel_key, vals = kernel.key(args, meta)
         except Exception:
             return
-        hit = kernel._cache.get((device, spec, tuple(meta.items())))
+        hit = kernel._cache.get(kernel_key)
         if hit is None:
             return
         run, function, packed, tail = hit

@@ -8,10 +8,10 @@ specialisation was seen before goes straight to the compiled kernel's launcher.
 
 The specialisation key is computed here, per argument, as Triton computes it (`native_specialize_impl`,
 the same in Triton 3.6 and 3.9): a tensor by its dtype and whether its address is a multiple of 16; an
-int by whether it equals 1 (then a constant), is a multiple of 16, and which of i32, i64 or u64 holds it
-(range only, for the kernel's `do_not_specialize` ints); a float, a bool or None by its type. Together
-with the constexpr and option keywords (`meta`) and the current device, that key names exactly one
-compiled kernel; a host TMA descriptor by its dtype and block shape. Tensors reach the launcher as their
+int by whether it equals 1 (then a constant), is a multiple of 16, and which of i32, i64 or u64 holds it;
+a host TMA descriptor by its dtype and block shape; a float, a bool or None by its type; an argument in the
+kernel's `do_not_specialize` by its type alone. Together with the constexpr and option keywords (`meta`)
+and the current device, that key names exactly one compiled kernel. Tensors reach the launcher as their
 addresses. A launch falls back to Triton's own path (which compiles on a miss) for an argument of any
 other type, while a launch hook is registered (a profiler's), under the interpreter, and for a kernel whose
 signature this key cannot cover.
@@ -103,6 +103,12 @@ class DirectKernel:
     def __getitem__(self, grid):
         return lambda *args, **meta: self.launch(grid, args, meta)
 
+    def key(self, args: tuple, meta: dict) -> tuple[tuple, list]:
+        """(the compiled kernel's key in this kernel's cache, launcher arguments) of one launch on the current
+        device; raises `_Slow` where `specialization` does."""
+        spec, vals = specialization(args, self._plain)
+        return (torch.cuda.current_device(), spec, tuple(meta.items())), vals
+
     def launch(self, grid, args: tuple, meta: dict):
         record = getattr(RECORD, "launches", None)
         if record is not None:
@@ -111,11 +117,10 @@ class DirectKernel:
         if plain is None or len(args) != len(plain) or knobs.runtime.launch_enter_hook.calls:
             return self.fn[grid](*args, **meta)
         try:
-            spec, vals = specialization(args, plain)
+            key, vals = self.key(args, meta)
         except _Slow:
             return self.fn[grid](*args, **meta)
-        device = torch.cuda.current_device()
-        key = (device, spec, tuple(meta.items()))
+        device = key[0]
         hit = self._cache.get(key)
         if hit is None:
             compiled = self.fn[grid](*args, **meta)  # compiles on a miss, and launches
