@@ -452,15 +452,16 @@ def fused_recurrent_kda_fwd(
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
-        kernel, grid = _fused_recurrent_one_token_kernel, (cdiv(V, rows), N, HV)
-        args = (q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
-                lower_bound, seed, int(st.paged))
-        meta = dict(NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags)
+        _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
+            q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
+            lower_bound, seed,
+            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
+        )
     else:
-        kernel, grid = _fused_recurrent_kda_kernel, (cdiv(V, BV), N, HV)
-        args = (q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
-                st.slot_count, *verify_args, errors, T, call.scale, lower_bound, seed)
-        meta = dict(IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags,
-                    **verify_flags, SHORT=short)
-    kernel[grid](*args, **meta)
+        _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
+            q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
+            st.slot_count, *verify_args, errors, T, call.scale, lower_bound, seed,
+            IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags, **verify_flags,
+            SHORT=short,
+        )
     return o, st.final_state
