@@ -56,6 +56,38 @@ def test_launcher_arguments_are_the_values_and_addresses():
         specialization((object(),), (False,))
 
 
+class CudaLauncher:
+    """Triton 3.6's launcher, as `kda.ops.launch.launcher_entry` reads it: `__call__` allocates scratch (none
+    here) and passes the kernel's cooperative-grid and PDL flags to `launch` ahead of the scratch buffers."""
+
+    def __init__(self, scratch: int = 0):
+        self.calls = []
+        self.launch = lambda *a: self.calls.append(a)
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid = "coop"
+        self.launch_pdl = "pdl"
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        scratch = "scratch" if self.global_scratch_size else None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    scratch, None, *args)
+
+
+def test_launcher_entry_launches_as_the_launcher():
+    args = (7, 2, 3, "stream", "function")
+    rest = ("packed", None, None, None, 11, 12.5, None)
+    run = CudaLauncher()
+    run(*args, *rest)
+    entry, prefix = launch.launcher_entry(run)
+    assert entry is run.launch and prefix
+    entry(*args, *prefix, *rest)
+    assert run.calls[0] == run.calls[1]
+    # a kernel with scratch memory, or another launcher, is called as it is
+    for other in (CudaLauncher(scratch=64), print):
+        assert launch.launcher_entry(other) == (other, ())
+
+
 def test_every_launched_kernel_takes_the_direct_path():
     """The kernels `kda` launches are wrapped, and (off the interpreter) their run-time arguments come first."""
     kernels = [chunk_prepare._chunk_gate_kernel, chunk_prepare._chunk_prepare_kernel,

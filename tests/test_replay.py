@@ -46,6 +46,19 @@ def test_key_is_none_off_the_gpu_and_for_uncovered_types():
         assert replay.decode_key(**dict(cuda, **{name: bad})) is None, name
 
 
+def test_host_bounds_keys_follow_their_values():
+    """`cu_seqlens_cpu` decides routing and grids: calls whose host bounds differ in any value, length or
+    dtype are other kinds; equal values in a new tensor, or a non-contiguous view of them, the same kind."""
+    cu = torch.tensor([0, 1, 4, 4, 9], dtype=torch.int32)
+    key = replay._bounds(cu)
+    assert replay._bounds(cu.clone()) == key
+    assert replay._bounds(torch.tensor([0, 0, 1, 1, 4, 4, 4, 4, 9, 9], dtype=torch.int32)[::2]) == key
+    for other in (torch.tensor([0, 1, 4, 5, 9], dtype=torch.int32), cu[:-1], cu.long(),
+                  torch.tensor([0, 1, 4, 4, 9, 9], dtype=torch.int32)):
+        assert replay._bounds(other) != key
+    assert replay._bounds([0, 1, 4, 4, 9]) == replay._bounds((0, 1, 4, 4, 9)) != replay._bounds([0, 1, 4, 9])
+
+
 def test_a_recording_that_fails_never_fails_the_call(monkeypatch):
     """The call has run when its launches are recorded: a recording that raises leaves the call's result and
     no entry for its key."""
