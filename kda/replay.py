@@ -158,19 +158,38 @@ class _Descriptor:
         return self.p
 
 
+def _tma_encoder(run):
+    """(raw launcher, encode, metadata per descriptor) where `run` (`launch.launcher_entry`) is Triton 3.6's
+    wrapper that encodes each host TMA descriptor on every launch (`make_tensordesc_arg`: a Python frame and a
+    driver call per descriptor, a pass over every argument); None for any other launcher, which then encodes
+    them itself. `encode(descriptor, metadata)` returns the arguments that stand for one descriptor."""
+    code = getattr(run, "__code__", None)
+    if code is None or not run.__closure__:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in run.__closure__)))
+    launcher, metas = cells.get("launcher"), cells.get("tensordesc_meta")
+    make = getattr(run, "__globals__", {}).get("make_tensordesc_arg")
+    if launcher is None or metas is None or make is None or set(cells) != {"launcher", "tensordesc_meta",
+                                                                             "tensordesc_indices"}:
+        return None
+    return launcher, make, list(metas)
+
+
 class Replay:
     """A kind's recorded launches: `__call__(tensors, seed)` with a call's tensors (in `ROLES` order up to
     errors, then `out`) launches them and returns what the full path returns, or None where the call must
     take the full path (another address modulo 16, `out` overlapping an input, a seed outside i32)."""
 
     __slots__ = ("launches", "order", "uses", "residues", "workspaces", "new_o", "new_final", "returns_final",
-                 "checks_out", "extents", "device")
+                 "checks_out", "extents", "device", "maps")
 
     def __init__(self, launches, order, uses, residues, workspaces, new_o, new_final, returns_final, checks_out,
                  extents, device):
         # per launch: (launcher, its prefix (`launch.launcher_entry`), gx, gy, gz, function, packed, template,
         #              seed position or None, ((position, workspace offset), ...),
-        #              ((position, offset, shape, strides, padding), ...))
+        #              ((position, offset, shape, strides, padding, encode or None, its metadata, map), ...)):
+        #              a TMA descriptor is passed encoded (`_tma_encoder`) where the launcher would encode it
+        #              on every launch, its encoding kept in `maps[map]` with the address it was made for
         self.launches = launches
         # in the call's order: (0, launch, side stream or None for the caller's) or (1, waiter, waited), a
         # stream None standing for the caller's current stream
@@ -186,6 +205,7 @@ class Replay:
         self.checks_out = checks_out
         self.extents = extents  # per role: bytes spanned (for out's overlap check)
         self.device = device
+        self.maps = [(None, None)] * sum(len(launch[-1]) for launch in launches)
 
     def __call__(self, tensors: tuple, seed):
         if seed is not None and (type(seed) is not int or _int_class(seed)):  # not i32: another binary
@@ -218,6 +238,7 @@ class Replay:
             ws = torch.empty(self.workspaces, dtype=torch.uint8, device=dev)
             base = ws.data_ptr()
         stream = torch._C._cuda_getCurrentRawStream(self.device)
+        maps = self.maps
         current = None
         for kind, a, b in self.order:
             if kind:  # a wait between the caller's stream (None) and a side stream
@@ -229,8 +250,16 @@ class Replay:
             vals = filled[a]
             for pos, off in ws_at:
                 vals[pos] = base + off
-            for pos, off, shape, strides, padding in desc_at:
-                vals[pos] = _Descriptor(base + off, shape, strides, padding)
+            for pos, off, shape, strides, padding, make, meta, j in desc_at:
+                p = base + off
+                if make is None:  # the launcher encodes it
+                    vals[pos] = _Descriptor(p, shape, strides, padding)
+                    continue
+                last = maps[j]  # the workspace mostly returns to the address of the call before
+                if last[0] != p:
+                    last = (p, make(_Descriptor(p, shape, strides, padding), meta))
+                    maps[j] = last
+                vals[pos:pos + len(last[1])] = last[1]
             if seed_at is not None and seed is not None:
                 vals[seed_at] = seed
             run(gx, gy, gz, stream if b is None else b.cuda_stream, function, *prefix, packed, None, None, None, *vals)
@@ -271,7 +300,7 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
     # stream, one per device for the process), by raw handle
     sides = {x.cuda_stream: x for op in record if op[0] == "wait" for x in op[1:] if x.cuda_stream != main}
     launches, order, places, regions = [], [], {}, {}
-    size = 0
+    size = n_maps = 0
 
     def workspace(x: torch.Tensor) -> int:
         """Where x's first element lies in the one buffer: a region per buffer of this call's own."""
@@ -321,9 +350,30 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
         names = kernel.fn.arg_names
         seed_at = names.index("seed") if "seed" in names else None
         g = tuple(grid) + (1,) * (3 - len(grid))
-        for pos, *_ in desc_at:
-            vals[pos] = None  # the descriptor holds this call's workspace: keep no tensor alive
-        launches.append((run, prefix, *g, function, packed, tuple(vals) + tuple(tail), seed_at, tuple(ws_at),
+        template = list(vals) + list(tail)
+        encoder = _tma_encoder(run) if desc_at else None
+        if encoder is not None and len(encoder[2]) != len(desc_at):
+            encoder = None
+        if encoder is None:
+            for pos, *_ in desc_at:
+                template[pos] = None  # the descriptor holds this call's workspace: keep no tensor alive
+            desc_at = [(*d, None, None, n_maps + j) for j, d in enumerate(desc_at)]
+        else:  # the raw launcher, each descriptor's encoding spliced in at its place
+            run, make, metas = encoder
+            width = {d[0]: len(make(args[d[0]], m)) for d, m in zip(desc_at, metas)}
+            moved, at = {}, 0
+            for pos in range(len(template)):
+                moved[pos] = at
+                at += width.get(pos, 1)
+            for pos in sorted(width, reverse=True):
+                template[pos:pos + 1] = [None] * width[pos]
+            desc_at = [(moved[d[0]], *d[1:], make, m, n_maps + j) for j, (d, m) in enumerate(zip(desc_at, metas))]
+            ws_at = [(moved[pos], off) for pos, off in ws_at]
+            seed_at = None if seed_at is None else moved[seed_at]
+            for r, held in places.items():
+                places[r] = [(li, moved[pos] if li == i else pos, delta) for li, pos, delta in held]
+        n_maps += len(desc_at)
+        launches.append((run, prefix, *g, function, packed, tuple(template), seed_at, tuple(ws_at),
                          tuple(desc_at)))
         order.append((0, i, None if st == main else sides[st]))
     uses = tuple((r, tuple(p)) for r, p in places.items())
