@@ -10,7 +10,7 @@ workspaces) and launches the recorded kernels (`Replay`): the contract's checks,
 assembly ran once for every call that shares the key. What depends on the addresses is redone per call:
 the 16-byte alignment each compiled kernel was specialised on (another alignment takes the full path, which
 compiles for it) and the byte overlap of `out` with an input or the state (an overlap takes the full path,
-which raises).
+which raises). A host TMA descriptor over a workspace is encoded again only when the workspace moved.
 
 Not recorded (every such call takes the full path): KDA_DEBUG on, the interpreter, a launch hook registered
 (a profiler's), an argument whose type the key does not cover, one tensor passed in two roles, a view of a
