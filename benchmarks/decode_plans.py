@@ -3,7 +3,8 @@ disjoint slot sets of a pool of 4N slots, read-only L2 flush between replays) of
 under the loop kernel and the one-token kernel at several BV, warps and NSUB, fp32 and bf16 pools, dense
 `[N, 1]` and varlen with host bounds; H = 12, K = V = 128, bf16 inputs, Kimi's gate. The floor: the
 state read and written once plus the inputs and outputs, over the measured copy bandwidth. This is how
-`kda.plan.decode_plan`'s K-first one-token choice was made (docs/performance.md).
+`kda.plan.decode_plan`'s K-first one-token choice was made (docs/performance.md). Recorded calls
+(`kda.replay`) are cleared per plan.
 
     python benchmarks/decode_plans.py [PLAN NAME ...]      (a CUDA device; names from PLANS, default all)
 """
@@ -22,6 +23,7 @@ import bench  # noqa: E402
 import kda  # noqa: E402
 import kda.ops.fused_recurrent as fr  # noqa: E402
 import kda.plan as kp  # noqa: E402
+from kda import replay  # noqa: E402
 
 H, K, V = 12, 128, 128
 PLANS = {
@@ -43,6 +45,9 @@ PLANS = {
     "1tok nsub1 BV128 nw8": dict(nsub=1, BV=128, num_warps=8),
     "1tok nsub2 BV32 nw2": dict(nsub=2, BV=32, num_warps=2),
     "1tok nsub2 BV64 nw4": dict(nsub=2, BV=64, num_warps=4),
+    # K-first in row chunks of kc, the plane read twice (kda.ops.fused_recurrent._one_token_k_split)
+    **{f"1tok BV{bv} nw{w} kc{kc}": dict(nsub=1, BV=bv, num_warps=w, kc=kc)
+       for bv, w in ((32, 1), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4)) for kc in (16, 32)},
 }
 
 
@@ -74,6 +79,7 @@ def main() -> None:
                     continue
                 fr.decode_plan = (lambda call, stochastic_rounding=False, over=over:
                                   replace(planner(call, stochastic_rounding), **over))
+                replay.CACHE.clear()  # a recorded kind would replay the plan it was recorded with
                 calls = [functools.partial(
                     kda.fused_recurrent_kda, q, k, v, g, beta, state_cache=pool,
                     state_indices=s * N + torch.arange(N, device=dev, dtype=torch.int32), state_v_first=False,
