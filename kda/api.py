@@ -135,7 +135,7 @@ def chunk_kda(
     if key is not None:
         tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
                    has_initial_state, None, checkpoint_indices, errors, out)
-        result, key = replay.replayed(key, tensors, None)
+        result, key = replay.replayed(key, tensors, None, cu_seqlens_cpu)
         if result is not None:
             return result
     # the plain path passes its keywords directly: a dict built for both paths costs a microsecond a call
@@ -150,18 +150,18 @@ def chunk_kda(
     )
     if key is None:
         return _launchers()[0](call)
-    return _recorded(key, tensors, _launchers()[0], call)
+    return _recorded(key, tensors, cu_seqlens_cpu, _launchers()[0], call)
 
 
-def _recorded(key, tensors, fwd, call, **kw):
-    """`fwd(call, **kw)` with its launches recorded under `key` (`kda.replay`)."""
+def _recorded(key, tensors, bounds, fwd, call, **kw):
+    """`fwd(call, **kw)` with its launches recorded under `key` (`kda.replay`), with its host bounds."""
     record = replay.recording()
     try:
         result = fwd(call, **kw)
     finally:
         replay.stop()
     try:
-        replay.remember(key, tensors, record, result)
+        replay.remember(key, tensors, record, result, bounds)
     except Exception:  # a kind that cannot be recorded takes the full path next time too; the call has run
         replay.CACHE.pop(key, None)
     return result
@@ -239,7 +239,7 @@ def fused_recurrent_kda(
     if key is not None:
         tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
                    has_initial_state, num_accepted_tokens, None, errors, out)
-        result, key = replay.replayed(key, tensors, seed)
+        result, key = replay.replayed(key, tensors, seed, cu_seqlens_cpu)
         if result is not None:
             return result
     call = check_call(
@@ -253,4 +253,5 @@ def fused_recurrent_kda(
     )
     if key is None:
         return _launchers()[1](call, stochastic_rounding=stochastic_rounding, seed=seed)
-    return _recorded(key, tensors, _launchers()[1], call, stochastic_rounding=stochastic_rounding, seed=seed)
+    return _recorded(key, tensors, cu_seqlens_cpu, _launchers()[1], call, stochastic_rounding=stochastic_rounding,
+                     seed=seed)

@@ -10,7 +10,9 @@ workspaces) and launches the recorded kernels (`Replay`): the contract's checks,
 assembly ran once for every call that shares the key. What depends on the addresses is redone per call:
 the 16-byte alignment each compiled kernel was specialised on (another alignment takes the full path, which
 compiles for it) and the byte overlap of `out` with an input or the state (an overlap takes the full path,
-which raises). A host TMA descriptor over a workspace is encoded again only when the workspace moved.
+which raises). A host TMA descriptor over a workspace is encoded again only when the workspace moved. The key
+holds the length of `cu_seqlens_cpu`; its values are compared with the recorded ones (other values: the full
+path, whose recording replaces the kind's).
 
 Not recorded (every such call takes the full path): KDA_DEBUG on, the interpreter, a launch hook registered
 (a profiler's), an argument whose type the key does not cover, one tensor passed in two roles, a view of a
@@ -65,17 +67,41 @@ def _scalar(x):
 
 
 def _bounds(x):
+    """What of `cu_seqlens_cpu` the key holds: its length (and dtype); the values are compared by the
+    recording itself (`_same_bounds`), which hashes nothing (a tuple of 1025 bounds took 10 us to build
+    and hash, twice the comparison)."""
     if x is None:
         return None
     t = type(x)
     if t is list or t is tuple:
-        return tuple(x)
+        return len(x)
     if isinstance(x, torch.Tensor) and x.is_cpu:
-        try:  # the values' bytes: half the host time of a tuple of them
-            return (x.dtype, x.numpy().tobytes())
-        except (RuntimeError, TypeError):  # torch without numpy
-            return (x.dtype, tuple(x.tolist()))
+        return (x.dtype, x.shape)
     raise _Uncached
+
+
+def _bounds_value(x):
+    """The host bounds as a recording keeps them: a list of the values, or a tensor's bytes."""
+    if x is None:
+        return None
+    if type(x) is list or type(x) is tuple:
+        return list(x)
+    try:  # the values' bytes: half the host time of a list of them
+        return x.numpy().tobytes()
+    except (RuntimeError, TypeError):  # torch without numpy
+        return x.tolist()
+
+
+def _same_bounds(x, kept) -> bool:
+    """Whether host bounds `x` (of the kind's type and length) hold the values `kept` (`_bounds_value`)."""
+    t = type(x)
+    if t is list:
+        return x == kept
+    if t is tuple:
+        return list(x) == kept
+    if type(kept) is bytes:
+        return x.numpy().tobytes() == kept
+    return x.tolist() == kept
 
 
 def _recordable(q) -> bool:
@@ -181,10 +207,10 @@ class Replay:
     take the full path (another address modulo 16, `out` overlapping an input, a seed outside i32)."""
 
     __slots__ = ("launches", "order", "uses", "residues", "workspaces", "new_o", "new_final", "returns_final",
-                 "checks_out", "extents", "device", "maps")
+                 "checks_out", "extents", "device", "maps", "bounds")
 
     def __init__(self, launches, order, uses, residues, workspaces, new_o, new_final, returns_final, checks_out,
-                 extents, device):
+                 extents, device, bounds=None):
         # per launch: (launcher, its prefix (`launch.launcher_entry`), gx, gy, gz, function, packed, template,
         #              seed position or None, ((position, workspace offset), ...),
         #              ((position, offset, shape, strides, padding, encode or None, its metadata, map), ...)):
@@ -206,9 +232,12 @@ class Replay:
         self.extents = extents  # per role: bytes spanned (for out's overlap check)
         self.device = device
         self.maps = [(None, None)] * sum(len(launch[-1]) for launch in launches)
+        self.bounds = bounds  # the host bounds the call was recorded with (`_bounds_value`), or None
 
-    def __call__(self, tensors: tuple, seed):
+    def __call__(self, tensors: tuple, seed, bounds=None):
         if seed is not None and (type(seed) is not int or _int_class(seed)):  # not i32: another binary
+            return None
+        if self.bounds is not None and not _same_bounds(bounds, self.bounds):  # other routing and grids
             return None
         dev = tensors[0].device
         o = tensors[_OUT] if self.new_o is None else torch.empty(self.new_o[0], dtype=self.new_o[1], device=dev)
@@ -266,18 +295,14 @@ class Replay:
         return o, (final if self.returns_final else None)
 
 
-def replayed(key, tensors: tuple, seed) -> tuple:
-    """(result, key): the recorded kind's result for this call, or None (the full path runs) and the key to
-    record it under (None where it cannot be: an unhashable entry in `cu_seqlens_cpu`, which the full path
-    then names)."""
-    try:
-        entry = CACHE.get(key)
-    except TypeError:
-        return None, None
-    return (None if entry is None else entry(tensors, seed)), key
+def replayed(key, tensors: tuple, seed, bounds=None) -> tuple:
+    """(result, key): the recorded kind's result for this call (`bounds`: its `cu_seqlens_cpu`), or None (the
+    full path runs) and the key to record it under."""
+    entry = CACHE.get(key)
+    return (None if entry is None else entry(tensors, seed, bounds)), key
 
 
-def remember(key, tensors: tuple, record: list, result: tuple) -> None:
+def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> None:
     """Record the launches a full call made (`record`: `kda.ops.launch.RECORD`'s entries) under `key`.
     `tensors`: the call's tensors in `ROLES` order up to errors, then `out`; `result`: its (o, final state)."""
     if CAPACITY <= 0 or not record:
@@ -383,6 +408,7 @@ def remember(key, tensors: tuple, record: list, result: tuple) -> None:
         new_o=None if out_given else (tuple(o.shape), o.dtype),
         new_final=None if final is None else (tuple(final.shape), final.dtype), returns_final=final is not None,
         checks_out=out_given, extents=tuple(_extent(x) if x is not None else 0 for x in roles), device=device,
+        bounds=_bounds_value(bounds),
     )
     while len(CACHE) >= CAPACITY:
         del CACHE[next(iter(CACHE))]

@@ -47,17 +47,29 @@ def test_key_is_none_off_the_gpu_and_for_uncovered_types():
         assert replay.decode_key(**dict(cuda, **{name: bad})) is None, name
 
 
-def test_host_bounds_keys_follow_their_values():
-    """`cu_seqlens_cpu` decides routing and grids: calls whose host bounds differ in any value, length or
-    dtype are other kinds; equal values in a new tensor, or a non-contiguous view of them, the same kind."""
-    cu = torch.tensor([0, 1, 4, 4, 9], dtype=torch.int32)
-    key = replay._bounds(cu)
-    assert replay._bounds(cu.clone()) == key
-    assert replay._bounds(torch.tensor([0, 0, 1, 1, 4, 4, 4, 4, 9, 9], dtype=torch.int32)[::2]) == key
-    for other in (torch.tensor([0, 1, 4, 5, 9], dtype=torch.int32), cu[:-1], cu.long(),
-                  torch.tensor([0, 1, 4, 4, 9, 9], dtype=torch.int32)):
-        assert replay._bounds(other) != key
-    assert replay._bounds([0, 1, 4, 4, 9]) == replay._bounds((0, 1, 4, 4, 9)) != replay._bounds([0, 1, 4, 9])
+def test_host_bounds_recorded_are_compared_by_value():
+    """`cu_seqlens_cpu` decides routing and grids: the key holds its length (and a tensor's dtype), the
+    recording its values. Bounds that differ in any value are not the recorded ones; equal values in a new
+    list, a tuple, a new tensor or a non-contiguous view are; a list mutated after the recording does not
+    change what was recorded."""
+    values = [0, 1, 4, 4, 9]
+    cu = torch.tensor(values, dtype=torch.int32)
+    for given in (values, tuple(values), cu):
+        kept = replay._bounds_value(given)
+        assert replay._bounds(given) == replay._bounds(type(given)(given) if not torch.is_tensor(given) else cu)
+        same = [list(values), tuple(values)] if not torch.is_tensor(given) else [
+            cu.clone(), torch.tensor([0, 0, 1, 1, 4, 4, 4, 4, 9, 9], dtype=torch.int32)[::2]]
+        for x in same:
+            assert replay._bounds(x) == replay._bounds(given) and replay._same_bounds(x, kept)
+        other = [0, 1, 4, 5, 9]
+        x = other if not torch.is_tensor(given) else torch.tensor(other, dtype=torch.int32)
+        assert replay._bounds(x) == replay._bounds(given) and not replay._same_bounds(x, kept)
+    for x in ([0, 1, 4, 9], cu[:-1], cu.long()):  # another length or dtype: another kind
+        assert replay._bounds(x) not in (replay._bounds(values), replay._bounds(cu))
+    mutable = list(values)
+    kept = replay._bounds_value(mutable)
+    mutable[2] = 5
+    assert not replay._same_bounds(mutable, kept) and replay._same_bounds(values, kept)
 
 
 def test_a_recording_that_fails_never_fails_the_call(monkeypatch):
@@ -73,7 +85,7 @@ def test_a_recording_that_fails_never_fails_the_call(monkeypatch):
     monkeypatch.setattr(replay, "remember", broken)
     monkeypatch.setattr(replay, "CACHE", {})
     result = ("o", None)
-    assert api._recorded("kind", (), lambda call: result, None) is result
+    assert api._recorded("kind", (), None, lambda call: result, None) is result
     assert "kind" not in replay.CACHE
 
 
@@ -212,10 +224,12 @@ def test_a_changed_property_is_another_kind():
     qt = q.transpose(2, 3).contiguous().transpose(2, 3)  # the same shape, last dim strided
     with pytest.raises(ValueError, match="stride 1"):
         kda.fused_recurrent_kda(qt, k, v, g, beta, **kw)
+    flat = [x.reshape(1, N, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    cu = torch.arange(N + 1, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # recorded, then a hit: host bounds of the same length but other values are not
+        kda.fused_recurrent_kda(*flat, cu_seqlens=cu, cu_seqlens_cpu=list(range(N + 1)), **kw)
     with pytest.raises(ValueError, match="cu_seqlens_cpu"):
-        kda.fused_recurrent_kda(*(x.reshape(1, N, *x.shape[2:]) for x in (q, k, v, g, beta)),
-                                cu_seqlens=torch.arange(N + 1, dtype=torch.int32, device=DEVICE),
-                                cu_seqlens_cpu=list(range(N)) + [N + 1], **kw)
+        kda.fused_recurrent_kda(*flat, cu_seqlens=cu, cu_seqlens_cpu=list(range(N)) + [N + 1], **kw)
     with pytest.raises(TypeError, match="scale"):
         kda.fused_recurrent_kda(q, k, v, g, beta, scale=True, **kw)
     assert contract.debug_enabled() is False
