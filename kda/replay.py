@@ -410,7 +410,7 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
         checks_out=out_given, extents=tuple(_extent(x) if x is not None else 0 for x in roles), device=device,
         bounds=_bounds_value(bounds),
     )
-    while len(CACHE) >= CAPACITY:
+    while key not in CACHE and len(CACHE) >= CAPACITY:  # a kind recorded again (new host bounds) evicts none
         del CACHE[next(iter(CACHE))]
     CACHE[key] = entry
 
