@@ -45,7 +45,13 @@ PLANS = {
     "1tok nsub1 BV128 nw8": dict(nsub=1, BV=128, num_warps=8),
     "1tok nsub2 BV32 nw2": dict(nsub=2, BV=32, num_warps=2),
     "1tok nsub2 BV64 nw4": dict(nsub=2, BV=64, num_warps=4),
+    # K-first in row chunks of kc, the plane read twice (kda.ops.fused_recurrent._one_token_k_split)
+    **{f"1tok BV{bv} nw{w} kc{kc}": dict(nsub=1, BV=bv, num_warps=w, kc=kc)
+       for bv, w in ((32, 1), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2), (128, 4)) for kc in (16, 32, 64)},
 }
+for _name, _over in PLANS.items():  # the other one-token plans read the whole tile once, whatever the default
+    if _name.startswith("1tok nsub"):
+        _over.setdefault("kc", 0)
 
 
 def main() -> None:

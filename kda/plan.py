@@ -360,6 +360,7 @@ class DecodePlan:
     num_warps: int
     nsub: int = 0  # 0: `_fused_recurrent_kda_kernel` (the loop); 1, 2, 4: `_fused_recurrent_one_token_kernel`
     sr: int = 0  # store rounding: 0 nearest even, 1 stochastic bf16, 2 stochastic fp16
+    kc: int = 0  # K-first one-token kernel: rows of K per chunk, the plane read twice (0: the whole tile once)
 
 
 SR_MODES = {torch.bfloat16: 1, torch.float16: 2}
@@ -373,7 +374,7 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -
     - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (the K reduction stays in a warp).
     - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
-      one block of BV 64 (fp32, 2 warps) or 32 (2-byte, 1 warp).
+      one block of BV 64 (fp32, 2 warps; 2-byte: 1 warp, read in row chunks of 32, twice).
     `overrides` replace any field (tests)."""
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
                         bool(stochastic_rounding))
@@ -397,5 +398,8 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     # threads per plane: docs/performance.md)
     per_warp = 4096 if (nsub and not v_first) else 2048
     num_warps = 1 if interpreted() else max(1, min(8, BK * BV // per_warp))
+    kc = 0
+    if nsub and not v_first and state_bytes == 2:  # row chunks of 32, read twice, BV 64 on one warp (H200 sweep)
+        BV, kc, num_warps = min(64, max(16, next_power_of_2(V))), min(32, BK), 1
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
-    return DecodePlan(BK, BV, num_warps, nsub, sr)
+    return DecodePlan(BK, BV, num_warps, nsub, sr, kc)

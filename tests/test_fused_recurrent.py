@@ -394,13 +394,13 @@ def test_stochastic_rounding_needs_narrow_state():
         kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, stochastic_rounding=True)
 
 
-@pytest.mark.parametrize("nsub", [1, 2, 4])
+@pytest.mark.parametrize("nsub,v_first,kc", [(n, vf, 0) for n in (1, 2, 4) for vf in (True, False)] + [(1, False, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("v_first", [True, False])
-def test_one_token_kernel(nsub, dtype, v_first):
+def test_one_token_kernel(nsub, dtype, v_first, kc):
     """`_fused_recurrent_one_token_kernel` (dense q [N, 1, ...]: decode; the default for V-first pools, forced
-    here for both layouts and every NSUB), V not a multiple of its NSUB blocks (masked rows), K not a power
-    of two, a padding sequence.
+    here for both layouts and every NSUB; K-first also read in row chunks of `kc`, the plane read twice), V
+    not a multiple of its NSUB blocks (masked rows), K not a power of two (a masked row chunk), a padding
+    sequence.
     (1) A padded pool whose stride is a multiple of 16 elements, every slot read: paged == dense (the
     gathered planes) bit for bit, because the kernel takes `paged` at run time and both contracts run one
     binary (on a GPU too: same flags, same alignment). (2) A poisoned pool (stride plane + 3) with an
@@ -415,7 +415,8 @@ def test_one_token_kernel(nsub, dtype, v_first):
     kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
 
     def decode(*args, nsub=nsub, **more):
-        o, s, plan = run_planned(kda.fused_recurrent_kda, *args, dict(nsub=nsub), **more, **kw)
+        o, s, plan = run_planned(kda.fused_recurrent_kda, *args, dict(nsub=nsub, kc=kc if nsub else 0), **more,
+                                 **kw)
         assert plan.nsub == nsub
         return o, s
 

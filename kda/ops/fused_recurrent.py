@@ -333,6 +333,75 @@ def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, 
         _store_state(S, dst_plane, tile_off, tile_ok, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
 
 
+@triton.jit
+def _one_token_k_rows(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, qn, kn, lower_bound, o_k0, o_v, v_ok,
+                      K: tl.constexpr, V: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
+                      USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                      HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, FULL_TILE: tl.constexpr):
+    """Rows o_k0 .. o_k0 + KC of a K-first state plane's V block: (S' = Diag(2^g) S on them in fp32, the
+    token's scaled q~ and k~ on them, 2^g); S read unless there is none (zeros)."""
+    o_k = o_k0 + tl.arange(0, KC)
+    k_ok = o_k < K
+    q_c = tl.load(q_h + o_k, mask=k_ok, other=0.0).to(tl.float32) * qn
+    k_c = tl.load(k_h + o_k, mask=k_ok, other=0.0).to(tl.float32) * kn
+    g_raw = tl.load(g_h + o_k, mask=k_ok, other=0.0)
+    bias = dt_bias_slice(bias_h, 0, o_k, K, HAS_DT_BIAS)
+    d_c = tl.exp2(tl.reshape(kda_gate_log2(g_raw[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [KC]))
+    tile_off = o_k[:, None] * V + o_v[None, :]
+    S = tl.zeros([KC, BV], dtype=tl.float32)
+    if HAS_SRC:
+        if HAS_INIT_FLAGS:  # a mask, not a branch: a load under a branch is not pipelined
+            ok = ((tile_off * 0 + read) != 0) & k_ok[:, None] & v_ok[None, :]
+            S = tl.load(src_plane + tile_off, mask=ok, other=0.0).to(tl.float32)
+        elif FULL_TILE:
+            S = tl.load(src_plane + tile_off).to(tl.float32)
+        else:
+            S = tl.load(src_plane + tile_off, mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    return S * d_c[:, None], q_c, k_c, tile_off, k_ok
+
+
+@triton.jit
+def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, scale, lower_bound, beta_t, v_t,
+                       o_v, v_ok, slot, i_hv, seed, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
+                       USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                       USE_L2NORM: tl.constexpr, HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+                       HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
+    """The one-token step on a K-first V block read in row chunks of KC, twice: the reductions over K
+    (S'^T k, S'^T q) chunk by chunk, then the update and store chunk by chunk from a second read (from the
+    caches). No chunk is held across the reductions, so a program keeps about KC / BK of the registers the
+    whole tile takes. Returns o (the V block's output row)."""
+    o_k = tl.arange(0, BK)
+    k_ok = o_k < K
+    qn = scale
+    kn = 1.0
+    q_t = tl.load(q_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
+    k_t = tl.load(k_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
+    if USE_L2NORM:
+        qn = scale / tl.sqrt(tl.sum(q_t * q_t, 0) + 1e-6)
+        kn = 1.0 / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
+    kq = tl.sum((k_t * kn) * (q_t * qn), 0)
+    kS = tl.zeros([BV], dtype=tl.float32)
+    qS = tl.zeros([BV], dtype=tl.float32)
+    for o_k0 in tl.range(0, BK, KC, num_stages=3):
+        S, q_c, k_c, _off, _ok = _one_token_k_rows(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, qn, kn,
+                                                   lower_bound, o_k0, o_v, v_ok, K, V, KC, BV, USE_GATE,
+                                                   HAS_DT_BIAS, USE_LOWER_BOUND, HAS_SRC, HAS_INIT_FLAGS, FULL_TILE)
+        kS += tl.sum(S * k_c[:, None], 0)
+        qS += tl.sum(S * q_c[:, None], 0)
+    u_t = beta_t * (v_t - kS)
+    if HAS_DST:
+        for o_k0 in tl.range(0, BK, KC, num_stages=3):
+            S, _q, k_c, tile_off, k_ok_c = _one_token_k_rows(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a,
+                                                             qn, kn, lower_bound, o_k0, o_v, v_ok, K, V, KC, BV,
+                                                             USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, HAS_SRC,
+                                                             HAS_INIT_FLAGS, FULL_TILE)
+            S = S + k_c[:, None] * u_t[None, :]
+            _store_state(S, dst_plane, tile_off, k_ok_c[:, None] & v_ok[None, :],
+                         (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
+    return qS + kq * u_t
+
+
 @direct
 @triton.jit(do_not_specialize=["seed", "paged", "n_slots"])
 def _fused_recurrent_one_token_kernel(
@@ -347,6 +416,7 @@ def _fused_recurrent_one_token_kernel(
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, HAS_ERRORS: tl.constexpr = False,
+    KC: tl.constexpr = 0,
 ):
     """Exactly one token per sequence, token n for sequence n (`KDACall.one_token_per_seq`: dense q of shape
     [N, 1, H, K], or varlen [1, N, H, K] with host bounds 0, 1, ..., N; the flattened token axis is the
@@ -379,6 +449,24 @@ def _fused_recurrent_one_token_kernel(
         return
 
     src_plane = state_src + slot * src_stride + i_hv * (K * V)
+    if KC > 0:  # K-first, NSUB 1: the V block in row chunks (`_one_token_k_split`)
+        read = 1
+        if HAS_INIT_FLAGS:
+            read = (tl.load(has_initial_state + i_n) != 0).to(tl.int32)
+        o_v = i_vb * BV + tl.arange(0, BV)
+        v_ok = o_v < V
+        v_t = tl.load(v + i_hv * s_vh + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
+        beta_t = tl.load(beta + i_hv * s_bh + t * s_bt).to(tl.float32)
+        if USE_BETA_SIGMOID:
+            beta_t = tl.sigmoid(beta_t)
+        o_t = _one_token_k_split(src_plane, read, state_dst + slot * dst_stride + i_hv * (K * V),
+                                 q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt, g + i_hv * s_gh + t * s_gt,
+                                 dt_bias + i_hv * K, decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound,
+                                 beta_t, v_t, o_v, v_ok, slot, i_hv, seed, HV, K, V, BK, KC, BV, USE_GATE,
+                                 HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_INIT_FLAGS, HAS_DST, SR,
+                                 FULL_TILE)
+        tl.store(o_h + t * s_ot + o_v, round_to(o_t, o_h.dtype.element_ty), mask=v_ok)
+        return
     S0 = _first_state(src_plane, has_initial_state, i_n, i_vb, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS, V_FIRST,
                       FULL_TILE)
     if NSUB >= 2:
@@ -455,7 +543,7 @@ def fused_recurrent_kda_fwd(
         _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
             lower_bound, seed,
-            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), **flags,
+            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc, **flags,
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
