@@ -334,7 +334,7 @@ def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, 
 
 
 @triton.jit
-def _one_token_k_rows(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, qn, kn, lower_bound, o_k0, o_v, v_ok,
+def _one_token_k_rows(src_plane, read, q_h, k_h, g_h, bias_h, a, qn, kn, lower_bound, o_k0, o_v, v_ok,
                       K: tl.constexpr, V: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
                       USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                       HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, FULL_TILE: tl.constexpr):
@@ -384,7 +384,7 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, sca
     kS = tl.zeros([BV], dtype=tl.float32)
     qS = tl.zeros([BV], dtype=tl.float32)
     for o_k0 in tl.range(0, BK, KC, num_stages=3):
-        S, q_c, k_c, _off, _ok = _one_token_k_rows(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, qn, kn,
+        S, q_c, k_c, _off, _ok = _one_token_k_rows(src_plane, read, q_h, k_h, g_h, bias_h, a, qn, kn,
                                                    lower_bound, o_k0, o_v, v_ok, K, V, KC, BV, USE_GATE,
                                                    HAS_DT_BIAS, USE_LOWER_BOUND, HAS_SRC, HAS_INIT_FLAGS, FULL_TILE)
         kS += tl.sum(S * k_c[:, None], 0)
@@ -392,7 +392,7 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, sca
     u_t = beta_t * (v_t - kS)
     if HAS_DST:
         for o_k0 in tl.range(0, BK, KC, num_stages=3):
-            S, _q, k_c, tile_off, k_ok_c = _one_token_k_rows(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a,
+            S, _q, k_c, tile_off, k_ok_c = _one_token_k_rows(src_plane, read, q_h, k_h, g_h, bias_h, a,
                                                              qn, kn, lower_bound, o_k0, o_v, v_ok, K, V, KC, BV,
                                                              USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, HAS_SRC,
                                                              HAS_INIT_FLAGS, FULL_TILE)
