@@ -387,19 +387,18 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     """`decode_plan` from what determines it, cached: one frozen plan shared by every call that agrees."""
     state_bytes = state_dtype.itemsize
     BK = max(16, next_power_of_2(K))
+    kc = 0
     if v_first:
         BV = 8 if (V <= 8 or state_bytes == 2) else 16
         nsub = (4 if state_bytes == 2 else 1) if one_token_per_seq else 0
     else:
-        BV = min(64 if (BK <= 128 and not (one_token_per_seq and state_bytes == 2)) else 32,
-                 max(16, next_power_of_2(V)))
         nsub = 1 if one_token_per_seq else 0
+        if nsub and state_bytes == 2:  # row chunks of 32, read twice, on one warp (H200 sweep)
+            kc = min(32, BK)
+        BV = min(64 if (BK <= 128 or kc) else 32, max(16, next_power_of_2(V)))
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (H200 sweep, fewer
     # threads per plane: docs/performance.md)
     per_warp = 4096 if (nsub and not v_first) else 2048
-    num_warps = 1 if interpreted() else max(1, min(8, BK * BV // per_warp))
-    kc = 0
-    if nsub and not v_first and state_bytes == 2:  # row chunks of 32, read twice, BV 64 on one warp (H200 sweep)
-        BV, kc, num_warps = min(64, max(16, next_power_of_2(V))), min(32, BK), 1
+    num_warps = 1 if (interpreted() or kc) else max(1, min(8, BK * BV // per_warp))
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
     return DecodePlan(BK, BV, num_warps, nsub, sr, kc)
