@@ -334,7 +334,7 @@ def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, 
 
 
 @triton.jit
-def _one_token_k_rows(src_plane, read, q_h, k_h, g_h, bias_h, a, qn, kn, lower_bound, o_k0, o_v, v_ok,
+def _one_token_k_rows(src_plane, read, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, o_k0, o_v, v_ok,
                       K: tl.constexpr, V: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
                       USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                       HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, FULL_TILE: tl.constexpr):
@@ -345,7 +345,7 @@ def _one_token_k_rows(src_plane, read, q_h, k_h, g_h, bias_h, a, qn, kn, lower_b
     q_c = tl.load(q_h + o_k, mask=k_ok, other=0.0).to(tl.float32) * qn
     k_c = tl.load(k_h + o_k, mask=k_ok, other=0.0).to(tl.float32) * kn
     g_raw = tl.load(g_h + o_k, mask=k_ok, other=0.0)
-    bias = dt_bias_slice(bias_h, 0, o_k, K, HAS_DT_BIAS)
+    bias = dt_bias_slice(dt_bias, i_hv, o_k, K, HAS_DT_BIAS)
     d_c = tl.exp2(tl.reshape(kda_gate_log2(g_raw[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [KC]))
     tile_off = o_k[:, None] * V + o_v[None, :]
     S = tl.zeros([KC, BV], dtype=tl.float32)
@@ -361,7 +361,7 @@ def _one_token_k_rows(src_plane, read, q_h, k_h, g_h, bias_h, a, qn, kn, lower_b
 
 
 @triton.jit
-def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, scale, lower_bound, beta_t, v_t,
+def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, dt_bias, a, scale, lower_bound, beta_t, v_t,
                        o_v, v_ok, slot, i_hv, seed, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
                        USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
@@ -384,7 +384,7 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, sca
     kS = tl.zeros([BV], dtype=tl.float32)
     qS = tl.zeros([BV], dtype=tl.float32)
     for o_k0 in tl.range(0, BK, KC, num_stages=3):
-        S, q_c, k_c, _off, _ok = _one_token_k_rows(src_plane, read, q_h, k_h, g_h, bias_h, a, qn, kn,
+        S, q_c, k_c, _off, _ok = _one_token_k_rows(src_plane, read, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn,
                                                    lower_bound, o_k0, o_v, v_ok, K, V, KC, BV, USE_GATE,
                                                    HAS_DT_BIAS, USE_LOWER_BOUND, HAS_SRC, HAS_INIT_FLAGS, FULL_TILE)
         kS += tl.sum(S * k_c[:, None], 0)
@@ -392,7 +392,7 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, bias_h, a, sca
     u_t = beta_t * (v_t - kS)
     if HAS_DST:
         for o_k0 in tl.range(0, BK, KC, num_stages=3):
-            S, _q, k_c, tile_off, k_ok_c = _one_token_k_rows(src_plane, read, q_h, k_h, g_h, bias_h, a,
+            S, _q, k_c, tile_off, k_ok_c = _one_token_k_rows(src_plane, read, q_h, k_h, g_h, dt_bias, i_hv, a,
                                                              qn, kn, lower_bound, o_k0, o_v, v_ok, K, V, KC, BV,
                                                              USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, HAS_SRC,
                                                              HAS_INIT_FLAGS, FULL_TILE)
@@ -461,7 +461,7 @@ def _fused_recurrent_one_token_kernel(
             beta_t = tl.sigmoid(beta_t)
         o_t = _one_token_k_split(src_plane, read, state_dst + slot * dst_stride + i_hv * (K * V),
                                  q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt, g + i_hv * s_gh + t * s_gt,
-                                 dt_bias + i_hv * K, decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound,
+                                 dt_bias, decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound,
                                  beta_t, v_t, o_v, v_ok, slot, i_hv, seed, HV, K, V, BK, KC, BV, USE_GATE,
                                  HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_INIT_FLAGS, HAS_DST, SR,
                                  FULL_TILE)
