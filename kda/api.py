@@ -135,7 +135,7 @@ def chunk_kda(
     if key is not None:
         tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
                    has_initial_state, None, checkpoint_indices, errors, out)
-        result, key = replay.replayed(key, tensors, None, cu_seqlens_cpu)
+        result = replay.replayed(key, tensors, None, cu_seqlens_cpu)
         if result is not None:
             return result
     # the plain path passes its keywords directly: a dict built for both paths costs a microsecond a call
@@ -239,7 +239,7 @@ def fused_recurrent_kda(
     if key is not None:
         tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
                    has_initial_state, num_accepted_tokens, None, errors, out)
-        result, key = replay.replayed(key, tensors, seed, cu_seqlens_cpu)
+        result = replay.replayed(key, tensors, seed, cu_seqlens_cpu)
         if result is not None:
             return result
     call = check_call(

@@ -94,14 +94,9 @@ def _bounds_value(x):
 
 def _same_bounds(x, kept) -> bool:
     """Whether host bounds `x` (of the kind's type and length) hold the values `kept` (`_bounds_value`)."""
-    t = type(x)
-    if t is list:
-        return x == kept
-    if t is tuple:
-        return list(x) == kept
-    if type(kept) is bytes:
-        return x.numpy().tobytes() == kept
-    return x.tolist() == kept
+    if type(x) is list:
+        return x == kept  # without the copy
+    return _bounds_value(x) == kept
 
 
 def _recordable(q) -> bool:
@@ -295,11 +290,11 @@ class Replay:
         return o, (final if self.returns_final else None)
 
 
-def replayed(key, tensors: tuple, seed, bounds=None) -> tuple:
-    """(result, key): the recorded kind's result for this call (`bounds`: its `cu_seqlens_cpu`), or None (the
-    full path runs) and the key to record it under."""
+def replayed(key, tensors: tuple, seed, bounds=None):
+    """The recorded kind's result for this call (`bounds`: its `cu_seqlens_cpu`), or None: the full path runs
+    (and records the kind under `key`)."""
     entry = CACHE.get(key)
-    return (None if entry is None else entry(tensors, seed, bounds)), key
+    return None if entry is None else entry(tensors, seed, bounds)
 
 
 def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> None:
