@@ -179,23 +179,6 @@ class _Descriptor:
         return self.p
 
 
-def _tma_encoder(run):
-    """(raw launcher, encode, metadata per descriptor) where `run` (`launch.launcher_entry`) is Triton 3.6's
-    wrapper that encodes each host TMA descriptor on every launch (`make_tensordesc_arg`: a Python frame and a
-    driver call per descriptor, a pass over every argument); None for any other launcher, which then encodes
-    them itself. `encode(descriptor, metadata)` returns the arguments that stand for one descriptor."""
-    code = getattr(run, "__code__", None)
-    if code is None or not run.__closure__:
-        return None
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in run.__closure__)))
-    launcher, metas = cells.get("launcher"), cells.get("tensordesc_meta")
-    make = getattr(run, "__globals__", {}).get("make_tensordesc_arg")
-    if launcher is None or metas is None or make is None or set(cells) != {"launcher", "tensordesc_meta",
-                                                                             "tensordesc_indices"}:
-        return None
-    return launcher, make, list(metas)
-
-
 class Replay:
     """A kind's recorded launches: `__call__(tensors, seed)` with a call's tensors (in `ROLES` order up to
     errors, then `out`) launches them and returns what the full path returns, or None where the call must
@@ -209,7 +192,7 @@ class Replay:
         # per launch: (launcher, its prefix (`launch.launcher_entry`), gx, gy, gz, function, packed, template,
         #              seed position or None, ((position, workspace offset), ...),
         #              ((position, offset, shape, strides, padding, encode or None, its metadata, map), ...)):
-        #              a TMA descriptor is passed encoded (`_tma_encoder`) where the launcher would encode it
+        #              a TMA descriptor is passed encoded (`launch.tma_encoder`) where the launcher would encode it
         #              on every launch, its encoding kept in `maps[map]` with the address it was made for
         self.launches = launches
         # in the call's order: (0, launch, side stream or None for the caller's) or (1, waiter, waited), a
@@ -371,7 +354,7 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
         seed_at = names.index("seed") if "seed" in names else None
         g = tuple(grid) + (1,) * (3 - len(grid))
         template = list(vals) + list(tail)
-        encoder = _tma_encoder(run) if desc_at else None
+        encoder = _launch.tma_encoder(run) if desc_at else None
         if encoder is not None and len(encoder[2]) != len(desc_at):
             encoder = None
         if encoder is None:

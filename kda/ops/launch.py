@@ -150,6 +150,23 @@ def launcher_entry(run) -> tuple:
     return run, ()
 
 
+def tma_encoder(run):
+    """(raw launcher, encode, metadata per descriptor) where `run` (`launcher_entry`) is Triton 3.6's
+    wrapper that encodes each host TMA descriptor on every launch (`make_tensordesc_arg`: a Python frame and a
+    driver call per descriptor, a pass over every argument); None for any other launcher, which then encodes
+    them itself. `encode(descriptor, metadata)` returns the arguments that stand for one descriptor."""
+    code = getattr(run, "__code__", None)
+    if code is None or not run.__closure__:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in run.__closure__)))
+    launcher, metas = cells.get("launcher"), cells.get("tensordesc_meta")
+    make = getattr(run, "__globals__", {}).get("make_tensordesc_arg")
+    if launcher is None or metas is None or make is None or set(cells) != {"launcher", "tensordesc_meta",
+                                                                             "tensordesc_indices"}:
+        return None
+    return launcher, make, list(metas)
+
+
 def wait_stream(waiter, waited) -> None:
     """`waiter.wait_stream(waited)` (torch streams), noted in `RECORD.launches` as ("wait", waiter, waited)
     while launches are recorded, so that a replay orders its streams as the call did."""
@@ -164,4 +181,4 @@ def direct(fn) -> DirectKernel:
     return DirectKernel(fn)
 
 
-__all__ = ["DirectKernel", "direct", "specialization", "wait_stream"]
+__all__ = ["DirectKernel", "direct", "launcher_entry", "specialization", "tma_encoder", "wait_stream"]
