@@ -184,11 +184,11 @@ class Replay:
     errors, then `out`) launches them and returns what the full path returns, or None where the call must
     take the full path (another address modulo 16, `out` overlapping an input, a seed outside i32)."""
 
-    __slots__ = ("launches", "order", "uses", "residues", "workspaces", "new_o", "new_final", "returns_final",
-                 "checks_out", "extents", "device", "maps", "bounds")
+    __slots__ = ("launches", "order", "uses", "residues", "workspaces", "new_o", "new_final", "checks_out",
+                 "extents", "device", "maps", "bounds")
 
-    def __init__(self, launches, order, uses, residues, workspaces, new_o, new_final, returns_final, checks_out,
-                 extents, device, bounds=None):
+    def __init__(self, launches, order, uses, residues, workspaces, new_o, new_final, checks_out, extents, device,
+                 bounds=None):
         # per launch: (launcher, its prefix (`launch.launcher_entry`), gx, gy, gz, function, packed, template,
         #              seed position or None, ((position, workspace offset), ...),
         #              ((position, offset, shape, strides, padding, encode or None, its metadata, map), ...)):
@@ -204,8 +204,7 @@ class Replay:
         self.residues = residues
         self.workspaces = workspaces  # bytes of the one workspace buffer (0: none)
         self.new_o = new_o  # (shape, dtype) of o to allocate, or None: o is `out`
-        self.new_final = new_final  # (shape, dtype) of the final state to allocate, or None
-        self.returns_final = returns_final
+        self.new_final = new_final  # (shape, dtype) of the final state to allocate (and return), or None
         self.checks_out = checks_out
         self.extents = extents  # per role: bytes spanned (for out's overlap check)
         self.device = device
@@ -270,7 +269,7 @@ class Replay:
             if seed_at is not None and seed is not None:
                 vals[seed_at] = seed
             run(gx, gy, gz, stream if b is None else b.cuda_stream, function, *prefix, packed, None, None, None, *vals)
-        return o, (final if self.returns_final else None)
+        return o, final
 
 
 def replayed(key, tensors: tuple, seed, bounds=None):
@@ -384,7 +383,7 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
         launches=tuple(launches), order=tuple(order), uses=uses,
         residues=tuple(roles[r].data_ptr() & 15 for r, _ in uses), workspaces=size,
         new_o=None if out_given else (tuple(o.shape), o.dtype),
-        new_final=None if final is None else (tuple(final.shape), final.dtype), returns_final=final is not None,
+        new_final=None if final is None else (tuple(final.shape), final.dtype),
         checks_out=out_given, extents=tuple(_extent(x) if x is not None else 0 for x in roles), device=device,
         bounds=_bounds_value(bounds),
     )
