@@ -181,13 +181,10 @@ class Timer:
 
     def host(self, fn, calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> float:
         """Host microseconds of one call issued back to back: `calls` calls after warm-up with no sync
-        inside the loop (`time.perf_counter` around it), one sync after; the best of `rounds` such loops,
-        since the machine's host is shared and another tenant only ever adds time (the same decode read 23
-        and 40 us in two runs an hour apart, fla's alike). What a serving engine pays in Python per layer per
-        step while the GPU runs behind. A call whose launches fill the device's launch queue within the loop
-        reads its GPU time instead (1x65536 H=12 eagerly in parts). Bursts of 10 calls between syncs instead
-        read 2x higher on rows with long GPU time (decode N = 1024: 55 against 28 us, the same tree): the
-        host after a sync's wait is slower, whatever the call."""
+        inside the loop (`time.perf_counter` around it), one sync after; the best of `rounds` such loops (the
+        host is shared: another tenant only adds time). What a serving engine pays in Python per layer per
+        step while the GPU runs behind; a call whose launches fill the device's launch queue within the loop
+        reads its GPU time instead. Why not bursts between syncs: docs/performance.md, "Host cost per call"."""
         for _ in range(3):
             fn()
         best = float("inf")
