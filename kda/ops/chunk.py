@@ -4,7 +4,8 @@ gate pass where the plan has one), then the serial state walk (`kda.ops.chunk_wa
 `kda_reference.recurrent_kda`).
 
 Workspaces, token-major `[B*T, HV, *]` (gt per chunk): Qd, Kr, W and A_qk in the plan's workspace dtype
-(the walk's dot operands), U0 in fp32, A_kk and Kd in fp32 (split prepare), b2 in fp32 (the gate pass).
+(the walk's dot operands), U0 in fp32, A_kk and Kd in fp32 (split prepare), b2 in fp32 (the gate pass),
+and per chunk two fp32 bound terms for U (`chunk_prepare._store_u_bound`).
 Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds.
 Prefix-cache checkpoints are stored by the walk (plain, or the segmented walk's output kernel) as it passes
 them: no extra pass.
@@ -77,15 +78,16 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     kr_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     aqk_ws = torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
     gt_ws = torch.empty((max(n_chunks, 1), HV, K), dtype=torch.float32, device=dev)
+    ub_ws = torch.empty((max(n_chunks, 1), HV, 2), dtype=torch.float32, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     if plan.parts > 1:
-        return _walk_in_parts(call, plan, o, st, (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws))
+        return _walk_in_parts(call, plan, o, st, (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, ub_ws))
     if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
-        _prepare(call, plan, (q, k, v, g, beta), (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws), T, grid_chunks, short,
-                 varlen)
+        _prepare(call, plan, (q, k, v, g, beta), (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, ub_ws), T, grid_chunks,
+                 short, varlen)
     # the walk
-    walk_ws = (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws)
+    walk_ws = (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws)
     ckpt = call.checkpoint_indices
     has_ckpt = ckpt is not None
     # checkpoint row, row stride, columns, spacing (a stand-in and zeros without checkpoints), pool slots
@@ -111,7 +113,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     shape = dict(HV=HV, K=K, V=V, BT=BT, G=G, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec)
     if n_seg > 0:
         _segment_summary_kernel[(n_vb + cdiv(K, BV), n_seg, HV)](
-            cu, w_ws, u_ws, kr_ws, gt_ws, a_seg, b_seg, T, N, NT, NSEG, **shape,
+            cu, w_ws, u_ws, kr_ws, gt_ws, ub_ws, a_seg, b_seg, T, N, NT, NSEG, **shape,
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
     _segment_scan_kernel[(n_vb, N, HV)](
@@ -137,15 +139,15 @@ def _ragged_layout(shape: tuple, dtype: torch.dtype, rows: int, cols: int) -> tu
 
 
 def _walk_tiles(plan: ChunkPlan, walk_ws: tuple, BK: int) -> tuple:
-    """The plain walk's workspaces (A_qk, W, U0, Qd, Kr, gt) as its kernel takes them: with TMA, ragged
+    """The plain walk's workspaces (A_qk, W, U0, Qd, Kr, gt, U's bound terms) as its kernel takes them: with TMA, ragged
     descriptors (two leading dimensions whose strides wrap around 2^64: a load given a start token and a row
     count reads zeros past those rows, so a chunk stops at its sequence's end without a mask)."""
     if not plan.walk_tma:
         return walk_ws
-    aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws = walk_ws
+    aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws = walk_ws
     BT, BV = plan.BT, plan.walk_BV
     return (_ragged(aqk_ws, BT, BT), _ragged(w_ws, BT, BK), _ragged(u_ws, BT, BV), _ragged(qd_ws, BT, BK),
-            _ragged(kr_ws, BT, BK), gt_ws)
+            _ragged(kr_ws, BT, BK), gt_ws, ub_ws)
 
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
@@ -181,7 +183,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
     """The gate pass (where planned) and the prepare of `grid_chunks` chunks: the whole call, or (with views of
     the inputs and workspaces starting at a chunk boundary, `varlen` False) a part of a one-sequence call."""
     q, k, v, g, beta = inputs
-    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws = ws
+    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, ub_ws = ws
     H, HV, K, V, N = call.H, call.HV, call.K, call.V, call.N
     BT, dev = plan.BT, q.device
     NT = cdiv(T, BT)
@@ -208,7 +210,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
                 num_stages=1,
             )
         _chunk_prepare_kernel[(grid_chunks, HV)](
-            q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
+            q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws, ub_ws,
             *strides, *v_strides, *g_beta, T, N, NT, call.scale, lower_bound,
             H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV, **gate,
             CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
@@ -226,7 +228,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
             USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **common,
         )
         _chunk_solve_kernel[(grid_chunks, HV)](
-            v, beta, cu, akk_ws, kd_ws, w_ws, u_ws, *v_strides, g_beta[2], g_beta[3],
+            v, beta, cu, akk_ws, kd_ws, w_ws, u_ws, ub_ws, *v_strides, g_beta[2], g_beta[3],
             T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), BV=BV, INV_PREC="ieee",
             num_warps=4, num_stages=1, **common,
         )
@@ -242,11 +244,11 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
         raise ValueError("a plan in parts needs one sequence of all T tokens known on the host")
     T, BT = call.T, plan.BT
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    gt_ws = ws[5]
+    gt_ws, ub_ws = ws[5:]
     size = cdiv(cdiv(T, plan.parts), BT) * BT
     bounds = list(range(0, T, size)) + [T]
     w_ws, u_ws, qd_ws, kr_ws, aqk_ws = ws[:5]
-    walk_ws = _walk_tiles(plan, (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws), max(16, next_power_of_2(call.K)))
+    walk_ws = _walk_tiles(plan, (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws), max(16, next_power_of_2(call.K)))
     carry = torch.empty((2, 1, *call.state_plane_shape), dtype=torch.float32, device=q.device)
     no_ckpt = (gt_ws, 0, 0, BT, st.slot_count)  # the parts keep no checkpoints (`kda.plan._parts`)
     side = _side_stream(q) if q.is_cuda else None
@@ -256,7 +258,7 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
     for i, (t_lo, t_hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         c_lo, c_hi = t_lo // BT, cdiv(t_hi, BT)
         views = tuple(x[:, t_lo:t_hi] for x in (q, k, v, g, beta))
-        part_ws = tuple(x[t_lo:t_hi] for x in ws[:5]) + (gt_ws[c_lo:c_hi],)
+        part_ws = tuple(x[t_lo:t_hi] for x in ws[:5]) + (gt_ws[c_lo:c_hi], ub_ws[c_lo:c_hi])
         _prepare(call, plan, views, part_ws, t_hi - t_lo, c_hi - c_lo, 0, False)
         part = _part_state(st, carry, i, len(bounds) - 2)
         if side is not None:

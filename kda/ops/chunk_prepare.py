@@ -160,6 +160,16 @@ def _block_forward_substitution(L3, BC: tl.constexpr):
 
 
 @triton.jit
+def _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV: tl.constexpr, K: tl.constexpr):
+    """Row (chunk program i_p, value head i_hv) of `ub_ws`: max|U0| and sqrt(K) max_i sum_j |Xb_ij|, which
+    bounds the row sums of |W| = |Xb Kd| (each row of Kd has an l2 norm of at most 1, so an l1 norm of at most
+    sqrt(K): the walk's fp16 workspaces exist only for l2-normalised keys and decays <= 1). The walk scales
+    U by a power of two from them instead of reducing U on its serial chain (`chunk_walk._walk`)."""
+    tl.store(ub_ws + (i_p * HV + i_hv) * 2, u0_max)
+    tl.store(ub_ws + (i_p * HV + i_hv) * 2 + 1, tl.max(tl.sum(tl.abs(Xb), 1)) * (K ** 0.5))
+
+
+@triton.jit
 def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """X = (I + L)^-1 for a strictly lower [BT, BT] tile L (the oracle's `INV`). Inside the BC x BC
     diagonal blocks by their finite series with tf32 dots (below; forward substitution with fp32 ones, which
@@ -242,7 +252,7 @@ def _b2_row(b2_ws, ws_base, r, n_rows, cols, HV: tl.constexpr, K: tl.constexpr):
 @triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws,
+    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws, ub_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     T, N, NT, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -255,7 +265,8 @@ def _chunk_prepare_kernel(
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
     dot, the lower-left quadrant as another), Qd, Kr, gt stored, and Kd parked in W's rows until X is known.
-    Then X, then pass 2: W = X diag(beta) Kd over W's own rows, U0 = X diag(beta) V.
+    Then X, then pass 2: W = X diag(beta) Kd over W's own rows, U0 = X diag(beta) V, and the walk's bound
+    terms for U (`_store_u_bound`).
     DOT_PREC is the precision of this kernel's dots (ieee or tf32); CUMSUM_DTYPE that of b2 (fp64 with fp32
     inputs; fp32 with 16-bit ones, where its 1e-4 relative error in the decay factors is far below the
     inputs' rounding and fp64 tiles doubled the registers and spills)."""
@@ -354,13 +365,16 @@ def _chunk_prepare_kernel(
         kd = tf32_round(tl.load(w_ws + ws_base + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
         tl.debug_barrier()  # read by every thread before it is overwritten
         tl.store(w_ws + ws_base + ws + cols[None, :], tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
+    u0_max = 0.0
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         m = tile_mask(row_ok, cols < V, V % BV == 0)
         v_c = tl.load(v + t0 * s_vt + i_hv * s_vh + o_t[:, None] * s_vt + cols[None, :], mask=m,
                       other=0.0).to(tl.float32)
-        tl.store(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + cols[None, :],
-                 tl.dot(Xb, tf32_round(v_c, DOT_PREC), input_precision=DOT_PREC), mask=m)
+        u0 = tl.dot(Xb, tf32_round(v_c, DOT_PREC), input_precision=DOT_PREC)
+        tl.store(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + cols[None, :], u0, mask=m)
+        u0_max = tl.maximum(u0_max, tl.max(tl.abs(u0)))
+    _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV, K)
 
 
 @direct
@@ -469,7 +483,7 @@ def _chunk_intra_kernel(
 @direct
 @triton.jit
 def _chunk_solve_kernel(
-    v, beta, cu_seqlens, akk_ws, kd_ws, w_ws, u_ws,
+    v, beta, cu_seqlens, akk_ws, kd_ws, w_ws, u_ws, ub_ws,
     s_vt, s_vh, s_bt, s_bh,
     T, N, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -482,7 +496,7 @@ def _chunk_solve_kernel(
     the NC diagonal BC x BC blocks by forward substitution, all blocks at once in an [NC, BC, BC] tile
     (X_i = e_i - sum_{j<i} L_ij X_j), then block row by block row X[r, :r] = -X_rr (L[r, :r] X[:r, :r])
     (block forward substitution; the rows above r are final by then). fp32 throughout ("ieee" dots).
-    Then W = X diag(beta) Kd, U0 = X diag(beta) V."""
+    Then W = X diag(beta) Kd, U0 = X diag(beta) V, and the walk's bound terms for U (`_store_u_bound`)."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
@@ -532,9 +546,12 @@ def _chunk_solve_kernel(
         off = rows[:, None] * (HV * K) + i_hv * K + cols[None, :]
         kd = tl.load(kd_ws + off, mask=m, other=0.0).to(tl.float32)
         tl.store(w_ws + off, tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
+    u0_max = 0.0
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         m = row_ok[:, None] & (cols < V)[None, :]
         v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :],
-                 tl.dot(Xb, v_c, input_precision=DOT_PREC), mask=m)
+        u0 = tl.dot(Xb, v_c, input_precision=DOT_PREC)
+        tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :], u0, mask=m)
+        u0_max = tl.maximum(u0_max, tl.max(tl.abs(u0)))
+    _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV, K)

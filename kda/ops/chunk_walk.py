@@ -1,5 +1,5 @@
 """The state walk of `chunk_kda`: the serial part of the chunked form, after the prepare stage
-(`kda.ops.chunk_prepare`) has written Qd, Kr, W, U0, A_qk and gt per chunk. Per chunk, K-first state
+(`kda.ops.chunk_prepare`) has written Qd, Kr, W, U0, A_qk, gt and U's bound terms per chunk. Per chunk, K-first state
 S [K, V] (the loop body of `kda_reference.chunk.chunk_kda`, with `U` = U0 here and `V_new` = U):
 
     U = U0 - W S          O = Qd S + A_qk U          S <- gt * S + Kr^T U
@@ -25,7 +25,7 @@ neither path adds a pass.
 Both read the initial state from, and write the final state to, the pools of `kda.plan.StatePlan`
 (dense or paged, in place, rounded to nearest in the storage dtype); the recurrence is in fp32. With fp16
 workspaces (16-bit inputs, q and k l2-normalised) the dots take fp16 operands, S and U scaled by a power of
-two; with tf32 dots on fp32 workspaces, the fp32 operands are rounded to nearest tf32 first (`tf32_round`).
+two (U's from a bound, so that no reduction of U sits on the serial chain); with tf32 dots on fp32 workspaces, the fp32 operands are rounded to nearest tf32 first (`tf32_round`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from .common import (
     guard_slot,
     kept_item,
     locate_block,
+    pow2_of,
     pow2_scale,
     round_to,
     seq_bounds,
@@ -52,7 +53,7 @@ from .launch import direct
 
 
 @triton.jit
-def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
+def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws,
           o_k, k_ok, o_c, c_ok,
           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
           HAS_U0: tl.constexpr, WRITE_O: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -65,8 +66,11 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). U = U0 - W S (no U0 without HAS_U0), O = Qd S + A_qk U (stored with WRITE_O),
     S <- gt * S + Kr^T U.
     With fp16 workspaces (Qd, Kr, W, A_qk) the dots take fp16 operands: S and U enter scaled by a power of
-    two (`pow2_scale`), so they keep tf32's significand within fp16's range, and the fp32 products are
-    scaled back exactly. fp16 dots run at twice the tf32 rate and the workspaces need no conversion.
+    two, so they keep tf32's significand within fp16's range, and the fp32 products are scaled back
+    exactly. fp16 dots run at twice the tf32 rate and the workspaces need no conversion. S's scale is its
+    maximum's (`pow2_scale`); U's comes from a bound, so that no reduction of U waits on the step's chain
+    (`pow2_of`): |U| <= max|U0| + max_i sum_k |W_ik| max|S|, the chunk's row `ub_ws` holding max|U0| and a
+    bound on W's row sums (the prepare's), max|S| < 2^15 / ps.
     HAS_CHECKPOINTS (a sequence starting at token seq_start; `ck_row` its n_ck checkpoint slots): after a
     whole chunk that ends (j + 1) * ck_every tokens into the sequence, S (columns o_c of the state) is
     stored to slot ck_row[j] of `pool` (rounded to its dtype, in its layout) when that slot is in
@@ -86,6 +90,10 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
     # gt one chunk ahead: a plain load, so its latency would otherwise sit on the step's serial chain
     gt_ptr = gt_ws + (p_first * HV + i_hv) * K + o_k
     gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
+    if F16:  # U's bound terms, one chunk ahead as gt
+        ub_ptr = ub_ws + (p_first * HV + i_hv) * 2
+        u0_next = tl.load(ub_ptr, mask=t_begin < t_end, other=0.0)
+        wr_next = tl.load(ub_ptr + 1, mask=t_begin < t_end, other=0.0)
     if HAS_CHECKPOINTS:
         ck_j = (t_begin - seq_start) // ck_every  # the first checkpoint a chunk of this walk can end at
         ck_at = seq_start + (ck_j + 1) * ck_every  # its token
@@ -94,6 +102,12 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
         gt = gt_next
         gt_ptr += HV * K
         gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t0 + BT < t_end), other=0.0)
+        if F16:
+            u0_max = u0_next
+            w_rows = wr_next
+            ub_ptr += HV * 2
+            u0_next = tl.load(ub_ptr, mask=t0 + BT < t_end, other=0.0)
+            wr_next = tl.load(ub_ptr + 1, mask=t0 + BT < t_end, other=0.0)
         row_ok = o_t < t_end - t0
         m_k = tile_mask(row_ok, k_ok, EVEN_K)
         m_c = tile_mask(row_ok, c_ok, EVEN_C)
@@ -117,7 +131,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
             else:
                 U += tl.load(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_c[None, :], mask=m_c, other=0.0)
         if F16:
-            pu = pow2_scale(U)
+            pu = pow2_of(u0_max + w_rows * (32768.0 / ps))
             Ur = (U * pu).to(tl.float16)
         else:
             Ur = tf32_round(U, DOT_PREC)
@@ -223,7 +237,7 @@ def _zero_rows(o_h, s_ot, t_begin, t_end, o_v, v_ok, BT: tl.constexpr, BV: tl.co
 @direct
 @triton.jit(do_not_specialize=["n_slots"])
 def _chunk_state_kernel(
-    o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
+    o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_ot, s_oh, src_stride, dst_stride,
     checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors,
@@ -263,7 +277,7 @@ def _chunk_state_kernel(
         _zero_rows(o_h, s_ot, w_lo, w_hi, o_v, v_ok, BT, BV)
     else:
         p_first = chunk_program(i_n, bos, w_lo, NT, IS_VARLEN, BT)
-        S = _walk(S, w_lo, w_hi, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
+        S = _walk(S, w_lo, w_hi, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws,
                   o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
                   checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride,
                   n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV)
@@ -274,7 +288,7 @@ def _chunk_state_kernel(
 @direct
 @triton.jit
 def _segment_summary_kernel(
-    cu_seqlens, w_ws, u_ws, kr_ws, gt_ws, a_seg, b_seg,
+    cu_seqlens, w_ws, u_ws, kr_ws, gt_ws, ub_ws, a_seg, b_seg,
     T, N, NT, NSEG,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -297,7 +311,7 @@ def _segment_summary_kernel(
         o_c = i_c * BV + tl.arange(0, BV)
         c_ok = o_c < V
         S = _walk(tl.zeros([BK, BV], dtype=tl.float32), s0, s_end, p_first, i_hv, w_ws, 0, w_ws, w_ws, u_ws,
-                  w_ws, kr_ws, gt_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, True, False, DOT_PREC,
+                  w_ws, kr_ws, gt_ws, ub_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, True, False, DOT_PREC,
                   K == BK, V % BV == 0)
         off = ((i_s * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * V + o_c[None, :]
         tl.store(b_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
@@ -306,7 +320,7 @@ def _segment_summary_kernel(
         c_ok = o_c < K
         eye = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)
         S = _walk(eye, s0, s_end, p_first, i_hv, w_ws, 0, w_ws, w_ws, u_ws,
-                  w_ws, kr_ws, gt_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, False, False, DOT_PREC,
+                  w_ws, kr_ws, gt_ws, ub_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, False, False, DOT_PREC,
                   K == BK, K % BV == 0)
         off = ((i_s * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * K + o_c[None, :]
         tl.store(a_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
@@ -357,7 +371,7 @@ def _segment_scan_kernel(
 @direct
 @triton.jit(do_not_specialize=["n_slots"])
 def _segment_output_kernel(
-    o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, h_seg, slot_of_seq,
+    o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws, h_seg, slot_of_seq,
     s_ot, s_oh,
     state_dst, dst_stride, checkpoint_indices, s_ck, n_ck, ck_every, n_slots,
     T, N, NT, NSEG,
@@ -389,7 +403,7 @@ def _segment_output_kernel(
         base = (i_s * HV + i_hv) * K
         S = tl.load(h_seg + (base + o_k[:, None]) * V + o_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         p_first = chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
-        _walk(S, s0, s_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws,
+        _walk(S, s0, s_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws,
               o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
               checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
               HAS_CHECKPOINTS, V_FIRST)

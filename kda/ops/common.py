@@ -76,7 +76,15 @@ def pow2_scale(x):
     entries at fp16's full 11-bit significand, as a tf32 operand would keep them; entries below 2^-28 of the
     largest turn subnormal (absolute error under 2^-38 of the largest). p in [2^-126, 2^126]: exact, and so
     is 1 / p; inf and NaN pass through x p."""
-    e = (tl.max(tl.abs(x)).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of max|x|
+    return pow2_of(tl.max(tl.abs(x)))
+
+
+@triton.jit
+def pow2_of(m):
+    """`pow2_scale` of any x with max|x| <= m (m >= 0): m p in [2^14, 2^15). A bound looser than the maximum
+    by 2^b leaves x p's largest entries b bits lower in fp16's range, their significand as whole (rounding
+    is the same at every power of two); only entries 2^(b-28) below the largest turn subnormal."""
+    e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of m
     return (tl.minimum(tl.maximum(268 - e, 1), 253) << 23).to(tl.float32, bitcast=True)
 
 
