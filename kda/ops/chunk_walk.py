@@ -25,7 +25,8 @@ neither path adds a pass.
 Both read the initial state from, and write the final state to, the pools of `kda.plan.StatePlan`
 (dense or paged, in place, rounded to nearest in the storage dtype); the recurrence is in fp32. With fp16
 workspaces (16-bit inputs, q and k l2-normalised) the dots take fp16 operands, S and U scaled by a power of
-two (U's from a bound, so that no reduction of U sits on the serial chain); with tf32 dots on fp32 workspaces, the fp32 operands are rounded to nearest tf32 first (`tf32_round`).
+two (U's from a bound, so that no reduction of U sits on the serial chain); with tf32 dots on fp32
+workspaces, the fp32 operands are rounded to nearest tf32 first (`tf32_round`).
 """
 
 from __future__ import annotations
