@@ -78,7 +78,9 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     kr_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     aqk_ws = torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
     gt_ws = torch.empty((max(n_chunks, 1), HV, K), dtype=torch.float32, device=dev)
-    ub_ws = torch.empty((max(n_chunks, 1), HV, 2), dtype=torch.float32, device=dev)
+    # U's bound terms for the fp16 walk (gt_ws: a stand-in the tf32 walk of fp32 workspaces never touches)
+    ub_ws = (torch.empty((max(n_chunks, 1), HV, 2), dtype=torch.float32, device=dev) if ws_dtype == torch.float16
+             else gt_ws)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     if plan.parts > 1:

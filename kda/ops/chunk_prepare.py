@@ -160,13 +160,23 @@ def _block_forward_substitution(L3, BC: tl.constexpr):
 
 
 @triton.jit
-def _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV: tl.constexpr, K: tl.constexpr):
+def _u0_max(u0_max, u0, BOUND: tl.constexpr):
+    """The running max|U0| of `_store_u_bound`, where the walk reads it (BOUND: fp16 workspaces)."""
+    if BOUND:
+        u0_max = tl.maximum(u0_max, tl.max(tl.abs(u0)))
+    return u0_max
+
+
+@triton.jit
+def _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV: tl.constexpr, K: tl.constexpr, BOUND: tl.constexpr):
     """Row (chunk program i_p, value head i_hv) of `ub_ws`: max|U0| and sqrt(K) max_i sum_j |Xb_ij|, which
     bounds the row sums of |W| = |Xb Kd| (each row of Kd has an l2 norm of at most 1, so an l1 norm of at most
     sqrt(K): the walk's fp16 workspaces exist only for l2-normalised keys and decays <= 1). The walk scales
-    U by a power of two from them instead of reducing U on its serial chain (`chunk_walk._walk`)."""
-    tl.store(ub_ws + (i_p * HV + i_hv) * 2, u0_max)
-    tl.store(ub_ws + (i_p * HV + i_hv) * 2 + 1, tl.max(tl.sum(tl.abs(Xb), 1)) * (K ** 0.5))
+    U by a power of two from them instead of reducing U on its serial chain (`chunk_walk._walk`). BOUND: the
+    workspaces are fp16 (the tf32 walk of fp32 workspaces scales nothing and reads no bound)."""
+    if BOUND:
+        tl.store(ub_ws + (i_p * HV + i_hv) * 2, u0_max)
+        tl.store(ub_ws + (i_p * HV + i_hv) * 2 + 1, tl.max(tl.sum(tl.abs(Xb), 1)) * (K ** 0.5))
 
 
 @triton.jit
@@ -373,8 +383,8 @@ def _chunk_prepare_kernel(
                       other=0.0).to(tl.float32)
         u0 = tl.dot(Xb, tf32_round(v_c, DOT_PREC), input_precision=DOT_PREC)
         tl.store(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + cols[None, :], u0, mask=m)
-        u0_max = tl.maximum(u0_max, tl.max(tl.abs(u0)))
-    _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV, K)
+        u0_max = _u0_max(u0_max, u0, w_ws.dtype.element_ty == tl.float16)
+    _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV, K, w_ws.dtype.element_ty == tl.float16)
 
 
 @direct
@@ -553,5 +563,5 @@ def _chunk_solve_kernel(
         v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
         u0 = tl.dot(Xb, v_c, input_precision=DOT_PREC)
         tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :], u0, mask=m)
-        u0_max = tl.maximum(u0_max, tl.max(tl.abs(u0)))
-    _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV, K)
+        u0_max = _u0_max(u0_max, u0, w_ws.dtype.element_ty == tl.float16)
+    _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV, K, w_ws.dtype.element_ty == tl.float16)
