@@ -48,9 +48,6 @@ PLANS = {
     # K-first in row chunks of kc, the plane read twice (kda.ops.fused_recurrent._one_token_k_split)
     **{f"1tok BV{bv} nw{w} kc{kc}": dict(nsub=1, BV=bv, num_warps=w, kc=kc)
        for bv, w in ((32, 1), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2), (128, 4)) for kc in (16, 32, 64)},
-    # the state tile by the copy engine (descriptors of the pools; kda.ops.fused_recurrent._one_token_k_tma)
-    **{f"1tok BV{bv} nw{w} tma": dict(nsub=1, BV=bv, num_warps=w, kc=0, tma=True)
-       for bv, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))},
 }
 for _name, _over in PLANS.items():  # the other one-token plans read the whole tile once, whatever the default
     if _name.startswith("1tok nsub"):

@@ -361,7 +361,6 @@ class DecodePlan:
     nsub: int = 0  # 0: `_fused_recurrent_kda_kernel` (the loop); 1, 2, 4: `_fused_recurrent_one_token_kernel`
     sr: int = 0  # store rounding: 0 nearest even, 1 stochastic bf16, 2 stochastic fp16
     kc: int = 0  # K-first one-token kernel: rows of K per chunk, the plane read twice (0: the whole tile once)
-    tma: bool = False  # K-first one-token kernel: the state tile by the copy engine (descriptors of the pools)
 
 
 SR_MODES = {torch.bfloat16: 1, torch.float16: 2}

@@ -460,68 +460,6 @@ def test_one_token_kernel(nsub, dtype, v_first, kc):
         assert rel(s1, pool_ref[used]) <= FP32_TOL
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_one_token_kernel_tma(dtype):
-    """The K-first one-token kernel with its pools as descriptors (`DecodePlan.tma`): a padded pool whose slot
-    stride keeps the copy engine's 16-byte alignment, a padding sequence, an unread NaN slot, GVA. The other
-    slots and the padding between planes keep their bits; paged == dense bit for bit (one binary); within
-    rounding of the pointer kernel (the same arithmetic) and within 1e-5 of the oracle (fp32 pool). A pool
-    whose slot stride breaks the alignment takes the pointer kernel instead, with the same results."""
-    from kda.ops.fused_recurrent import _tma_pools
-    from kda.plan import state_plan
-
-    N, H, HV, K, V = 5, 1, 2, 32, 64
-    q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=18)
-    slots = 11
-    idx = torch.tensor([7, -1, 2, 9, 4], dtype=torch.int32, device=DEVICE)  # sequence 1 is padding
-    keep, used = [0, 2, 3, 4], [7, 2, 9, 4]
-    read = [True, True, True, False, True]  # slot 9 holds NaN and is not read
-    kw = dict(state_v_first=False, use_qk_l2norm_in_kernel=True, **opts)
-    plane = HV * K * V
-
-    def decode(*args, tma=True, **more):
-        o, s, plan = run_planned(kda.fused_recurrent_kda, *args, dict(nsub=1, kc=0, BV=32, tma=tma), **more, **kw)
-        return o, s
-
-    for pad, aligned in ((16, True), (3, False)):
-        wide, pool = poisoned_pool(slots, state_plane(HV, K, V, False), dtype, DEVICE, pad=pad)
-        for n, slot in zip(keep, used):
-            if read[n]:
-                pool[slot] = random_planes(1, HV, K, V, False, seed=50 + n)[0].to(dtype)
-        before = wide.clone()
-        flags = dict(state_indices=idx, has_initial_state=torch.tensor(read, device=DEVICE))
-        call = checked_call(kda.fused_recurrent_kda, q, k, v, g, beta, state_cache=pool, **flags, **kw)
-        assert _tma_pools(state_plan(call), K, K, V, 32) == aligned
-        results = {}
-        for tma in (False, True):
-            wide.copy_(before)
-            out = torch.full((N, 1, HV, V), float("nan"), device=DEVICE)
-            decode(q, k, v, g, beta, state_cache=pool, out=out, tma=tma, **flags)
-            results[tma] = (out.clone(), wide.clone())
-        (o0, w0), (o1, w1) = results[False], results[True]
-        assert torch.equal(o1[1], torch.zeros_like(o1[1]))
-        untouched = [s for s in range(slots) if s not in used]
-        assert same_bits(w1[untouched], before[untouched])
-        assert same_bits(w1[used, plane:], before[used, plane:])
-        u = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
-        assert rel(o1[keep], o0[keep]) <= 2 * 2.0 ** -24 + 1e-6
-        assert rel(w1[used, :plane].float(), w0[used, :plane].float()) <= 2 * u + 1e-6
-        if dtype == torch.float32:
-            pool_ref = before.clone()[:, :plane].unflatten(1, pool.shape[1:])
-            o_ref, _ = ref.recurrent_kda(q, k, v, g, beta, state_cache=pool_ref, **flags, **kw)
-            assert rel(o1[keep], o_ref[keep]) <= FP32_TOL
-            assert rel(w1[used, :plane], pool_ref[used].flatten(1)) <= FP32_TOL
-
-    # paged == dense, bit for bit: every slot read, one binary for both contracts
-    wide, pool = poisoned_pool(slots, state_plane(HV, K, V, False), dtype, DEVICE, pad=16)
-    for n, slot in zip(keep, used):
-        pool[slot] = random_planes(1, HV, K, V, False, seed=60 + n)[0].to(dtype)
-    init = pool[used].clone()
-    o_p, _ = decode(q, k, v, g, beta, state_cache=pool, state_indices=idx)
-    o_d, s_d = decode(*(x[keep] for x in (q, k, v, g, beta)), initial_state=init, output_final_state=True)
-    assert same_bits(o_p[keep], o_d) and same_bits(pool[used], s_d)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_varlen_decode_batch_with_host_bounds(dtype):
     """A varlen decode batch, q [1, N, ...] with cu_seqlens 0, 1, ..., N: with the host copy

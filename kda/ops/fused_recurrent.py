@@ -65,7 +65,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..contract import KDACall
 from ..plan import DecodePlan, StatePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
@@ -403,41 +402,6 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, dt_bias, a, sc
     return qS + kq * u_t
 
 
-@triton.jit
-def _one_token_k_tma(q, k, v, g, beta, o_h, A_log, dt_bias, src_desc, dst_desc, has_initial_state, slot, i_n, i_h,
-                     i_hv, i_vb, t, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, scale,
-                     lower_bound, seed, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-                     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SR: tl.constexpr):
-    """The one-token step on a K-first V block (K == BK) loaded and stored by the copy engine: the pools are
-    descriptors of [slots, HV * K, V] with [1, BK, BV] tiles (`kda.ops.fused_recurrent._pool_desc`), so a
-    program issues one bulk copy each way instead of a 16-byte load and store per thread and row."""
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_SRC:
-        read = True
-        if HAS_INIT_FLAGS:
-            read = tl.load(has_initial_state + i_n) != 0
-        if read:
-            S = tl.reshape(src_desc.load([slot.to(tl.int32), i_hv * K, i_vb * BV]), [BK, BV]).to(tl.float32)
-    a = decay_rate(A_log, i_hv, HAS_A_LOG)
-    bias = dt_bias_slice(dt_bias, i_hv, tl.arange(0, BK), K, HAS_DT_BIAS)
-    q_t, k_t, g_t, beta_t = _token_inputs(q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt,
-                                          g + i_hv * s_gh + t * s_gt, beta + i_hv * s_bh + t * s_bt,
-                                          a, bias, scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND,
-                                          USE_L2NORM, USE_BETA_SIGMOID)
-    o_v = i_vb * BV + tl.arange(0, BV)
-    v_ok = o_v < V
-    v_t = tl.load(v + i_hv * s_vh + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
-    S, o_t = _step(S, q_t, k_t, g_t, v_t, beta_t, False)
-    tl.store(o_h + t * s_ot + o_v, round_to(o_t, o_h.dtype.element_ty), mask=v_ok)
-    if HAS_DST:
-        if SR != 0:
-            tile_off = tl.arange(0, BK)[:, None] * V + o_v[None, :]
-            S = _round_state(S, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR)
-        dst_desc.store([slot.to(tl.int32), i_hv * K, i_vb * BV], tl.reshape(round_to(S, dst_desc.dtype), [1, BK, BV]))
-
-
 @direct
 @triton.jit(do_not_specialize=["seed", "paged", "n_slots"])
 def _fused_recurrent_one_token_kernel(
@@ -452,7 +416,7 @@ def _fused_recurrent_one_token_kernel(
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, HAS_ERRORS: tl.constexpr = False,
-    KC: tl.constexpr = 0, TMA: tl.constexpr = False,
+    KC: tl.constexpr = 0,
 ):
     """Exactly one token per sequence, token n for sequence n (`KDACall.one_token_per_seq`: dense q of shape
     [N, 1, H, K], or varlen [1, N, H, K] with host bounds 0, 1, ..., N; the flattened token axis is the
@@ -484,79 +448,54 @@ def _fused_recurrent_one_token_kernel(
         tl.store(o_h + t * s_ot + o_v, tl.zeros([NSUB * BV], dtype=o.dtype.element_ty), mask=o_v < V)
         return
 
-    if TMA:  # K-first, NSUB 1: the V block by the copy engine (`_one_token_k_tma`)
-        _one_token_k_tma(q, k, v, g, beta, o_h, A_log, dt_bias, state_src, state_dst, has_initial_state, slot, i_n,
-                         i_h, i_hv, i_vb, t, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, scale,
-                         lower_bound, seed, HV, K, V, BK, BV, USE_GATE, HAS_A_LOG, HAS_DT_BIAS, USE_LOWER_BOUND,
-                         USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC, HAS_DST, HAS_INIT_FLAGS, SR)
-    else:
-        src_plane = state_src + slot * src_stride + i_hv * (K * V)
-        if KC > 0:  # K-first, NSUB 1: the V block in row chunks (`_one_token_k_split`)
-            read = 1
-            if HAS_INIT_FLAGS:
-                read = (tl.load(has_initial_state + i_n) != 0).to(tl.int32)
-            o_v = i_vb * BV + tl.arange(0, BV)
-            v_ok = o_v < V
-            v_t = tl.load(v + i_hv * s_vh + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
-            beta_t = tl.load(beta + i_hv * s_bh + t * s_bt).to(tl.float32)
-            if USE_BETA_SIGMOID:
-                beta_t = tl.sigmoid(beta_t)
-            o_t = _one_token_k_split(src_plane, read, state_dst + slot * dst_stride + i_hv * (K * V),
-                                     q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt, g + i_hv * s_gh + t * s_gt,
-                                     dt_bias, decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound,
-                                     beta_t, v_t, o_v, v_ok, slot, i_hv, seed, HV, K, V, BK, KC, BV, USE_GATE,
-                                     HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_INIT_FLAGS, HAS_DST, SR,
-                                     FULL_TILE)
-            tl.store(o_h + t * s_ot + o_v, round_to(o_t, o_h.dtype.element_ty), mask=v_ok)
-            return
-        S0 = _first_state(src_plane, has_initial_state, i_n, i_vb, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS, V_FIRST,
-                          FULL_TILE)
-        if NSUB >= 2:
-            S1 = _first_state(src_plane, has_initial_state, i_n, i_vb + 1, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
-                              V_FIRST, FULL_TILE)
-        if NSUB >= 4:
-            S2 = _first_state(src_plane, has_initial_state, i_n, i_vb + 2, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
-                              V_FIRST, FULL_TILE)
-            S3 = _first_state(src_plane, has_initial_state, i_n, i_vb + 3, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
-                              V_FIRST, FULL_TILE)
+    src_plane = state_src + slot * src_stride + i_hv * (K * V)
+    if KC > 0:  # K-first, NSUB 1: the V block in row chunks (`_one_token_k_split`)
+        read = 1
+        if HAS_INIT_FLAGS:
+            read = (tl.load(has_initial_state + i_n) != 0).to(tl.int32)
+        o_v = i_vb * BV + tl.arange(0, BV)
+        v_ok = o_v < V
+        v_t = tl.load(v + i_hv * s_vh + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
+        beta_t = tl.load(beta + i_hv * s_bh + t * s_bt).to(tl.float32)
+        if USE_BETA_SIGMOID:
+            beta_t = tl.sigmoid(beta_t)
+        o_t = _one_token_k_split(src_plane, read, state_dst + slot * dst_stride + i_hv * (K * V),
+                                 q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt, g + i_hv * s_gh + t * s_gt,
+                                 dt_bias, decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound,
+                                 beta_t, v_t, o_v, v_ok, slot, i_hv, seed, HV, K, V, BK, KC, BV, USE_GATE,
+                                 HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_INIT_FLAGS, HAS_DST, SR,
+                                 FULL_TILE)
+        tl.store(o_h + t * s_ot + o_v, round_to(o_t, o_h.dtype.element_ty), mask=v_ok)
+        return
+    S0 = _first_state(src_plane, has_initial_state, i_n, i_vb, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS, V_FIRST,
+                      FULL_TILE)
+    if NSUB >= 2:
+        S1 = _first_state(src_plane, has_initial_state, i_n, i_vb + 1, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
+                          V_FIRST, FULL_TILE)
+    if NSUB >= 4:
+        S2 = _first_state(src_plane, has_initial_state, i_n, i_vb + 2, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
+                          V_FIRST, FULL_TILE)
+        S3 = _first_state(src_plane, has_initial_state, i_n, i_vb + 3, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
+                          V_FIRST, FULL_TILE)
 
-        a = decay_rate(A_log, i_hv, HAS_A_LOG)
-        bias = dt_bias_slice(dt_bias, i_hv, tl.arange(0, BK), K, HAS_DT_BIAS)
-        q_t, k_t, g_t, beta_t = _token_inputs(q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt,
-                                              g + i_hv * s_gh + t * s_gt, beta + i_hv * s_bh + t * s_bt,
-                                              a, bias, scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND,
-                                              USE_L2NORM, USE_BETA_SIGMOID)
-        v_h = v + i_hv * s_vh
-        dst_plane = state_dst + slot * dst_stride + i_hv * (K * V)
-        _one_token_rows(S0, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt, s_ot,
-                        HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
-        if NSUB >= 2:
-            _one_token_rows(S1, i_vb + 1, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
-                            s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
-        if NSUB >= 4:
-            _one_token_rows(S2, i_vb + 2, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
-                            s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
-            _one_token_rows(S3, i_vb + 3, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
-                            s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
-
-
-def _tma_pools(st: StatePlan, K: int, BK: int, V: int, BV: int) -> bool:
-    """Whether the one-token K-first kernel can take its pools as descriptors: a written pool (the
-    descriptor of a read-only one stands in where there is none to read), whole tiles, and the copy
-    engine's 16-byte alignment of the base and of the slot and row strides."""
-    if st.dst is None or K != BK or V % BV:
-        return False
-    for pool in (st.src, st.dst):
-        if pool is not None:
-            size = pool.element_size()
-            if pool.data_ptr() % 16 or (pool.stride(0) * size) % 16 or (V * size) % 16:
-                return False
-    return True
-
-
-def _pool_desc(pool: torch.Tensor, HV: int, K: int, V: int, BK: int, BV: int) -> TensorDescriptor:
-    """A pool of [slots, HV, K, V] planes as a descriptor of [slots, HV * K, V] with [1, BK, BV] tiles."""
-    return TensorDescriptor(pool, [pool.shape[0], HV * K, V], [pool.stride(0), V, 1], [1, BK, BV])
+    a = decay_rate(A_log, i_hv, HAS_A_LOG)
+    bias = dt_bias_slice(dt_bias, i_hv, tl.arange(0, BK), K, HAS_DT_BIAS)
+    q_t, k_t, g_t, beta_t = _token_inputs(q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt,
+                                          g + i_hv * s_gh + t * s_gt, beta + i_hv * s_bh + t * s_bt,
+                                          a, bias, scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND,
+                                          USE_L2NORM, USE_BETA_SIGMOID)
+    v_h = v + i_hv * s_vh
+    dst_plane = state_dst + slot * dst_stride + i_hv * (K * V)
+    _one_token_rows(S0, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt, s_ot,
+                    HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
+    if NSUB >= 2:
+        _one_token_rows(S1, i_vb + 1, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
+                        s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
+    if NSUB >= 4:
+        _one_token_rows(S2, i_vb + 2, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
+                        s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
+        _one_token_rows(S3, i_vb + 3, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
+                        s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
 
 
 def fused_recurrent_kda_fwd(
@@ -601,15 +540,10 @@ def fused_recurrent_kda_fwd(
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
-        pools = st.pointers(q)
-        tma = plan.tma and _tma_pools(st, K, BK, V, BV)
-        if tma:
-            dst = _pool_desc(st.dst, HV, K, V, BK, BV)
-            pools = (dst if st.src is None else _pool_desc(st.src, HV, K, V, BK, BV), dst, *pools[2:])
         _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
-            q, k, v, g, beta, o, A_log, dt_bias, *pools, *strides, st.slot_count, errors, call.scale,
+            q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
             lower_bound, seed,
-            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc, TMA=tma, **flags,
+            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc, **flags,
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
