@@ -48,10 +48,6 @@ PLANS = {
     # K-first in row chunks of kc, the plane read twice (kda.ops.fused_recurrent._one_token_k_split)
     **{f"1tok BV{bv} nw{w} kc{kc}": dict(nsub=1, BV=bv, num_warps=w, kc=kc)
        for bv, w in ((32, 1), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2), (128, 4)) for kc in (16, 32, 64)},
-    # the same chunks loaded once and held in the storage dtype (kda.ops.fused_recurrent._one_token_k_held)
-    **{f"1tok BV{bv} nw{w} kc{kc} held": dict(nsub=1, BV=bv, num_warps=w, kc=kc, hold=True)
-       for bv, w, kc in ((32, 1, 32), (32, 1, 64), (32, 2, 64), (64, 1, 32), (64, 2, 32), (64, 2, 64),
-                         (64, 4, 32), (128, 4, 32), (128, 4, 64))},
 }
 for _name, _over in PLANS.items():  # the other one-token plans read the whole tile once, whatever the default
     if _name.startswith("1tok nsub"):

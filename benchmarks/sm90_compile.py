@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -85,15 +84,15 @@ def walk_case(walk_bv: int):
     return chunk_walk._chunk_state_kernel, ptrs, consts, dict(N=1, n_slots=1), plan.walk_warps, plan.walk_stages
 
 
-def decode_case(v_first: bool, dtype: torch.dtype, **over):
-    plan = replace(_decode(v_first, dtype), **over)
+def decode_case(v_first: bool, dtype: torch.dtype):
+    plan = _decode(v_first, dtype)
     pool = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     ptrs = dict(q="bf16", k="bf16", v="bf16", g="fp32", beta="bf16", o="bf16", A_log="fp32", dt_bias="fp32",
                 state_src=pool, state_dst=pool, slot_of_seq="i32", has_initial_state="i1", errors="i32")
     consts = dict(H=H_DECODE, HV=H_DECODE, K=K, V=V, BK=plan.BK, BV=plan.BV, NSUB=plan.nsub, USE_GATE=True,
                   HAS_A_LOG=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=True, USE_L2NORM=True, USE_BETA_SIGMOID=True,
                   HAS_SRC=True, HAS_DST=True, HAS_INIT_FLAGS=True, V_FIRST=v_first, SR=plan.sr,
-                  FULL_TILE=True, HAS_ERRORS=False, KC=plan.kc, HOLD=plan.hold)
+                  FULL_TILE=True, HAS_ERRORS=False, KC=plan.kc)
     # seed, paged and n_slots are not specialised (`do_not_specialize`); s_bh = 1: beta [N, 1, H]; a launch
     # takes Triton's default of 3 stages, which only the row-chunk loops (2-byte K-first pools) use
     return (fused_recurrent._fused_recurrent_one_token_kernel, ptrs, consts,
@@ -109,7 +108,6 @@ CASES = {
     "decode-vfirst-bf16": lambda: decode_case(True, torch.bfloat16),
     "decode-kfirst-fp32": lambda: decode_case(False, torch.float32),
     "decode-kfirst-bf16": lambda: decode_case(False, torch.bfloat16),
-    "decode-kfirst-bf16-held": lambda: decode_case(False, torch.bfloat16, hold=True),
 }
 FLOATS = ("scale", "lower_bound")
 

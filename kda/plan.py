@@ -361,7 +361,6 @@ class DecodePlan:
     nsub: int = 0  # 0: `_fused_recurrent_kda_kernel` (the loop); 1, 2, 4: `_fused_recurrent_one_token_kernel`
     sr: int = 0  # store rounding: 0 nearest even, 1 stochastic bf16, 2 stochastic fp16
     kc: int = 0  # K-first one-token kernel: rows of K per chunk, the plane read twice (0: the whole tile once)
-    hold: bool = False  # with kc: the row chunks loaded once and held in the storage dtype, not read twice
 
 
 SR_MODES = {torch.bfloat16: 1, torch.float16: 2}

@@ -394,13 +394,11 @@ def test_stochastic_rounding_needs_narrow_state():
         kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, stochastic_rounding=True)
 
 
-@pytest.mark.parametrize("nsub,v_first,kc,hold", [(n, vf, 0, False) for n in (1, 2, 4) for vf in (True, False)]
-                         + [(1, False, 8, False), (1, False, 8, True), (1, False, 16, True)])
+@pytest.mark.parametrize("nsub,v_first,kc", [(n, vf, 0) for n in (1, 2, 4) for vf in (True, False)] + [(1, False, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_token_kernel(nsub, dtype, v_first, kc, hold):
+def test_one_token_kernel(nsub, dtype, v_first, kc):
     """`_fused_recurrent_one_token_kernel` (dense q [N, 1, ...]: decode; the default for V-first pools, forced
-    here for both layouts and every NSUB; K-first also read in row chunks of `kc`, the plane read twice, or
-    with `hold` once, the chunks held in the storage dtype), V
+    here for both layouts and every NSUB; K-first also read in row chunks of `kc`, the plane read twice), V
     not a multiple of its NSUB blocks (masked rows), K not a power of two (a masked row chunk), a padding
     sequence.
     (1) A padded pool whose stride is a multiple of 16 elements, every slot read: paged == dense (the
@@ -417,8 +415,8 @@ def test_one_token_kernel(nsub, dtype, v_first, kc, hold):
     kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, **opts)
 
     def decode(*args, nsub=nsub, **more):
-        o, s, plan = run_planned(kda.fused_recurrent_kda, *args,
-                                 dict(nsub=nsub, kc=kc if nsub else 0, hold=hold and nsub > 0), **more, **kw)
+        o, s, plan = run_planned(kda.fused_recurrent_kda, *args, dict(nsub=nsub, kc=kc if nsub else 0), **more,
+                                 **kw)
         assert plan.nsub == nsub
         return o, s
 

@@ -361,118 +361,6 @@ def _one_token_k_rows(src_plane, read, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, 
 
 
 @triton.jit
-def _k_chunk_raw(src_plane, read, o_k0, o_v, v_ok, K: tl.constexpr, V: tl.constexpr, KC: tl.constexpr,
-                 BV: tl.constexpr, HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, FULL_TILE: tl.constexpr):
-    """Rows o_k0 .. o_k0 + KC of a K-first state plane's V block in the storage dtype (zeros when unread)."""
-    o_k = o_k0 + tl.arange(0, KC)
-    k_ok = o_k < K
-    tile_off = o_k[:, None] * V + o_v[None, :]
-    S = tl.zeros([KC, BV], dtype=src_plane.dtype.element_ty)
-    if HAS_SRC:
-        if HAS_INIT_FLAGS:
-            ok = ((tile_off * 0 + read) != 0) & k_ok[:, None] & v_ok[None, :]
-            S = tl.load(src_plane + tile_off, mask=ok, other=0.0)
-        elif FULL_TILE:
-            S = tl.load(src_plane + tile_off)
-        else:
-            S = tl.load(src_plane + tile_off, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-    return S
-
-
-@triton.jit
-def _k_chunk_vecs(q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, o_k0, K: tl.constexpr, KC: tl.constexpr,
-                  USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
-    """The token's scaled q~, k~ and 2^g on rows o_k0 .. o_k0 + KC."""
-    o_k = o_k0 + tl.arange(0, KC)
-    k_ok = o_k < K
-    q_c = tl.load(q_h + o_k, mask=k_ok, other=0.0).to(tl.float32) * qn
-    k_c = tl.load(k_h + o_k, mask=k_ok, other=0.0).to(tl.float32) * kn
-    g_raw = tl.load(g_h + o_k, mask=k_ok, other=0.0)
-    bias = dt_bias_slice(dt_bias, i_hv, o_k, K, HAS_DT_BIAS)
-    d_c = tl.exp2(tl.reshape(kda_gate_log2(g_raw[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [KC]))
-    return q_c, k_c, d_c
-
-
-@triton.jit
-def _k_chunk_reduce(S_raw, kS, qS, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, o_k0, K: tl.constexpr,
-                    KC: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                    USE_LOWER_BOUND: tl.constexpr):
-    q_c, k_c, d_c = _k_chunk_vecs(q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, o_k0, K, KC, USE_GATE,
-                                  HAS_DT_BIAS, USE_LOWER_BOUND)
-    S = S_raw.to(tl.float32) * d_c[:, None]
-    return kS + tl.sum(S * k_c[:, None], 0), qS + tl.sum(S * q_c[:, None], 0)
-
-
-@triton.jit
-def _k_chunk_update(S_raw, u_t, dst_plane, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, o_k0, o_v, v_ok,
-                    slot, seed, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KC: tl.constexpr,
-                    USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-                    SR: tl.constexpr, FULL_TILE: tl.constexpr):
-    _q, k_c, d_c = _k_chunk_vecs(q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, o_k0, K, KC, USE_GATE,
-                                 HAS_DT_BIAS, USE_LOWER_BOUND)
-    S = S_raw.to(tl.float32) * d_c[:, None] + k_c[:, None] * u_t[None, :]
-    o_k = o_k0 + tl.arange(0, KC)
-    tile_off = o_k[:, None] * V + o_v[None, :]
-    _store_state(S, dst_plane, tile_off, (o_k < K)[:, None] & v_ok[None, :], (slot * HV + i_hv) * (K * V) + tile_off,
-                 seed, SR, FULL_TILE)
-
-
-@triton.jit
-def _one_token_k_held(src_plane, read, dst_plane, q_h, k_h, g_h, dt_bias, a, scale, lower_bound, beta_t, v_t,
-                      o_v, v_ok, slot, i_hv, seed, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
-                      USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-                      USE_L2NORM: tl.constexpr, HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-                      HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
-    """`_one_token_k_split` with the row chunks (BK // KC of them: 1, 2 or 4) all loaded first and held in the
-    storage dtype, each upcast where it is used: the plane is read once, in flight at once, and a 2-byte
-    pool's chunks take half the registers of their fp32 form."""
-    NCH: tl.constexpr = BK // KC
-    tl.static_assert(NCH <= 4)
-    o_k = tl.arange(0, BK)
-    k_ok = o_k < K
-    S0 = _k_chunk_raw(src_plane, read, 0, o_v, v_ok, K, V, KC, BV, HAS_SRC, HAS_INIT_FLAGS, FULL_TILE)
-    if NCH >= 2:
-        S1 = _k_chunk_raw(src_plane, read, KC, o_v, v_ok, K, V, KC, BV, HAS_SRC, HAS_INIT_FLAGS, FULL_TILE)
-    if NCH >= 4:
-        S2 = _k_chunk_raw(src_plane, read, 2 * KC, o_v, v_ok, K, V, KC, BV, HAS_SRC, HAS_INIT_FLAGS, FULL_TILE)
-        S3 = _k_chunk_raw(src_plane, read, 3 * KC, o_v, v_ok, K, V, KC, BV, HAS_SRC, HAS_INIT_FLAGS, FULL_TILE)
-    qn = scale
-    kn = 1.0
-    q_t = tl.load(q_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
-    k_t = tl.load(k_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
-    if USE_L2NORM:
-        qn = scale / tl.sqrt(tl.sum(q_t * q_t, 0) + 1e-6)
-        kn = 1.0 / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
-    kq = tl.sum((k_t * kn) * (q_t * qn), 0)
-    kS = tl.zeros([BV], dtype=tl.float32)
-    qS = tl.zeros([BV], dtype=tl.float32)
-    kS, qS = _k_chunk_reduce(S0, kS, qS, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, 0, K, KC,
-                             USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)
-    if NCH >= 2:
-        kS, qS = _k_chunk_reduce(S1, kS, qS, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, KC, K, KC,
-                                 USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)
-    if NCH >= 4:
-        kS, qS = _k_chunk_reduce(S2, kS, qS, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, 2 * KC, K, KC,
-                                 USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)
-        kS, qS = _k_chunk_reduce(S3, kS, qS, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, 3 * KC, K, KC,
-                                 USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)
-    u_t = beta_t * (v_t - kS)
-    if HAS_DST:
-        _k_chunk_update(S0, u_t, dst_plane, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, 0, o_v, v_ok,
-                        slot, seed, HV, K, V, KC, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SR, FULL_TILE)
-        if NCH >= 2:
-            _k_chunk_update(S1, u_t, dst_plane, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, KC, o_v,
-                            v_ok, slot, seed, HV, K, V, KC, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SR, FULL_TILE)
-        if NCH >= 4:
-            _k_chunk_update(S2, u_t, dst_plane, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, 2 * KC, o_v,
-                            v_ok, slot, seed, HV, K, V, KC, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SR, FULL_TILE)
-            _k_chunk_update(S3, u_t, dst_plane, q_h, k_h, g_h, dt_bias, i_hv, a, qn, kn, lower_bound, 3 * KC, o_v,
-                            v_ok, slot, seed, HV, K, V, KC, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SR, FULL_TILE)
-    return qS + kq * u_t
-
-
-@triton.jit
 def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, dt_bias, a, scale, lower_bound, beta_t, v_t,
                        o_v, v_ok, slot, i_hv, seed, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
@@ -528,7 +416,7 @@ def _fused_recurrent_one_token_kernel(
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, HAS_ERRORS: tl.constexpr = False,
-    KC: tl.constexpr = 0, HOLD: tl.constexpr = False,
+    KC: tl.constexpr = 0,
 ):
     """Exactly one token per sequence, token n for sequence n (`KDACall.one_token_per_seq`: dense q of shape
     [N, 1, H, K], or varlen [1, N, H, K] with host bounds 0, 1, ..., N; the flattened token axis is the
@@ -571,20 +459,12 @@ def _fused_recurrent_one_token_kernel(
         beta_t = tl.load(beta + i_hv * s_bh + t * s_bt).to(tl.float32)
         if USE_BETA_SIGMOID:
             beta_t = tl.sigmoid(beta_t)
-        if HOLD:  # the row chunks loaded first and held in the storage dtype
-            o_t = _one_token_k_held(src_plane, read, state_dst + slot * dst_stride + i_hv * (K * V),
-                                    q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt, g + i_hv * s_gh + t * s_gt,
-                                    dt_bias, decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound,
-                                    beta_t, v_t, o_v, v_ok, slot, i_hv, seed, HV, K, V, BK, KC, BV, USE_GATE,
-                                    HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_INIT_FLAGS, HAS_DST, SR,
-                                    FULL_TILE)
-        else:
-            o_t = _one_token_k_split(src_plane, read, state_dst + slot * dst_stride + i_hv * (K * V),
-                                     q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt, g + i_hv * s_gh + t * s_gt,
-                                     dt_bias, decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound,
-                                     beta_t, v_t, o_v, v_ok, slot, i_hv, seed, HV, K, V, BK, KC, BV, USE_GATE,
-                                     HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_INIT_FLAGS, HAS_DST, SR,
-                                     FULL_TILE)
+        o_t = _one_token_k_split(src_plane, read, state_dst + slot * dst_stride + i_hv * (K * V),
+                                 q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt, g + i_hv * s_gh + t * s_gt,
+                                 dt_bias, decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound,
+                                 beta_t, v_t, o_v, v_ok, slot, i_hv, seed, HV, K, V, BK, KC, BV, USE_GATE,
+                                 HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_INIT_FLAGS, HAS_DST, SR,
+                                 FULL_TILE)
         tl.store(o_h + t * s_ot + o_v, round_to(o_t, o_h.dtype.element_ty), mask=v_ok)
         return
     S0 = _first_state(src_plane, has_initial_state, i_n, i_vb, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS, V_FIRST,
@@ -663,7 +543,7 @@ def fused_recurrent_kda_fwd(
         _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
             lower_bound, seed,
-            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc, HOLD=plan.hold, **flags,
+            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc, **flags,
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
