@@ -235,12 +235,13 @@ def test_narrow_inputs_within_rounding_floor(dtype, gate, device):
 
 @pytest.mark.parametrize("regime", ["state_dominates", "values_dominate", "ill_conditioned"])
 def test_fp16_walk_scales_u_within_range(regime, device):
-    """With 16-bit inputs and in-kernel l2norm the walk's dots take fp16 operands, U scaled by a power of
-    two from a bound (max|U0| + sqrt(K) max row sum of |X diag(beta)| times S's bound), not from U itself:
-    if either term were missing or short, U times its scale would pass fp16's 65504 and turn inf. Three
-    regimes at extreme magnitudes (a large initial state with tiny values, so U is W S; huge values with
-    no state, so U is U0; correlated keys with beta near 1, so the inverse is large); every output and
-    state finite and within the narrow-input bound of the oracle."""
+    """With 16-bit inputs and in-kernel l2norm the walk's dots take fp16 operands, D = V - Kd S scaled by a
+    power of two from a bound (max|V| + sqrt(K) times S's bound), not from D itself, and M = Xb^T Kr,
+    N = A_qk Xb stored times a power of two per chunk (Xb = X diag(beta) is unbounded): if a term of D's
+    bound were missing or short, or M, N unscaled, a scaled operand would pass fp16's 65504 and turn inf.
+    Three regimes at extreme magnitudes (a large initial state with tiny values, so D is -Kd S; huge values
+    with no state, so D is V; correlated keys with beta near 1, so the inverse, and M and N, are large);
+    every output and state finite and within the narrow-input bound of the oracle."""
     B, T, H, HV, K, V = 1, 192, 1, 1, 32, 32
     q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, gate="lower_bound",
                                        device=device, seed=31)
