@@ -120,10 +120,10 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         n_in = tl.minimum(t_end - t0, BT).to(tl.int32)
         t0_32 = tl.cast(t0, tl.int32)
         v_max = 0.0
-        if HAS_V:  # V's tile and its maximum first: neither waits on S
-            vt = tl.load(v_h + t0 * s_vt + v_off, mask=m_c, other=0.0).to(tl.float32)
+        if HAS_V:  # V's tile and its maximum first: neither waits on S (the maximum of a 16-bit tile is exact in it)
+            vt = tl.load(v_h + t0 * s_vt + v_off, mask=m_c, other=0.0)
             if F16:
-                v_max = tl.max(tl.abs(vt))
+                v_max = tl.max(tl.abs(vt)).to(tl.float32)
         if TMA:
             kd = tl.reshape(load_ragged(kd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
         else:
@@ -136,7 +136,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             Sr = tf32_round(S, DOT_PREC)
             D = -tl.dot(tf32_round(kd, DOT_PREC), Sr, input_precision=DOT_PREC)
         if HAS_V:
-            D += vt
+            D += vt.to(tl.float32)
         if F16:
             pd = pow2_of(v_max + (K ** 0.5) * (32768.0 / ps))
             Dr = (D * pd).to(tl.float16)
