@@ -140,6 +140,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         if F16:
             pd = pow2_of(v_max + (K ** 0.5) * (32768.0 / ps))
             Dr = (D * pd).to(tl.float16)
+            inv_pd = 1.0 / pd  # one division for both products' factors (all exact powers of two)
         else:
             Dr = tf32_round(D, DOT_PREC)
         if WRITE_O:
@@ -152,7 +153,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                 nt = tl.load(n_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
                              mask=row_ok[:, None], other=0.0)
             if F16:
-                out = tl.dot(qd, Sr) * (1.0 / ps) + tl.dot(nt, Dr) * (s_n / pd)
+                out = tl.dot(qd, Sr) * (1.0 / ps) + tl.dot(nt, Dr) * (s_n * inv_pd)
             else:
                 out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
                        + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
@@ -163,7 +164,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         else:
             mt = tl.load(m_ws + base_k + ws_k, mask=m_k, other=0.0)
         if F16:
-            S = S * gt[:, None] + tl.dot(tl.trans(mt), Dr) * (s_m / pd)
+            S = S * gt[:, None] + tl.dot(tl.trans(mt), Dr) * (s_m * inv_pd)
         else:
             S = S * gt[:, None] + tl.dot(tl.trans(tf32_round(mt, DOT_PREC)), Dr, input_precision=DOT_PREC)
         if HAS_CHECKPOINTS:
