@@ -21,8 +21,9 @@ Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
   tokens away: 2^115 at lb = -5; both halves in one dot whose off-diagonal quadrants are dropped), the
   block of second-half rows against first-half columns at the first row of the second half (both factors
   <= 1, so fp16 operands where the dots run in tf32). The inverse: the finite series I - L + L^2 - ... inside
-  the `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling. A_qk and Kr
-  are parked in N's and M's rows until Xb is known (`_store_folded`).
+  the `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling. Kr is parked
+  in M's rows, and A_qk held in fp16 registers (parked in N's rows with fp32 workspaces), until Xb is known
+  (`_store_folded`).
 - `_chunk_intra_kernel` + `_chunk_solve_kernel`, for any gate (a raw log-decay may be -1000 per token):
   the diagonal 16 x 16 blocks take 2^(b_i - b_j) pairwise (every exponent <= 0), the cumsum in fp64.
 
@@ -166,28 +167,25 @@ def _block_forward_substitution(L3, BC: tl.constexpr):
 
 
 @triton.jit
-def _store_folded(Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, row_ok,
+def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, row_ok,
                   HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                   PREC: tl.constexpr):
-    """N = A_qk Xb and M = Xb^T Kr over the A_qk and Kr that the caller parked in N's and M's rows (from
-    row offsets n_base, m_base), each read by every thread before it is overwritten. Xb is zero past the
+    """N = A_qk Xb into N's rows (from row offset n_base), and M = Xb^T Kr over the Kr that the caller parked
+    in M's rows (from m_base), each slice read by every thread before it is overwritten. Xb is zero past the
     sequence (beta is), so N's columns and M's rows are too; N is lower triangular, stored with whole rows.
     fp16 workspaces: Xb's entries are not bounded by 1 (an ill-conditioned I + A_kk), so N and M are stored
     times a power of two per chunk, N's from its largest entry, M's from the largest column sum of |Xb|
     (|Kr| <= 1 bounds |M_ij| by column i's sum: no reduction over the K slices), and row (i_p, i_hv) of
     `sc_ws` keeps the inverse powers (exact) that the walk multiplies its fp32 products by."""
     F16: tl.constexpr = m_ws.dtype.element_ty == tl.float16
-    n_off = n_base + o_t[:, None] * (HV * BT) + o_t[None, :]
-    tl.debug_barrier()  # A_qk and Kr parked by every thread before they are read back
-    aqk = tl.load(n_ws + n_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    N = tl.dot(tf32_round(aqk, PREC), Xb, input_precision=PREC)
+    N = tl.dot(tf32_round(A_qk.to(tl.float32), PREC), Xb, input_precision=PREC)
     if F16:
         pn = pow2_scale(N)
         pm = pow2_of(tl.max(tl.sum(tl.abs(Xb), 0)))
         N = N * pn
     XbT = tl.trans(Xb)
-    tl.debug_barrier()  # A_qk read by every thread before N overwrites it
-    tl.store(n_ws + n_off, N, mask=row_ok[:, None])
+    tl.store(n_ws + n_base + o_t[:, None] * (HV * BT) + o_t[None, :], N, mask=row_ok[:, None])
+    tl.debug_barrier()  # Kr parked by every thread before it is read back
     ws = m_base + o_t[:, None] * (HV * K)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -299,8 +297,10 @@ def _chunk_prepare_kernel(
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
     dot, the lower-left quadrant as another), Qd, Kd, gt stored, and Kr parked in M's rows until X is known.
-    A_qk is parked in N's rows (its registers are free through the inverse). Then Xb = X diag(beta), then
-    N = A_qk Xb and M = Xb^T Kr over their own rows (`_store_folded`). V is not read.
+    With fp16 workspaces A_qk is held through the inverse in fp16 (as it was stored for the walk before the
+    inverse was folded in; compiled for sm_90 it fits without spills, where parking it in N's rows cost a
+    write, a read and a barrier); with fp32 ones it is parked in N's rows. Then Xb = X diag(beta),
+    N = A_qk Xb, and M = Xb^T Kr over M's own rows (`_store_folded`). V is not read.
     DOT_PREC is the precision of this kernel's dots (ieee or tf32); CUMSUM_DTYPE that of b2 (fp64 with fp32
     inputs; fp32 with 16-bit ones, where its 1e-4 relative error in the decay factors is far below the
     inputs' rounding and fp64 tiles doubled the registers and spills)."""
@@ -389,12 +389,23 @@ def _chunk_prepare_kernel(
     valid = row_ok[:, None] & row_ok[None, :]
     L = tl.where(valid & (o_t[None, :] < o_t[:, None]), A_kk * b_beta[:, None], 0.0)
     A_qk = tl.where(valid & (o_t[None, :] <= o_t[:, None]), A_qk, 0.0)
-    # A_qk parked in N's rows (its own precision: fp16 keeps the 11 bits its tf32 dot would) through the inverse
+    # A_qk through the inverse: held in fp16 registers with fp16 workspaces (the 11 bits its tf32 dot would
+    # keep); parked in N's rows with fp32 ones, whose FMA-dot inverse spills already (more with it held)
+    PARK: tl.constexpr = n_ws.dtype.element_ty == tl.float32
     n_base = (t0 * HV + i_hv) * BT
-    tl.store(n_ws + n_base + o_t[:, None] * (HV * BT) + o_t[None, :], A_qk, mask=row_ok[:, None])
+    n_off = n_base + o_t[:, None] * (HV * BT) + o_t[None, :]
+    if PARK:
+        tl.store(n_ws + n_off, A_qk, mask=row_ok[:, None])
+    else:
+        A_qk = A_qk.to(tl.float16)
 
     Xb = tf32_round(_unit_lower_inverse(L, BT, BC, DOT_PREC) * b_beta[None, :], DOT_PREC)
-    _store_folded(Xb, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, HV, K, BT, BK, EVEN_K, DOT_PREC)
+    if PARK:
+        tl.debug_barrier()  # parked by every thread before it is read back
+        A_qk = tl.load(n_ws + n_off, mask=row_ok[:, None], other=0.0)
+        tl.debug_barrier()  # read by every thread before N overwrites it
+    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, HV, K, BT, BK, EVEN_K,
+                  DOT_PREC)
 
 
 @direct
@@ -538,6 +549,9 @@ def _chunk_solve_kernel(
     addr3 = (t0 + o_b * BC + o_i) * (HV * BT) + o_b * BC + o_j
     ok3 = ((o_b * BC + o_i) < n_rows) & ((o_b * BC + o_j) < n_rows)
     L3 = tl.load(a_h + addr3, mask=ok3 & (o_j < o_i), other=0.0)
+    # A_qk parked by `_chunk_intra_kernel` in N's rows, read before the barriers below (N overwrites it)
+    n_base = t0 * (HV * BT) + i_hv * BT
+    A_qk = tl.load(n_ws + n_base + o_t[:, None] * (HV * BT) + o_t[None, :], mask=row_ok[:, None], other=0.0)
     X3 = _block_forward_substitution(L3, BC)
     tl.debug_barrier()  # every thread has read its part of A_kk before the diagonal blocks are overwritten
     tl.store(a_h + addr3, X3, mask=ok3)
@@ -562,5 +576,5 @@ def _chunk_solve_kernel(
                 mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
 
     Xb = tf32_round(X * b_beta[None, :], DOT_PREC)
-    _store_folded(Xb, n_ws, m_ws, sc_ws, t0 * (HV * BT) + i_hv * BT, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t,
-                  row_ok, HV, K, BT, BK, K % BK == 0, DOT_PREC)
+    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok, HV, K, BT,
+                  BK, K % BK == 0, DOT_PREC)
