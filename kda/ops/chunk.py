@@ -79,14 +79,14 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     n_ws = torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
     gt_ws = torch.empty((max(n_chunks, 1), HV, K), dtype=torch.float32, device=dev)
     # M's and N's scales for the fp16 walk (gt_ws: a stand-in the tf32 walk of fp32 workspaces never touches)
-    sc_ws = (torch.empty((max(n_chunks, 1), HV, 2), dtype=torch.float32, device=dev) if ws_dtype == torch.float16
+    sc_ws = (torch.empty((max(n_chunks, 1), HV, 4), dtype=torch.float32, device=dev) if ws_dtype == torch.float16
              else gt_ws)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     if plan.parts > 1:
         return _walk_in_parts(call, plan, o, st, (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws))
     if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
-        _prepare(call, plan, (q, k, g, beta), (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws), T, grid_chunks, short,
+        _prepare(call, plan, (q, k, v, g, beta), (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws), T, grid_chunks, short,
                  varlen)
     # the walk: v (the input) where U0 was
     walk_ws = (n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws)
@@ -150,8 +150,22 @@ def _walk_tiles(plan: ChunkPlan, walk_ws: tuple, BK: int) -> tuple:
         return walk_ws
     n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws = walk_ws
     BT = plan.BT
-    return (_ragged(n_ws, BT, BT), _ragged(kd_ws, BT, BK), v, _ragged(qd_ws, BT, BK), _ragged(m_ws, BT, BK),
-            gt_ws, sc_ws)
+    return (_ragged(n_ws, BT, BT), _ragged(kd_ws, BT, BK), _v_tiles(v, BT, plan.walk_BV), _ragged(qd_ws, BT, BK),
+            _ragged(m_ws, BT, BK), gt_ws, sc_ws)
+
+
+def _v_tiles(v: torch.Tensor, rows: int, cols: int):
+    """The input v as the TMA walk reads it: a ragged descriptor of its `[tokens, HV, V]` view where the copy
+    engine can address it (16-byte aligned base and strides, unit stride along V), else v itself (pointer
+    loads)."""
+    B, T, HV, V = v.shape
+    s_b, s_t, s_h, s_v = v.stride()
+    size = v.element_size()
+    if s_v != 1 or (B > 1 and s_b != T * s_t) or v.data_ptr() % 16 or (s_t * size) % 16 or (s_h * size) % 16:
+        return v
+    desc = create_ragged_descriptor(v.as_strided((B * T, HV, V), (s_t, s_h, 1)), [rows, 1, cols])
+    desc.padding = "zero"
+    return desc
 
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
@@ -168,7 +182,7 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
         T, N, cdiv(T, BT), t_lo, t_hi,
         HV=HV, K=K, V=V, BT=BT, BK=max(16, next_power_of_2(K)), BV=BV, IS_VARLEN=varlen, DOT_PREC=plan.dot_prec,
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
-        HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma,
+        HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
         num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 
@@ -187,9 +201,9 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
              varlen: bool) -> None:
     """The gate pass (where planned) and the prepare of `grid_chunks` chunks: the whole call, or (with views of
     the inputs and workspaces starting at a chunk boundary, `varlen` False) a part of a one-sequence call."""
-    q, k, g, beta = inputs
+    q, k, v, g, beta = inputs
     kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws = ws
-    H, HV, K, N = call.H, call.HV, call.K, call.N
+    H, HV, K, V, N = call.H, call.HV, call.K, call.V, call.N
     BT, dev = plan.BT, q.device
     NT = cdiv(T, BT)
     total = call.B * T
@@ -199,6 +213,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
     BK = max(16, next_power_of_2(K))
     A_log, dt_bias, lower_bound = gate_args(call)
     strides = (*token_head_strides(q, T), *token_head_strides(k, T))
+    v_strides = token_head_strides(v, T)
     g_beta = (*token_head_strides(g, T), *token_head_strides(beta, T))
     common = dict(IS_VARLEN=varlen, SHORT=short, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
                   DOT_PREC=prec)
@@ -213,9 +228,9 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
                 num_stages=1,
             )
         _chunk_prepare_kernel[(grid_chunks, HV)](
-            q, k, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws,
-            *strides, *g_beta, T, N, NT, call.scale, lower_bound,
-            H=H, HV=HV, K=K, BT=BT, BC=plan.BC, BK=plan.prepare_BK, **gate,
+            q, k, v, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws,
+            *strides, *v_strides, *g_beta, T, N, NT, call.scale, lower_bound,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, **gate,
             CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
             num_warps=plan.prepare_warps, num_stages=1, **common,
         )
@@ -231,8 +246,8 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
             USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **common,
         )
         _chunk_solve_kernel[(grid_chunks, HV)](
-            beta, cu, akk_ws, m_ws, n_ws, sc_ws, g_beta[2], g_beta[3],
-            T, N, NT, HV=HV, K=K, BT=BT, BC=SUB, BK=min(32, BK), INV_PREC="ieee",
+            v, beta, cu, akk_ws, m_ws, n_ws, sc_ws, *v_strides, g_beta[2], g_beta[3],
+            T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), INV_PREC="ieee",
             num_warps=4, num_stages=1, **common,
         )
 
@@ -260,7 +275,7 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
         wait_stream(side, main)  # the inputs, and what the caller queued before this call
     for i, (t_lo, t_hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         c_lo, c_hi = t_lo // BT, cdiv(t_hi, BT)
-        views = tuple(x[:, t_lo:t_hi] for x in (q, k, g, beta))
+        views = tuple(x[:, t_lo:t_hi] for x in (q, k, v, g, beta))
         part_ws = tuple(x[t_lo:t_hi] for x in ws[:4]) + (gt_ws[c_lo:c_hi], sc_ws[c_lo:c_hi])
         _prepare(call, plan, views, part_ws, t_hi - t_lo, c_hi - c_lo, 0, False)
         part = _part_state(st, carry, i, len(bounds) - 2)

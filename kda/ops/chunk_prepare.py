@@ -167,16 +167,18 @@ def _block_forward_substitution(L3, BC: tl.constexpr):
 
 
 @triton.jit
-def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, row_ok,
-                  HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                  PREC: tl.constexpr):
+def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, row_ok, v_c, s_vt,
+                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  EVEN_K: tl.constexpr, PREC: tl.constexpr):
     """N = A_qk Xb into N's rows (from row offset n_base), and M = Xb^T Kr over the Kr that the caller parked
     in M's rows (from m_base), each slice read by every thread before it is overwritten. Xb is zero past the
     sequence (beta is), so N's columns and M's rows are too; N is lower triangular, stored with whole rows.
     fp16 workspaces: Xb's entries are not bounded by 1 (an ill-conditioned I + A_kk), so N and M are stored
     times a power of two per chunk, N's from its largest entry, M's from the largest column sum of |Xb|
     (|Kr| <= 1 bounds |M_ij| by column i's sum: no reduction over the K slices), and row (i_p, i_hv) of
-    `sc_ws` keeps the inverse powers (exact) that the walk multiplies its fp32 products by."""
+    `sc_ws` keeps the inverse powers (exact) that the walk multiplies its fp32 products by, and max|V| of the
+    chunk's rows (`v_c`: v at the chunk's first token and this head, token stride s_vt), the term of D's
+    bound that the walk would otherwise reduce from its V tile on every step."""
     F16: tl.constexpr = m_ws.dtype.element_ty == tl.float16
     N = tl.dot(tf32_round(A_qk.to(tl.float32), PREC), Xb, input_precision=PREC)
     if F16:
@@ -197,8 +199,16 @@ def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, r
             M = M * pm
         tl.store(m_ws + ws + cols[None, :], M, mask=m)
     if F16:
-        tl.store(sc_ws + (i_p * HV + i_hv) * 2, 1.0 / pm)
-        tl.store(sc_ws + (i_p * HV + i_hv) * 2 + 1, 1.0 / pn)
+        v_max = 0.0
+        for c0 in range(0, V, BK):  # the maximum of 16-bit values is exact in their dtype
+            cols = c0 + tl.arange(0, BK)
+            m = tile_mask(row_ok, cols < V, V % BK == 0)
+            v_max = tl.maximum(v_max, tl.max(tl.abs(tl.load(v_c + o_t[:, None] * s_vt + cols[None, :], mask=m,
+                                                            other=0.0))).to(tl.float32))
+        sc = sc_ws + (i_p * HV + i_hv) * 4
+        tl.store(sc, 1.0 / pm)
+        tl.store(sc + 1, 1.0 / pn)
+        tl.store(sc + 2, v_max)
 
 
 @triton.jit
@@ -283,11 +293,11 @@ def _b2_row(b2_ws, ws_base, r, n_rows, cols, HV: tl.constexpr, K: tl.constexpr):
 @direct
 @triton.jit
 def _chunk_prepare_kernel(
-    q, k, g, beta, A_log, dt_bias, cu_seqlens,
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
     kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws,
-    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     T, N, NT, scale, lower_bound,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     SHORT: tl.constexpr,
@@ -404,8 +414,8 @@ def _chunk_prepare_kernel(
         tl.debug_barrier()  # parked by every thread before it is read back
         A_qk = tl.load(n_ws + n_off, mask=row_ok[:, None], other=0.0)
         tl.debug_barrier()  # read by every thread before N overwrites it
-    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, HV, K, BT, BK, EVEN_K,
-                  DOT_PREC)
+    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v + t0 * s_vt + i_hv * s_vh,
+                  s_vt, HV, K, V, BT, BK, EVEN_K, DOT_PREC)
 
 
 @direct
@@ -516,10 +526,10 @@ def _chunk_intra_kernel(
 @direct
 @triton.jit
 def _chunk_solve_kernel(
-    beta, cu_seqlens, akk_ws, m_ws, n_ws, sc_ws,
-    s_bt, s_bh,
+    v, beta, cu_seqlens, akk_ws, m_ws, n_ws, sc_ws,
+    s_vt, s_vh, s_bt, s_bh,
     T, N, NT,
-    HV: tl.constexpr, K: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
     SHORT: tl.constexpr,
@@ -576,5 +586,5 @@ def _chunk_solve_kernel(
                 mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
 
     Xb = tf32_round(X * b_beta[None, :], DOT_PREC)
-    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok, HV, K, BT,
-                  BK, K % BK == 0, DOT_PREC)
+    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok,
+                  v + t0 * s_vt + i_hv * s_vh, s_vt, HV, K, V, BT, BK, K % BK == 0, DOT_PREC)

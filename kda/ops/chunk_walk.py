@@ -62,7 +62,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
           EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
           ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
           HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False, TMA: tl.constexpr = False,
-          i_c0=0):
+          i_c0=0, V_TMA: tl.constexpr = False):
     """S [BK, BC] (columns o_c of the state, or of the identity for a segment operator) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). D = V - Kd S (V: columns o_c of the input v of
@@ -74,7 +74,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     holds: `chunk_prepare._store_folded`). fp16 dots run at twice the tf32 rate and the workspaces need no
     conversion. S's scale is its maximum's (`pow2_scale`); D's comes from a bound, so that no reduction of
     D waits on the step's chain (`pow2_of`): |D| <= max|V| + sqrt(K) max|S| (each row of Kd has an l2 norm
-    of at most 1), max|S| < 2^15 / ps, and max|V| of the tile, which is loaded ahead and off the chain.
+    of at most 1), max|S| < 2^15 / ps, and max|V| of the chunk's rows, which the prepare stored beside M's
+    and N's scales (loaded a chunk ahead, as gt).
     HAS_CHECKPOINTS (a sequence starting at token seq_start; `ck_row` its n_ck checkpoint slots): after a
     whole chunk that ends (j + 1) * ck_every tokens into the sequence, S (columns o_c of the state) is
     stored to slot ck_row[j] of `pool` (rounded to its dtype, in its layout) when that slot is in
@@ -91,14 +92,16 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     o_t = tl.arange(0, BT)
     # int32 offsets inside a chunk from int64 chunk bases: 64-bit per-element addresses cost registers
     ws_k = o_t[:, None] * (HV * K) + o_k[None, :]
-    v_off = o_t[:, None] * s_vt + o_c[None, :]
+    if not V_TMA:
+        v_off = o_t[:, None] * s_vt + o_c[None, :]
     # gt one chunk ahead: a plain load, so its latency would otherwise sit on the step's serial chain
     gt_ptr = gt_ws + (p_first * HV + i_hv) * K + o_k
     gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
     if F16:  # M's and N's inverse scales, one chunk ahead as gt
-        sc_ptr = sc_ws + (p_first * HV + i_hv) * 2
+        sc_ptr = sc_ws + (p_first * HV + i_hv) * 4
         sm_next = tl.load(sc_ptr, mask=t_begin < t_end, other=0.0)
         sn_next = tl.load(sc_ptr + 1, mask=t_begin < t_end, other=0.0)
+        vm_next = tl.load(sc_ptr + 2, mask=t_begin < t_end, other=0.0)
     if HAS_CHECKPOINTS:
         ck_j = (t_begin - seq_start) // ck_every  # the first checkpoint a chunk of this walk can end at
         ck_at = seq_start + (ck_j + 1) * ck_every  # its token
@@ -110,20 +113,24 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         if F16:
             s_m = sm_next
             s_n = sn_next
-            sc_ptr += HV * 2
+            v_max = vm_next
+            sc_ptr += HV * 4
             sm_next = tl.load(sc_ptr, mask=t0 + BT < t_end, other=0.0)
             sn_next = tl.load(sc_ptr + 1, mask=t0 + BT < t_end, other=0.0)
+            vm_next = tl.load(sc_ptr + 2, mask=t0 + BT < t_end, other=0.0)
         row_ok = o_t < t_end - t0
         m_k = tile_mask(row_ok, k_ok, EVEN_K)
         m_c = tile_mask(row_ok, c_ok, EVEN_C)
         base_k = (t0 * HV + i_hv) * K
         n_in = tl.minimum(t_end - t0, BT).to(tl.int32)
         t0_32 = tl.cast(t0, tl.int32)
-        v_max = 0.0
-        if HAS_V:  # V's tile and its maximum first: neither waits on S (the maximum of a 16-bit tile is exact in it)
-            vt = tl.load(v_h + t0 * s_vt + v_off, mask=m_c, other=0.0)
-            if F16:
-                v_max = tl.max(tl.abs(vt)).to(tl.float32)
+        if HAS_V:  # V's tile first: it does not wait on S
+            if V_TMA:  # v as a ragged descriptor of the input (`chunk._v_tiles`): rows past the sequence read 0
+                vt = tl.reshape(load_ragged(v_h, t0_32, n_in, [0, i_hv, i_c0]), [BT, BC])
+            else:
+                vt = tl.load(v_h + t0 * s_vt + v_off, mask=m_c, other=0.0)
+        elif F16:
+            v_max = 0.0  # the operator's columns: no V
         if TMA:
             kd = tl.reshape(load_ragged(kd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
         else:
@@ -256,6 +263,7 @@ def _chunk_state_kernel(
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
+    V_TMA: tl.constexpr = False,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); v (token stride s_vt, head stride s_vh) is read
@@ -286,10 +294,14 @@ def _chunk_state_kernel(
         _zero_rows(o_h, s_ot, w_lo, w_hi, o_v, v_ok, BT, BV)
     else:
         p_first = chunk_program(i_n, bos, w_lo, NT, IS_VARLEN, BT)
-        S = _walk(S, w_lo, w_hi, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v + i_hv * s_vh, s_vt, qd_ws, m_ws, gt_ws,
+        if V_TMA:
+            v_h = v
+        else:
+            v_h = v + i_hv * s_vh
+        S = _walk(S, w_lo, w_hi, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
                   sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
                   checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride,
-                  n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV)
+                  n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
