@@ -138,17 +138,19 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         if F16:
             ps = pow2_scale(S)
             Sr = (S * ps).to(tl.float16)
-            D = tl.dot(kd, Sr) * (-1.0 / ps)
+            inv_ps = 1.0 / ps
+            pd = pow2_of(v_max + (K ** 0.5) * (32768.0 * inv_ps))
+            # D pd formed scaled, V pd - (Kd Sr) pd / ps: one rounding as in V - Kd S, every factor a power of two
+            Dd = tl.dot(kd, Sr) * (-pd * inv_ps)
+            if HAS_V:
+                Dd += vt.to(tl.float32) * pd
+            Dr = Dd.to(tl.float16)
+            inv_pd = 1.0 / pd  # one division for both products' factors
         else:
             Sr = tf32_round(S, DOT_PREC)
             D = -tl.dot(tf32_round(kd, DOT_PREC), Sr, input_precision=DOT_PREC)
-        if HAS_V:
-            D += vt.to(tl.float32)
-        if F16:
-            pd = pow2_of(v_max + (K ** 0.5) * (32768.0 / ps))
-            Dr = (D * pd).to(tl.float16)
-            inv_pd = 1.0 / pd  # one division for both products' factors (all exact powers of two)
-        else:
+            if HAS_V:
+                D += vt.to(tl.float32)
             Dr = tf32_round(D, DOT_PREC)
         if WRITE_O:
             if TMA:
@@ -160,7 +162,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                 nt = tl.load(n_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
                              mask=row_ok[:, None], other=0.0)
             if F16:
-                out = tl.dot(qd, Sr) * (1.0 / ps) + tl.dot(nt, Dr) * (s_n * inv_pd)
+                out = tl.dot(qd, Sr) * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
             else:
                 out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
                        + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
