@@ -340,13 +340,12 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
                 base = a.base
                 if not isinstance(base, torch.Tensor):
                     return
-                holders = storage_of.get(base.untyped_storage().data_ptr(), ())
-                if len(holders) > 1:
-                    return
-                if holders:  # over a caller's tensor (the walk's v): its role's address, alignment checked
-                    r = holders[0]
+                r = role_of.get(id(base))
+                if r is not None:  # over a caller's tensor (the walk's v): its role's address, alignment checked
                     places.setdefault(r, [])
-                    at = (r, base.data_ptr() - roles[r].data_ptr())
+                    at = (r, 0)
+                elif base.untyped_storage().data_ptr() in storage_of:
+                    return
                 else:
                     at = workspace(base)
                 desc_at.append((pos, at, tuple(a.shape), tuple(a.strides), a.padding))

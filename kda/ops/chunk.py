@@ -163,9 +163,18 @@ def _v_tiles(v: torch.Tensor, rows: int, cols: int):
     size = v.element_size()
     if s_v != 1 or (B > 1 and s_b != T * s_t) or v.data_ptr() % 16 or (s_t * size) % 16 or (s_h * size) % 16:
         return v
-    desc = create_ragged_descriptor(v.as_strided((B * T, HV, V), (s_t, s_h, 1)), [rows, 1, cols])
-    desc.padding = "zero"
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.padding = v, "zero"  # v itself: a recorded call finds its role (`kda.replay`) by the object
+    desc.shape, desc.strides, desc.block_shape = _ragged_view_layout((B * T, HV, V), (s_t, s_h, 1), v.dtype, rows,
+                                                                     cols)
     return desc
+
+
+@functools.lru_cache(maxsize=256)
+def _ragged_view_layout(shape: tuple, strides: tuple, dtype: torch.dtype, rows: int, cols: int) -> tuple:
+    """`_ragged_layout` of a strided `[tokens, HV, C]` view."""
+    desc = create_ragged_descriptor(torch.empty_strided(shape, strides, dtype=dtype, device="meta"), [rows, 1, cols])
+    return list(desc.shape), list(desc.strides), list(desc.block_shape)
 
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,

@@ -180,6 +180,14 @@ def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, r
     chunk's rows (`v_c`: v at the chunk's first token and this head, token stride s_vt), the term of D's
     bound that the walk would otherwise reduce from its V tile on every step."""
     F16: tl.constexpr = m_ws.dtype.element_ty == tl.float16
+    if F16:  # max|V| first, its loads beside the dots below, and one reduction
+        v_abs = tl.zeros([BT, BK], dtype=tl.float32)
+        for c0 in range(0, V, BK):
+            cols = c0 + tl.arange(0, BK)
+            m = tile_mask(row_ok, cols < V, V % BK == 0)
+            v_abs = tl.maximum(v_abs, tl.abs(tl.load(v_c + o_t[:, None] * s_vt + cols[None, :], mask=m,
+                                                     other=0.0).to(tl.float32)))
+        v_max = tl.max(v_abs)
     N = tl.dot(tf32_round(A_qk.to(tl.float32), PREC), Xb, input_precision=PREC)
     if F16:
         pn = pow2_scale(N)
@@ -199,12 +207,6 @@ def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, r
             M = M * pm
         tl.store(m_ws + ws + cols[None, :], M, mask=m)
     if F16:
-        v_max = 0.0
-        for c0 in range(0, V, BK):  # the maximum of 16-bit values is exact in their dtype
-            cols = c0 + tl.arange(0, BK)
-            m = tile_mask(row_ok, cols < V, V % BK == 0)
-            v_max = tl.maximum(v_max, tl.max(tl.abs(tl.load(v_c + o_t[:, None] * s_vt + cols[None, :], mask=m,
-                                                            other=0.0))).to(tl.float32))
         sc = sc_ws + (i_p * HV + i_hv) * 4
         tl.store(sc, 1.0 / pm)
         tl.store(sc + 1, 1.0 / pn)
