@@ -59,8 +59,8 @@ def prepare_case():
     plan = _chunk()
     ws = "fp16" if plan.ws_dtype == torch.float16 else "fp32"
     ptrs = dict(q="bf16", k="bf16", v="bf16", g="fp32", beta="bf16", A_log="fp32", dt_bias="fp32", cu_seqlens="i32",
-                w_ws=ws, u_ws="fp32", qd_ws=ws, kr_ws=ws, aqk_ws=ws, gt_ws="fp32", b2_ws="fp32", ub_ws="fp32")
-    consts = dict(H=H_CHUNK, HV=H_CHUNK, K=K, V=V, BT=CHUNK, BC=FUSED_SUB, BK=plan.prepare_BK, BV=64,
+                kd_ws=ws, qd_ws=ws, m_ws=ws, n_ws=ws, gt_ws="fp32", b2_ws="fp32", sc_ws="fp32")
+    consts = dict(H=H_CHUNK, HV=H_CHUNK, K=K, V=V, BT=CHUNK, BC=FUSED_SUB, BK=plan.prepare_BK,
                   IS_VARLEN=False, HAS_A_LOG=True, HAS_DT_BIAS=True, SHORT=0, USE_BETA_SIGMOID=True,
                   DOT_PREC=plan.dot_prec, CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32,
                   B2_FROM_WS=plan.gate_pass)
@@ -75,12 +75,13 @@ def walk_case(walk_bv: int):
     def desc(dtype, cols):  # a ragged descriptor of [tokens, HV, cols] with [BT, 1, cols] tiles
         return f"tensordesc<{dtype}[1, 1, {CHUNK}, 1, {cols}]>"
 
-    ptrs = dict(o="bf16", cu_seqlens="i32", aqk_ws=desc(ws, CHUNK), w_ws=desc(ws, K), u_ws=desc("fp32", walk_bv),
-                qd_ws=desc(ws, K), kr_ws=desc(ws, K), gt_ws="fp32", ub_ws="fp32", state_src="fp32", state_dst="fp32",
+    # v: the input's ragged descriptor (`chunk._v_tiles`), [BT, 1, BV] tiles
+    ptrs = dict(o="bf16", cu_seqlens="i32", n_ws=desc(ws, CHUNK), kd_ws=desc(ws, K), v=desc("bf16", walk_bv),
+                qd_ws=desc(ws, K), m_ws=desc(ws, K), gt_ws="fp32", sc_ws="fp32", state_src="fp32", state_dst="fp32",
                 slot_of_seq="i32", has_initial_state="i1", checkpoint_indices="i32", errors="i32")
     consts = dict(HV=H_CHUNK, K=K, V=V, BT=CHUNK, BK=K, BV=walk_bv, IS_VARLEN=False, HAS_SRC=True, HAS_DST=True,
                   PAGED=False, HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC=plan.dot_prec, HAS_CHECKPOINTS=False,
-                  HAS_ERRORS=False, SHORT=0, TMA=True)
+                  HAS_ERRORS=False, SHORT=0, TMA=True, V_TMA=True)
     return chunk_walk._chunk_state_kernel, ptrs, consts, dict(N=1, n_slots=1), plan.walk_warps, plan.walk_stages
 
 

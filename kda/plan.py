@@ -138,10 +138,11 @@ def bounded_gate(call: KDACall) -> bool:
 
 
 def workspace_dtype(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool) -> torch.dtype:
-    """Storage of Qd, Kr, W and A_qk, the bulk of what the walk reads per chunk. fp16 when the inputs are
+    """Storage of Qd, Kd, M and N, the bulk of what the walk reads per chunk. fp16 when the inputs are
     16-bit and q, k are l2-normalised in the kernel: then |Qd| <= scale, |Kd|, |Kr| <= 1, |A_qk| <= scale,
-    W = X diag(beta) Kd stays within fp16's range, and fp16's 11-bit significand is what the tf32 dots
-    that consume them keep. Otherwise fp32 (raw q, k have no bound; fp32 inputs ask for fp32 accuracy)."""
+    M = Xb^T Kr and N = A_qk Xb are stored times a power of two per chunk (`chunk_prepare._store_folded`),
+    and fp16's 11-bit significand is what the tf32 dots that consume them keep. Otherwise fp32 (raw q, k
+    have no bound; fp32 inputs ask for fp32 accuracy)."""
     if input_dtype != torch.float32 and qk_l2norm_in_kernel:
         return torch.float16
     return torch.float32
@@ -159,7 +160,7 @@ class ChunkPlan:
     prepare: str  # "fused" (`_chunk_prepare_kernel`) or "split" (`_chunk_intra_kernel` + `_chunk_solve_kernel`)
     walk: str  # "plain" (`_chunk_state_kernel`) or "segmented" (summary, scan, output)
     dot_prec: str  # input_precision of the fp32 dots (`dot_precision`)
-    ws_dtype: torch.dtype  # Qd, Kr, W (and A_qk after the fused prepare)
+    ws_dtype: torch.dtype  # Qd, Kd, M and N
     BT: int = CHUNK
     BC: int = FUSED_SUB  # the fused prepare's forward-substitution blocks (the split prepare's are SUB)
     prepare_BK: int = 32  # K slice of the fused prepare
@@ -335,8 +336,9 @@ WALK_SMEM_BYTES = 227 * 1024 - 8192
 
 
 def _walk_stages(BT: int, BK: int, BV: int, ws_bytes: int) -> int:
-    """Chunks of W, Qd, Kr, A_qk and U0 in flight in the walk: as many as shared memory holds, at most 3
-    (each stage timed faster at K = V = 128 with fp16 workspaces: docs/performance.md)."""
+    """Chunks of Kd, Qd, M, N and V in flight in the walk (V counted at 4 bytes, as fp32 inputs have it): as
+    many as shared memory holds, at most 3 (each stage timed faster at K = V = 128 with fp16 workspaces:
+    docs/performance.md)."""
     per_stage = (3 * BT * BK + BT * BT) * ws_bytes + BT * BV * 4
     return max(1, min(3, WALK_SMEM_BYTES // per_stage))
 

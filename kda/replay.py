@@ -10,9 +10,9 @@ workspaces) and launches the recorded kernels (`Replay`): the contract's checks,
 assembly ran once for every call that shares the key. What depends on the addresses is redone per call:
 the 16-byte alignment each compiled kernel was specialised on (another alignment takes the full path, which
 compiles for it) and the byte overlap of `out` with an input or the state (an overlap takes the full path,
-which raises). A host TMA descriptor over a workspace is encoded again only when the workspace moved. The key
-holds the length of `cu_seqlens_cpu`; its values are compared with the recorded ones (other values: the full
-path, whose recording replaces the kind's).
+which raises). A host TMA descriptor (over a workspace, or over the input v) is encoded again only when its
+address moved. The key holds the length of `cu_seqlens_cpu`; its values are compared with the recorded ones
+(other values: the full path, whose recording replaces the kind's).
 
 Not recorded (every such call takes the full path): KDA_DEBUG on, the interpreter, a launch hook registered
 (a profiler's), an argument whose type the key does not cover, one tensor passed in two roles, a view of a
@@ -257,7 +257,10 @@ class Replay:
             for pos, off in ws_at:
                 vals[pos] = base + off
             for pos, off, shape, strides, padding, make, meta, j in desc_at:
-                p = base + off
+                if off.__class__ is int:
+                    p = base + off
+                else:  # (role, offset from it): a caller's tensor, its alignment checked with the others'
+                    p = tensors[off[0]].data_ptr() + off[1]
                 if make is None:  # the launcher encodes it
                     vals[pos] = _Descriptor(p, shape, strides, padding)
                     continue
@@ -335,9 +338,17 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
         for pos, a in enumerate(args):
             if isinstance(a, TensorDescriptor):
                 base = a.base
-                if not isinstance(base, torch.Tensor) or base.untyped_storage().data_ptr() in storage_of:
+                if not isinstance(base, torch.Tensor):
                     return
-                desc_at.append((pos, workspace(base), tuple(a.shape), tuple(a.strides), a.padding))
+                r = role_of.get(id(base))
+                if r is not None:  # over a caller's tensor (the walk's v): its role's address, alignment checked
+                    places.setdefault(r, [])
+                    at = (r, 0)
+                elif base.untyped_storage().data_ptr() in storage_of:
+                    return
+                else:
+                    at = workspace(base)
+                desc_at.append((pos, at, tuple(a.shape), tuple(a.strides), a.padding))
             elif isinstance(a, torch.Tensor):
                 r = role_of.get(id(a))
                 if r is None:  # a view of a role's tensor, at a fixed offset from it for this key

@@ -3,9 +3,10 @@ gate pass where the plan has one), then the serial state walk (`kda.ops.chunk_wa
 `kda.plan.ChunkPlan` says. Together they equal `kda_reference.chunk.chunk_kda` (and so
 `kda_reference.recurrent_kda`).
 
-Workspaces, token-major `[B*T, HV, *]` (gt per chunk): Qd, Kr, W and A_qk in the plan's workspace dtype
-(the walk's dot operands), U0 in fp32, A_kk and Kd in fp32 (split prepare), b2 in fp32 (the gate pass),
-and per chunk two fp32 bound terms for U (`chunk_prepare._store_u_bound`).
+Workspaces, token-major `[B*T, HV, *]` (gt per chunk): Qd, Kd, M = Xb^T Kr and N = A_qk Xb in the plan's
+workspace dtype (the walk's dot operands; the walk reads V from the input), A_kk in fp32 (split prepare), b2
+in fp32 (the gate pass), and with fp16 workspaces per chunk M's and N's two fp32 inverse scales
+(`chunk_prepare._store_folded`).
 Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds.
 Prefix-cache checkpoints are stored by the walk (plain, or the segmented walk's output kernel) as it passes
 them: no extra pass.
@@ -72,24 +73,23 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     grid_chunks = kept_chunks if short else n_chunks  # routed sequences' chunks have no program
     cu = call.cu_seqlens if varlen else call.q  # stand-in when dense
     ws_dtype, prec = plan.ws_dtype, plan.dot_prec
-    w_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
-    u_ws = torch.empty((total, HV, V), dtype=torch.float32, device=dev)
+    kd_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     qd_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
-    kr_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
-    aqk_ws = torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
+    m_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
+    n_ws = torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
     gt_ws = torch.empty((max(n_chunks, 1), HV, K), dtype=torch.float32, device=dev)
-    # U's bound terms for the fp16 walk (gt_ws: a stand-in the tf32 walk of fp32 workspaces never touches)
-    ub_ws = (torch.empty((max(n_chunks, 1), HV, 2), dtype=torch.float32, device=dev) if ws_dtype == torch.float16
+    # M's and N's scales for the fp16 walk (gt_ws: a stand-in the tf32 walk of fp32 workspaces never touches)
+    sc_ws = (torch.empty((max(n_chunks, 1), HV, 4), dtype=torch.float32, device=dev) if ws_dtype == torch.float16
              else gt_ws)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     if plan.parts > 1:
-        return _walk_in_parts(call, plan, o, st, (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, ub_ws))
+        return _walk_in_parts(call, plan, o, st, (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws))
     if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
-        _prepare(call, plan, (q, k, v, g, beta), (w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, ub_ws), T, grid_chunks,
-                 short, varlen)
-    # the walk
-    walk_ws = (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws)
+        _prepare(call, plan, (q, k, v, g, beta), (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws), T, grid_chunks, short,
+                 varlen)
+    # the walk reads v (the input) itself
+    walk_ws = (n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws)
     ckpt = call.checkpoint_indices
     has_ckpt = ckpt is not None
     # checkpoint row, row stride, columns, spacing (a stand-in and zeros without checkpoints), pool slots
@@ -115,7 +115,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     shape = dict(HV=HV, K=K, V=V, BT=BT, G=G, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec)
     if n_seg > 0:
         _segment_summary_kernel[(n_vb + cdiv(K, BV), n_seg, HV)](
-            cu, w_ws, u_ws, kr_ws, gt_ws, ub_ws, a_seg, b_seg, T, N, NT, NSEG, **shape,
+            cu, kd_ws, v, m_ws, gt_ws, sc_ws, a_seg, b_seg, *token_head_strides(v, T), T, N, NT, NSEG, **shape,
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
     _segment_scan_kernel[(n_vb, N, HV)](
@@ -125,7 +125,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     )
     if n_seg > 0:
         _segment_output_kernel[(n_vb, n_seg, HV)](
-            o, cu, *walk_ws, h_seg, pools[2], s_ot, s_oh, pools[1], st.dst_stride, *ck_args, T, N, NT, NSEG,
+            o, cu, *walk_ws, h_seg, pools[2], s_ot, s_oh, *token_head_strides(v, T), pools[1], st.dst_stride,
+            *ck_args, T, N, NT, NSEG,
             PAGED=st.paged, **shape, HAS_CHECKPOINTS=has_ckpt, V_FIRST=has_ckpt and call.state_v_first,
             num_warps=plan.walk_warps, num_stages=plan.walk_stages,
         )
@@ -141,15 +142,39 @@ def _ragged_layout(shape: tuple, dtype: torch.dtype, rows: int, cols: int) -> tu
 
 
 def _walk_tiles(plan: ChunkPlan, walk_ws: tuple, BK: int) -> tuple:
-    """The plain walk's workspaces (A_qk, W, U0, Qd, Kr, gt, U's bound terms) as its kernel takes them: with TMA, ragged
-    descriptors (two leading dimensions whose strides wrap around 2^64: a load given a start token and a row
-    count reads zeros past those rows, so a chunk stops at its sequence's end without a mask)."""
+    """The plain walk's workspaces (N, Kd, the input v, Qd, M, gt, M's and N's scales) as its kernel takes them:
+    with TMA, ragged descriptors (two leading dimensions whose strides wrap around 2^64: a load given a start
+    token and a row count reads zeros past those rows, so a chunk stops at its sequence's end without a mask);
+    v stays a tensor (its strides are the caller's: the walk reads it by pointers)."""
     if not plan.walk_tma:
         return walk_ws
-    aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws = walk_ws
-    BT, BV = plan.BT, plan.walk_BV
-    return (_ragged(aqk_ws, BT, BT), _ragged(w_ws, BT, BK), _ragged(u_ws, BT, BV), _ragged(qd_ws, BT, BK),
-            _ragged(kr_ws, BT, BK), gt_ws, ub_ws)
+    n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws = walk_ws
+    BT = plan.BT
+    return (_ragged(n_ws, BT, BT), _ragged(kd_ws, BT, BK), _v_tiles(v, BT, plan.walk_BV), _ragged(qd_ws, BT, BK),
+            _ragged(m_ws, BT, BK), gt_ws, sc_ws)
+
+
+def _v_tiles(v: torch.Tensor, rows: int, cols: int):
+    """The input v as the TMA walk reads it: a ragged descriptor of its `[tokens, HV, V]` view where the copy
+    engine can address it (16-byte aligned base and strides, unit stride along V), else v itself (pointer
+    loads)."""
+    B, T, HV, V = v.shape
+    s_b, s_t, s_h, s_v = v.stride()
+    size = v.element_size()
+    if s_v != 1 or (B > 1 and s_b != T * s_t) or v.data_ptr() % 16 or (s_t * size) % 16 or (s_h * size) % 16:
+        return v
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.padding = v, "zero"  # v itself: a recorded call finds its role (`kda.replay`) by the object
+    desc.shape, desc.strides, desc.block_shape = _ragged_view_layout((B * T, HV, V), (s_t, s_h, 1), v.dtype, rows,
+                                                                     cols)
+    return desc
+
+
+@functools.lru_cache(maxsize=256)
+def _ragged_view_layout(shape: tuple, strides: tuple, dtype: torch.dtype, rows: int, cols: int) -> tuple:
+    """`_ragged_layout` of a strided `[tokens, HV, C]` view."""
+    desc = create_ragged_descriptor(torch.empty_strided(shape, strides, dtype=dtype, device="meta"), [rows, 1, cols])
+    return list(desc.shape), list(desc.strides), list(desc.block_shape)
 
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
@@ -161,11 +186,12 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
     has_errors = call.errors is not None
     errors = call.errors if has_errors else walk_ws[5]  # gt_ws: a stand-in never written (HAS_ERRORS off)
     _chunk_state_kernel[(cdiv(V, BV), seqs, HV)](
-        o, cu, *walk_ws, *st.pointers(walk_ws[5]), s_ot, s_oh, st.src_stride, st.dst_stride, *ck_args, errors,
+        o, cu, *walk_ws, *st.pointers(walk_ws[5]), s_ot, s_oh, *token_head_strides(call.v, T), st.src_stride,
+        st.dst_stride, *ck_args, errors,
         T, N, cdiv(T, BT), t_lo, t_hi,
         HV=HV, K=K, V=V, BT=BT, BK=max(16, next_power_of_2(K)), BV=BV, IS_VARLEN=varlen, DOT_PREC=plan.dot_prec,
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
-        HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma,
+        HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
         num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 
@@ -185,7 +211,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
     """The gate pass (where planned) and the prepare of `grid_chunks` chunks: the whole call, or (with views of
     the inputs and workspaces starting at a chunk boundary, `varlen` False) a part of a one-sequence call."""
     q, k, v, g, beta = inputs
-    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, ub_ws = ws
+    kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws = ws
     H, HV, K, V, N = call.H, call.HV, call.K, call.V, call.N
     BT, dev = plan.BT, q.device
     NT = cdiv(T, BT)
@@ -196,9 +222,8 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
     BK = max(16, next_power_of_2(K))
     A_log, dt_bias, lower_bound = gate_args(call)
     strides = (*token_head_strides(q, T), *token_head_strides(k, T))
-    g_beta = (*token_head_strides(g, T), *token_head_strides(beta, T))
     v_strides = token_head_strides(v, T)
-    BV = min(64, max(16, next_power_of_2(V)))
+    g_beta = (*token_head_strides(g, T), *token_head_strides(beta, T))
     common = dict(IS_VARLEN=varlen, SHORT=short, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
                   DOT_PREC=prec)
     if fused:
@@ -212,17 +237,17 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
                 num_stages=1,
             )
         _chunk_prepare_kernel[(grid_chunks, HV)](
-            q, k, v, g, beta, A_log, dt_bias, cu, w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws, ub_ws,
+            q, k, v, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws,
             *strides, *v_strides, *g_beta, T, N, NT, call.scale, lower_bound,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, BV=BV, **gate,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, **gate,
             CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
             num_warps=plan.prepare_warps, num_stages=1, **common,
         )
     else:
         akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
-        kd_ws = torch.empty_like(w_ws)
+        # A_qk and Kr parked in N's and M's workspaces until the solve folds the inverse into them
         _chunk_intra_kernel[(grid_chunks, BT // SUB, HV)](
-            q, k, g, beta, A_log, dt_bias, cu, akk_ws, aqk_ws, kd_ws, qd_ws, kr_ws, gt_ws, *strides, *g_beta,
+            q, k, g, beta, A_log, dt_bias, cu, akk_ws, n_ws, kd_ws, qd_ws, m_ws, gt_ws, *strides, *g_beta,
             T, N, NT, call.scale, lower_bound,
             H=H, HV=HV, K=K, BT=BT, BC=SUB, BK=16,
             USE_GATE=call.use_gate_in_kernel, HAS_A_LOG=call.A_log is not None,
@@ -230,8 +255,8 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
             USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **common,
         )
         _chunk_solve_kernel[(grid_chunks, HV)](
-            v, beta, cu, akk_ws, kd_ws, w_ws, u_ws, ub_ws, *v_strides, g_beta[2], g_beta[3],
-            T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), BV=BV, INV_PREC="ieee",
+            v, beta, cu, akk_ws, m_ws, n_ws, sc_ws, *v_strides, g_beta[2], g_beta[3],
+            T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), INV_PREC="ieee",
             num_warps=4, num_stages=1, **common,
         )
 
@@ -246,11 +271,11 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
         raise ValueError("a plan in parts needs one sequence of all T tokens known on the host")
     T, BT = call.T, plan.BT
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    gt_ws, ub_ws = ws[5:]
+    gt_ws, sc_ws = ws[4:]
     size = cdiv(cdiv(T, plan.parts), BT) * BT
     bounds = list(range(0, T, size)) + [T]
-    w_ws, u_ws, qd_ws, kr_ws, aqk_ws = ws[:5]
-    walk_ws = _walk_tiles(plan, (aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws), max(16, next_power_of_2(call.K)))
+    kd_ws, qd_ws, m_ws, n_ws = ws[:4]
+    walk_ws = _walk_tiles(plan, (n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws), max(16, next_power_of_2(call.K)))
     carry = torch.empty((2, 1, *call.state_plane_shape), dtype=torch.float32, device=q.device)
     no_ckpt = (gt_ws, 0, 0, BT, st.slot_count)  # the parts keep no checkpoints (`kda.plan._parts`)
     side = _side_stream(q) if q.is_cuda else None
@@ -260,7 +285,7 @@ def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePla
     for i, (t_lo, t_hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         c_lo, c_hi = t_lo // BT, cdiv(t_hi, BT)
         views = tuple(x[:, t_lo:t_hi] for x in (q, k, v, g, beta))
-        part_ws = tuple(x[t_lo:t_hi] for x in ws[:5]) + (gt_ws[c_lo:c_hi], ub_ws[c_lo:c_hi])
+        part_ws = tuple(x[t_lo:t_hi] for x in ws[:4]) + (gt_ws[c_lo:c_hi], sc_ws[c_lo:c_hi])
         _prepare(call, plan, views, part_ws, t_hi - t_lo, c_hi - c_lo, 0, False)
         part = _part_state(st, carry, i, len(bounds) - 2)
         if side is not None:

@@ -6,9 +6,14 @@ same cumsum in natural log; b2 <= 0, non-increasing per channel) and q~, k~ the 
 
     A_kk[i, j] = beta_i sum_c k~_ic k~_jc 2^(b2_ic - b2_jc)   j < i     (the oracle's `A_kk`)
     A_qk[i, j] = scale  sum_c q~_ic k~_jc 2^(b2_ic - b2_jc)   j <= i    (the oracle's `A_qk`)
-    X  = (I + A_kk)^-1                                                  (the oracle's `INV`)
-    W  = X diag(beta) Kd,   U0 = X diag(beta) V,   Kd = 2^b2 k~          (`W`, `U0`)
-    Qd = scale 2^b2 q~,     Kr = 2^(b2_last - b2) k~,  gt = 2^b2_last    (what the walk reads)
+    X  = (I + A_kk)^-1,     Xb = X diag(beta)                           (the oracle's `INV`)
+    Kd = 2^b2 k~,           Qd = scale 2^b2 q~,        gt = 2^b2_last
+    Kr = 2^(b2_last - b2) k~,   M = Xb^T Kr,   N = A_qk Xb                 (what the walk reads: Kd, Qd, M, N, gt)
+
+The inverse is folded into M and N, so the walk takes D = V - Kd S straight from the input V: neither U0 = Xb V
+nor W = Xb Kd is computed or stored, the walk's U = Xb D entering only through N D and M^T D. With fp16
+workspaces the prepare also stores, per chunk, the powers of two M and N were scaled by and max|V|
+(`_store_folded`).
 
 Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
 - `_chunk_prepare_kernel`, for a bounded gate (`kda.plan.bounded_gate`: Kimi's lower-bound gate with
@@ -18,7 +23,9 @@ Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
   tokens away: 2^115 at lb = -5; both halves in one dot whose off-diagonal quadrants are dropped), the
   block of second-half rows against first-half columns at the first row of the second half (both factors
   <= 1, so fp16 operands where the dots run in tf32). The inverse: the finite series I - L + L^2 - ... inside
-  the `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling.
+  the `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling. Kr is parked
+  in M's rows, and A_qk held in fp16 registers (parked in N's rows with fp32 workspaces), until Xb is known
+  (`_store_folded`).
 - `_chunk_intra_kernel` + `_chunk_solve_kernel`, for any gate (a raw log-decay may be -1000 per token):
   the diagonal 16 x 16 blocks take 2^(b_i - b_j) pairwise (every exponent <= 0), the cumsum in fp64.
 
@@ -42,6 +49,8 @@ from .common import (
     kda_gate_log2,
     kept_item,
     locate_block,
+    pow2_of,
+    pow2_scale,
     seq_bounds,
     tf32_round,
     tile_mask,
@@ -160,23 +169,50 @@ def _block_forward_substitution(L3, BC: tl.constexpr):
 
 
 @triton.jit
-def _u0_max(u0_max, u0, BOUND: tl.constexpr):
-    """The running max|U0| of `_store_u_bound`, where the walk reads it (BOUND: fp16 workspaces)."""
-    if BOUND:
-        u0_max = tl.maximum(u0_max, tl.max(tl.abs(u0)))
-    return u0_max
-
-
-@triton.jit
-def _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV: tl.constexpr, K: tl.constexpr, BOUND: tl.constexpr):
-    """Row (chunk program i_p, value head i_hv) of `ub_ws`: max|U0| and sqrt(K) max_i sum_j |Xb_ij|, which
-    bounds the row sums of |W| = |Xb Kd| (each row of Kd has an l2 norm of at most 1, so an l1 norm of at most
-    sqrt(K): the walk's fp16 workspaces exist only for l2-normalised keys and decays <= 1). The walk scales
-    U by a power of two from them instead of reducing U on its serial chain (`chunk_walk._walk`). BOUND: the
-    workspaces are fp16 (the tf32 walk of fp32 workspaces scales nothing and reads no bound)."""
-    if BOUND:
-        tl.store(ub_ws + (i_p * HV + i_hv) * 2, u0_max)
-        tl.store(ub_ws + (i_p * HV + i_hv) * 2 + 1, tl.max(tl.sum(tl.abs(Xb), 1)) * (K ** 0.5))
+def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, row_ok, v_c, s_vt,
+                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  EVEN_K: tl.constexpr, PREC: tl.constexpr):
+    """N = A_qk Xb into N's rows (from row offset n_base), and M = Xb^T Kr over the Kr that the caller parked
+    in M's rows (from m_base), each slice read by every thread before it is overwritten. Xb is zero past the
+    sequence (beta is), so N's columns and M's rows are too; N is lower triangular, stored with whole rows.
+    fp16 workspaces: Xb's entries are not bounded by 1 (an ill-conditioned I + A_kk), so N and M are stored
+    times a power of two per chunk, N's from its largest entry, M's from the largest column sum of |Xb|
+    (|Kr| <= 1 bounds |M_ij| by column i's sum: no reduction over the K slices), and row (i_p, i_hv) of
+    `sc_ws` keeps the inverse powers (exact) that the walk multiplies its fp32 products by, and max|V| of the
+    chunk's rows (`v_c`: v at the chunk's first token and this head, token stride s_vt), the term of D's
+    bound that the walk would otherwise reduce from its V tile on every step."""
+    F16: tl.constexpr = m_ws.dtype.element_ty == tl.float16
+    if F16:  # max|V| first, its loads beside the dots below, and one reduction
+        v_abs = tl.zeros([BT, BK], dtype=tl.float32)
+        for c0 in range(0, V, BK):
+            cols = c0 + tl.arange(0, BK)
+            m = tile_mask(row_ok, cols < V, V % BK == 0)
+            v_abs = tl.maximum(v_abs, tl.abs(tl.load(v_c + o_t[:, None] * s_vt + cols[None, :], mask=m,
+                                                     other=0.0).to(tl.float32)))
+        v_max = tl.max(v_abs)
+    N = tl.dot(tf32_round(A_qk.to(tl.float32), PREC), Xb, input_precision=PREC)
+    if F16:
+        pn = pow2_scale(N)
+        pm = pow2_of(tl.max(tl.sum(tl.abs(Xb), 0)))
+        N = N * pn
+    XbT = tl.trans(Xb)
+    tl.store(n_ws + n_base + o_t[:, None] * (HV * BT) + o_t[None, :], N, mask=row_ok[:, None])
+    tl.debug_barrier()  # Kr parked by every thread before it is read back
+    ws = m_base + o_t[:, None] * (HV * K)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = tile_mask(row_ok, cols < K, EVEN_K)
+        kr = tf32_round(tl.load(m_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), PREC)
+        tl.debug_barrier()  # read by every thread before it is overwritten
+        M = tl.dot(XbT, kr, input_precision=PREC)
+        if F16:
+            M = M * pm
+        tl.store(m_ws + ws + cols[None, :], M, mask=m)
+    if F16:
+        sc = sc_ws + (i_p * HV + i_hv) * 4
+        tl.store(sc, 1.0 / pm)
+        tl.store(sc + 1, 1.0 / pn)
+        tl.store(sc + 2, v_max)
 
 
 @triton.jit
@@ -262,11 +298,11 @@ def _b2_row(b2_ws, ws_base, r, n_rows, cols, HV: tl.constexpr, K: tl.constexpr):
 @triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    w_ws, u_ws, qd_ws, kr_ws, aqk_ws, gt_ws, b2_ws, ub_ws,
+    kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     T, N, NT, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     SHORT: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, CUMSUM_DTYPE: tl.constexpr,
@@ -274,9 +310,12 @@ def _chunk_prepare_kernel(
 ):
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
-    dot, the lower-left quadrant as another), Qd, Kr, gt stored, and Kd parked in W's rows until X is known.
-    Then X, then pass 2: W = X diag(beta) Kd over W's own rows, U0 = X diag(beta) V, and the walk's bound
-    terms for U (`_store_u_bound`).
+    dot, the lower-left quadrant as another), Qd, Kd, gt stored, and Kr parked in M's rows until X is known.
+    With fp16 workspaces A_qk is held through the inverse in fp16 (as it was stored for the walk before the
+    inverse was folded in; compiled for sm_90 it fits without spills, where parking it in N's rows cost a
+    write, a read and a barrier); with fp32 ones it is parked in N's rows. Then Xb = X diag(beta),
+    N = A_qk Xb, and M = Xb^T Kr over M's own rows (`_store_folded`). V is read only for its maximum (fp16
+    workspaces: the walk's bound on D).
     DOT_PREC is the precision of this kernel's dots (ieee or tf32); CUMSUM_DTYPE that of b2 (fp64 with fp32
     inputs; fp32 with 16-bit ones, where its 1e-4 relative error in the decay factors is far below the
     inputs' rounding and fp64 tiles doubled the registers and spills)."""
@@ -350,11 +389,11 @@ def _chunk_prepare_kernel(
         x_row = tl.where(first_half, 0.0, tl.exp2((b2 - b2_mid[None, :]).to(tl.float32)))
         kc = kt * tl.exp2((b2_mid[None, :] - b2_t).to(tl.float32))
         X_kk, X_qk = _unit_dots(kn * x_row, qn * x_row, kc, X_kk, X_qk, DOT_PREC)
-        # what the walk reads, and Kd parked in W's rows until X is known
+        # what the walk reads, and Kr parked in M's rows until X is known
         d = tl.exp2(b2.to(tl.float32))
         tl.store(qd_ws + ws_base + ws + cols[None, :], qn * d, mask=m)
-        tl.store(kr_ws + ws_base + ws + cols[None, :], kn * tl.exp2((b2_last[None, :] - b2).to(tl.float32)), mask=m)
-        tl.store(w_ws + ws_base + ws + cols[None, :], kn * d, mask=m)
+        tl.store(m_ws + ws_base + ws + cols[None, :], kn * tl.exp2((b2_last[None, :] - b2).to(tl.float32)), mask=m)
+        tl.store(kd_ws + ws_base + ws + cols[None, :], kn * d, mask=m)
         if not B2_FROM_WS:
             tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2_last.to(tl.float32)), mask=col_ok)
 
@@ -365,26 +404,23 @@ def _chunk_prepare_kernel(
     valid = row_ok[:, None] & row_ok[None, :]
     L = tl.where(valid & (o_t[None, :] < o_t[:, None]), A_kk * b_beta[:, None], 0.0)
     A_qk = tl.where(valid & (o_t[None, :] <= o_t[:, None]), A_qk, 0.0)
-    tl.store(aqk_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :], A_qk, mask=row_ok[:, None])
+    # A_qk through the inverse: held in fp16 registers with fp16 workspaces (the 11 bits its tf32 dot would
+    # keep); parked in N's rows with fp32 ones, whose FMA-dot inverse spills already (more with it held)
+    PARK: tl.constexpr = n_ws.dtype.element_ty == tl.float32
+    n_base = (t0 * HV + i_hv) * BT
+    n_off = n_base + o_t[:, None] * (HV * BT) + o_t[None, :]
+    if PARK:
+        tl.store(n_ws + n_off, A_qk, mask=row_ok[:, None])
+    else:
+        A_qk = A_qk.to(tl.float16)
 
     Xb = tf32_round(_unit_lower_inverse(L, BT, BC, DOT_PREC) * b_beta[None, :], DOT_PREC)
-    tl.debug_barrier()  # Kd parked in W's rows by every thread before it is read back
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        m = tile_mask(row_ok, cols < K, EVEN_K)
-        kd = tf32_round(tl.load(w_ws + ws_base + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), DOT_PREC)
-        tl.debug_barrier()  # read by every thread before it is overwritten
-        tl.store(w_ws + ws_base + ws + cols[None, :], tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
-    u0_max = 0.0
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        m = tile_mask(row_ok, cols < V, V % BV == 0)
-        v_c = tl.load(v + t0 * s_vt + i_hv * s_vh + o_t[:, None] * s_vt + cols[None, :], mask=m,
-                      other=0.0).to(tl.float32)
-        u0 = tl.dot(Xb, tf32_round(v_c, DOT_PREC), input_precision=DOT_PREC)
-        tl.store(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + cols[None, :], u0, mask=m)
-        u0_max = _u0_max(u0_max, u0, w_ws.dtype.element_ty == tl.float16)
-    _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV, K, w_ws.dtype.element_ty == tl.float16)
+    if PARK:
+        tl.debug_barrier()  # parked by every thread before it is read back
+        A_qk = tl.load(n_ws + n_off, mask=row_ok[:, None], other=0.0)
+        tl.debug_barrier()  # read by every thread before N overwrites it
+    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v + t0 * s_vt + i_hv * s_vh,
+                  s_vt, HV, K, V, BT, BK, EVEN_K, DOT_PREC)
 
 
 @direct
@@ -406,6 +442,8 @@ def _chunk_intra_kernel(
     (no scratch), then adds to row block r's strip of A_kk / A_qk: columns of earlier blocks through one
     dot anchored on the first row of block r, the diagonal block pairwise. Also writes block r's rows of
     Kd = 2^b k, Qd = scale 2^b q, Kr = 2^(b_last - b) k (l2-normalised) and, for r = 0, gt = 2^b_last.
+    The caller passes N's and M's workspaces as aqk_ws and kr_ws: A_qk and Kr are parked there until
+    `_chunk_solve_kernel` folds the inverse into them.
     This is the path of any gate; a bounded one takes `_chunk_prepare_kernel`."""
     i_p = tl.program_id(0)
     i_r = tl.program_id(1)
@@ -493,11 +531,11 @@ def _chunk_intra_kernel(
 @direct
 @triton.jit
 def _chunk_solve_kernel(
-    v, beta, cu_seqlens, akk_ws, kd_ws, w_ws, u_ws, ub_ws,
+    v, beta, cu_seqlens, akk_ws, m_ws, n_ws, sc_ws,
     s_vt, s_vh, s_bt, s_bh,
     T, N, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
     SHORT: tl.constexpr,
     INV_PREC: tl.constexpr,
@@ -506,7 +544,7 @@ def _chunk_solve_kernel(
     the NC diagonal BC x BC blocks by forward substitution, all blocks at once in an [NC, BC, BC] tile
     (X_i = e_i - sum_{j<i} L_ij X_j), then block row by block row X[r, :r] = -X_rr (L[r, :r] X[:r, :r])
     (block forward substitution; the rows above r are final by then). fp32 throughout ("ieee" dots).
-    Then W = X diag(beta) Kd, U0 = X diag(beta) V, and the walk's bound terms for U (`_store_u_bound`)."""
+    Then N = A_qk Xb and M = Xb^T Kr over the A_qk and Kr parked by `_chunk_intra_kernel` (`_store_folded`)."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
@@ -526,6 +564,9 @@ def _chunk_solve_kernel(
     addr3 = (t0 + o_b * BC + o_i) * (HV * BT) + o_b * BC + o_j
     ok3 = ((o_b * BC + o_i) < n_rows) & ((o_b * BC + o_j) < n_rows)
     L3 = tl.load(a_h + addr3, mask=ok3 & (o_j < o_i), other=0.0)
+    # A_qk parked by `_chunk_intra_kernel` in N's rows, read before the barriers below (N overwrites it)
+    n_base = t0 * (HV * BT) + i_hv * BT
+    A_qk = tl.load(n_ws + n_base + o_t[:, None] * (HV * BT) + o_t[None, :], mask=row_ok[:, None], other=0.0)
     X3 = _block_forward_substitution(L3, BC)
     tl.debug_barrier()  # every thread has read its part of A_kk before the diagonal blocks are overwritten
     tl.store(a_h + addr3, X3, mask=ok3)
@@ -549,19 +590,6 @@ def _chunk_solve_kernel(
     X = tl.load(a_h + rows[:, None] * (HV * BT) + o_t[None, :],
                 mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
 
-    Xb = X * b_beta[None, :]
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        m = row_ok[:, None] & (cols < K)[None, :]
-        off = rows[:, None] * (HV * K) + i_hv * K + cols[None, :]
-        kd = tl.load(kd_ws + off, mask=m, other=0.0).to(tl.float32)
-        tl.store(w_ws + off, tl.dot(Xb, kd, input_precision=DOT_PREC), mask=m)
-    u0_max = 0.0
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        m = row_ok[:, None] & (cols < V)[None, :]
-        v_c = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        u0 = tl.dot(Xb, v_c, input_precision=DOT_PREC)
-        tl.store(u_ws + rows[:, None] * (HV * V) + i_hv * V + cols[None, :], u0, mask=m)
-        u0_max = _u0_max(u0_max, u0, w_ws.dtype.element_ty == tl.float16)
-    _store_u_bound(ub_ws, i_p, i_hv, u0_max, Xb, HV, K, w_ws.dtype.element_ty == tl.float16)
+    Xb = tf32_round(X * b_beta[None, :], DOT_PREC)
+    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok,
+                  v + t0 * s_vt + i_hv * s_vh, s_vt, HV, K, V, BT, BK, K % BK == 0, DOT_PREC)

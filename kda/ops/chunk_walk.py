@@ -1,17 +1,18 @@
 """The state walk of `chunk_kda`: the serial part of the chunked form, after the prepare stage
-(`kda.ops.chunk_prepare`) has written Qd, Kr, W, U0, A_qk, gt and U's bound terms per chunk. Per chunk, K-first state
-S [K, V] (the loop body of `kda_reference.chunk.chunk_kda`, with `U` = U0 here and `V_new` = U):
+(`kda.ops.chunk_prepare`) has written Qd, Kd, M = Xb^T Kr, N = A_qk Xb, gt and M's and N's scales per chunk
+(Xb = (I + A_kk)^-1 diag(beta), folded in by the prepare). Per chunk, K-first state S [K, V] (the loop body of
+`kda_reference.chunk.chunk_kda`, whose `V_new` = U = Xb D here), V read from the input itself:
 
-    U = U0 - W S          O = Qd S + A_qk U          S <- gt * S + Kr^T U
+    D = V - Kd S          O = Qd S + N D          S <- gt * S + M^T D
 
 Plain walk (`_chunk_state_kernel`): one program per (V block, sequence, value head) walks all chunks of
 its sequence with S on chip: N * HV * V / BV programs and a serial depth of one step per chunk.
 
 Segmented walk, for few long sequences (too few programs to fill the GPU): each chunk is affine in its
-incoming state, S' = A_c S + b_c with A_c = diag(gt) - Kr^T W and b_c = Kr^T U0, and so is a segment of
+incoming state, S' = A_c S + b_c with A_c = diag(gt) - M^T Kd and b_c = M^T V, and so is a segment of
 G chunks, S' = A_seg S + b_seg. Three launches:
 - `_segment_summary_kernel`, every segment in parallel: b_seg = the walk from S = 0 (columns of V),
-  A_seg = the walk from S = I with U0 = 0 (columns of K);
+  A_seg = the walk from S = I with V = 0 (columns of K);
 - `_segment_scan_kernel`, per (V block, sequence, head): h_0 = initial state, h_{s+1} = A_seg h_s + b_seg,
   storing each segment's incoming state and, at the end, the final state;
 - `_segment_output_kernel`, every segment in parallel: the walk from its incoming state, writing o.
@@ -24,8 +25,8 @@ neither path adds a pass.
 
 Both read the initial state from, and write the final state to, the pools of `kda.plan.StatePlan`
 (dense or paged, in place, rounded to nearest in the storage dtype); the recurrence is in fp32. With fp16
-workspaces (16-bit inputs, q and k l2-normalised) the dots take fp16 operands, S and U scaled by a power of
-two (U's from a bound, so that no reduction of U sits on the serial chain); with tf32 dots on fp32
+workspaces (16-bit inputs, q and k l2-normalised) the dots take fp16 operands, S and D scaled by a power of
+two (D's from a bound, so that no reduction of D sits on the serial chain); with tf32 dots on fp32
 workspaces, the fp32 operands are rounded to nearest tf32 first (`tf32_round`).
 """
 
@@ -54,24 +55,27 @@ from .launch import direct
 
 
 @triton.jit
-def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws,
+def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws, sc_ws,
           o_k, k_ok, o_c, c_ok,
           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-          HAS_U0: tl.constexpr, WRITE_O: tl.constexpr, DOT_PREC: tl.constexpr,
+          HAS_V: tl.constexpr, WRITE_O: tl.constexpr, DOT_PREC: tl.constexpr,
           EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
           ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
           HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False, TMA: tl.constexpr = False,
-          i_c0=0):
+          i_c0=0, V_TMA: tl.constexpr = False):
     """S [BK, BC] (columns o_c of the state, or of the identity for a segment operator) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
-    p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). U = U0 - W S (no U0 without HAS_U0), O = Qd S + A_qk U (stored with WRITE_O),
-    S <- gt * S + Kr^T U.
-    With fp16 workspaces (Qd, Kr, W, A_qk) the dots take fp16 operands: S and U enter scaled by a power of
+    p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). D = V - Kd S (V: columns o_c of the input v of
+    this head, `v_h`, token stride s_vt; no V without HAS_V), O = Qd S + N D (stored with WRITE_O),
+    S <- gt * S + M^T D.
+    With fp16 workspaces (Qd, Kd, M, N) the dots take fp16 operands: S and D enter scaled by a power of
     two, so they keep tf32's significand within fp16's range, and the fp32 products are scaled back
-    exactly. fp16 dots run at twice the tf32 rate and the workspaces need no conversion. S's scale is its
-    maximum's (`pow2_scale`); U's comes from a bound, so that no reduction of U waits on the step's chain
-    (`pow2_of`): |U| <= max|U0| + max_i sum_k |W_ik| max|S|, the chunk's row `ub_ws` holding max|U0| and a
-    bound on W's row sums (the prepare's), max|S| < 2^15 / ps.
+    exactly (M and N were stored times a power of two per chunk, whose inverse the chunk's row of `sc_ws`
+    holds: `chunk_prepare._store_folded`). fp16 dots run at twice the tf32 rate and the workspaces need no
+    conversion. S's scale is its maximum's (`pow2_scale`); D's comes from a bound, so that no reduction of
+    D waits on the step's chain (`pow2_of`): |D| <= max|V| + sqrt(K) max|S| (each row of Kd has an l2 norm
+    of at most 1), max|S| < 2^15 / ps, and max|V| of the chunk's rows, which the prepare stored beside M's
+    and N's scales (loaded a chunk ahead, as gt).
     HAS_CHECKPOINTS (a sequence starting at token seq_start; `ck_row` its n_ck checkpoint slots): after a
     whole chunk that ends (j + 1) * ck_every tokens into the sequence, S (columns o_c of the state) is
     stored to slot ck_row[j] of `pool` (rounded to its dtype, in its layout) when that slot is in
@@ -79,22 +83,25 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
     a multiple of BT, so every checkpoint offset is a chunk end. The next slot is loaded a checkpoint ahead,
     off the step's serial chain.
     TMA: the workspaces are ragged tensor descriptors (`triton.tools.ragged_tma`) of `[tokens, HV, *]`, the
-    tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K, V) read as zeros,
-    columns o_c starting at i_c0: no per-element addresses or masks, which the pointer loads spend most of
-    their issue slots on."""
-    F16: tl.constexpr = (w_ws.dtype if TMA else w_ws.dtype.element_ty) == tl.float16
+    tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K) read as zeros:
+    no per-element addresses or masks, which the pointer loads spend most of their issue slots on. V comes
+    from the caller's input, whose strides need not suit a descriptor: pointer loads (i_c0 is unused)."""
+    F16: tl.constexpr = (kd_ws.dtype if TMA else kd_ws.dtype.element_ty) == tl.float16
     BK: tl.constexpr = o_k.shape[0]
     BC: tl.constexpr = o_c.shape[0]
     o_t = tl.arange(0, BT)
     # int32 offsets inside a chunk from int64 chunk bases: 64-bit per-element addresses cost registers
     ws_k = o_t[:, None] * (HV * K) + o_k[None, :]
+    if not V_TMA:
+        v_off = o_t[:, None] * s_vt + o_c[None, :]
     # gt one chunk ahead: a plain load, so its latency would otherwise sit on the step's serial chain
     gt_ptr = gt_ws + (p_first * HV + i_hv) * K + o_k
     gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
-    if F16:  # U's bound terms, one chunk ahead as gt
-        ub_ptr = ub_ws + (p_first * HV + i_hv) * 2
-        u0_next = tl.load(ub_ptr, mask=t_begin < t_end, other=0.0)
-        wr_next = tl.load(ub_ptr + 1, mask=t_begin < t_end, other=0.0)
+    if F16:  # M's and N's inverse scales, one chunk ahead as gt
+        sc_ptr = sc_ws + (p_first * HV + i_hv) * 4
+        sm_next = tl.load(sc_ptr, mask=t_begin < t_end, other=0.0)
+        sn_next = tl.load(sc_ptr + 1, mask=t_begin < t_end, other=0.0)
+        vm_next = tl.load(sc_ptr + 2, mask=t_begin < t_end, other=0.0)
     if HAS_CHECKPOINTS:
         ck_j = (t_begin - seq_start) // ck_every  # the first checkpoint a chunk of this walk can end at
         ck_at = seq_start + (ck_j + 1) * ck_every  # its token
@@ -104,62 +111,71 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws
         gt_ptr += HV * K
         gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t0 + BT < t_end), other=0.0)
         if F16:
-            u0_max = u0_next
-            w_rows = wr_next
-            ub_ptr += HV * 2
-            u0_next = tl.load(ub_ptr, mask=t0 + BT < t_end, other=0.0)
-            wr_next = tl.load(ub_ptr + 1, mask=t0 + BT < t_end, other=0.0)
+            s_m = sm_next
+            s_n = sn_next
+            v_max = vm_next
+            sc_ptr += HV * 4
+            sm_next = tl.load(sc_ptr, mask=t0 + BT < t_end, other=0.0)
+            sn_next = tl.load(sc_ptr + 1, mask=t0 + BT < t_end, other=0.0)
+            vm_next = tl.load(sc_ptr + 2, mask=t0 + BT < t_end, other=0.0)
         row_ok = o_t < t_end - t0
         m_k = tile_mask(row_ok, k_ok, EVEN_K)
         m_c = tile_mask(row_ok, c_ok, EVEN_C)
         base_k = (t0 * HV + i_hv) * K
         n_in = tl.minimum(t_end - t0, BT).to(tl.int32)
         t0_32 = tl.cast(t0, tl.int32)
+        if HAS_V:  # V's tile first: it does not wait on S
+            if V_TMA:  # v as a ragged descriptor of the input (`chunk._v_tiles`): rows past the sequence read 0
+                vt = tl.reshape(load_ragged(v_h, t0_32, n_in, [0, i_hv, i_c0]), [BT, BC])
+            else:
+                vt = tl.load(v_h + t0 * s_vt + v_off, mask=m_c, other=0.0)
+        elif F16:
+            v_max = 0.0  # the operator's columns: no V
         if TMA:
-            w = tl.reshape(load_ragged(w_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
+            kd = tl.reshape(load_ragged(kd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
         else:
-            w = tl.load(w_ws + base_k + ws_k, mask=m_k, other=0.0)
+            kd = tl.load(kd_ws + base_k + ws_k, mask=m_k, other=0.0)
         if F16:
             ps = pow2_scale(S)
             Sr = (S * ps).to(tl.float16)
-            U = tl.dot(w, Sr) * (-1.0 / ps)
+            inv_ps = 1.0 / ps
+            pd = pow2_of(v_max + (K ** 0.5) * (32768.0 * inv_ps))
+            # D pd formed scaled, V pd - (Kd Sr) pd / ps: one rounding as in V - Kd S, every factor a power of two
+            Dd = tl.dot(kd, Sr) * (-pd * inv_ps)
+            if HAS_V:
+                Dd += vt.to(tl.float32) * pd
+            Dr = Dd.to(tl.float16)
+            inv_pd = 1.0 / pd  # one division for both products' factors
         else:
             Sr = tf32_round(S, DOT_PREC)
-            U = -tl.dot(tf32_round(w, DOT_PREC), Sr, input_precision=DOT_PREC)
-        if HAS_U0:
-            if TMA:
-                U += tl.reshape(load_ragged(u_ws, t0_32, n_in, [0, i_hv, i_c0]), [BT, BC])
-            else:
-                U += tl.load(u_ws + (t0 * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_c[None, :], mask=m_c, other=0.0)
-        if F16:
-            pu = pow2_of(u0_max + w_rows * (32768.0 / ps))
-            Ur = (U * pu).to(tl.float16)
-        else:
-            Ur = tf32_round(U, DOT_PREC)
+            D = -tl.dot(tf32_round(kd, DOT_PREC), Sr, input_precision=DOT_PREC)
+            if HAS_V:
+                D += vt.to(tl.float32)
+            Dr = tf32_round(D, DOT_PREC)
         if WRITE_O:
             if TMA:
                 qd = tl.reshape(load_ragged(qd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
-                aqk = tl.reshape(load_ragged(aqk_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BT])
+                nt = tl.reshape(load_ragged(n_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BT])
             else:
                 qd = tl.load(qd_ws + base_k + ws_k, mask=m_k, other=0.0)
-                # the prepare stored A_qk's rows whole, zeros above the diagonal
-                aqk = tl.load(aqk_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
-                              mask=row_ok[:, None], other=0.0)
+                # the prepare stored N's rows whole, zeros above the diagonal
+                nt = tl.load(n_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
+                             mask=row_ok[:, None], other=0.0)
             if F16:
-                out = tl.dot(qd, Sr) * (1.0 / ps) + tl.dot(aqk, Ur) * (1.0 / pu)
+                out = tl.dot(qd, Sr) * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
             else:
                 out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
-                       + tl.dot(tf32_round(aqk, DOT_PREC), Ur, input_precision=DOT_PREC))
+                       + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
             tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
                      mask=m_c)
         if TMA:
-            kr = tl.reshape(load_ragged(kr_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
+            mt = tl.reshape(load_ragged(m_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
         else:
-            kr = tl.load(kr_ws + base_k + ws_k, mask=m_k, other=0.0)
+            mt = tl.load(m_ws + base_k + ws_k, mask=m_k, other=0.0)
         if F16:
-            S = S * gt[:, None] + tl.dot(tl.trans(kr), Ur) * (1.0 / pu)
+            S = S * gt[:, None] + tl.dot(tl.trans(mt), Dr) * (s_m * inv_pd)
         else:
-            S = S * gt[:, None] + tl.dot(tl.trans(tf32_round(kr, DOT_PREC)), Ur, input_precision=DOT_PREC)
+            S = S * gt[:, None] + tl.dot(tl.trans(tf32_round(mt, DOT_PREC)), Dr, input_precision=DOT_PREC)
         if HAS_CHECKPOINTS:
             if t0 + BT == ck_at:
                 if (t0 + BT <= t_end) & (ck_slot >= 0) & (ck_slot < n_slots):  # a whole chunk, a slot in the pool
@@ -238,9 +254,9 @@ def _zero_rows(o_h, s_ot, t_begin, t_end, o_v, v_ok, BT: tl.constexpr, BV: tl.co
 @direct
 @triton.jit(do_not_specialize=["n_slots"])
 def _chunk_state_kernel(
-    o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws,
+    o, cu_seqlens, n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
-    s_ot, s_oh, src_stride, dst_stride,
+    s_ot, s_oh, s_vt, s_vh, src_stride, dst_stride,
     checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors,
     T, N, NT, t_lo, t_hi,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -249,9 +265,11 @@ def _chunk_state_kernel(
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
+    V_TMA: tl.constexpr = False,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
-    TMA: the workspaces come as ragged descriptors (`_walk`).
+    TMA: the workspaces come as ragged descriptors (`_walk`); v (token stride s_vt, head stride s_vh) is read
+    by pointers either way.
     SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
     (`short_route`), and program i_n walks the i_n-th of the others (`kept_item`).
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
@@ -278,10 +296,14 @@ def _chunk_state_kernel(
         _zero_rows(o_h, s_ot, w_lo, w_hi, o_v, v_ok, BT, BV)
     else:
         p_first = chunk_program(i_n, bos, w_lo, NT, IS_VARLEN, BT)
-        S = _walk(S, w_lo, w_hi, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws,
-                  o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
+        if V_TMA:
+            v_h = v
+        else:
+            v_h = v + i_hv * s_vh
+        S = _walk(S, w_lo, w_hi, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
+                  sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
                   checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride,
-                  n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV)
+                  n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
@@ -289,14 +311,14 @@ def _chunk_state_kernel(
 @direct
 @triton.jit
 def _segment_summary_kernel(
-    cu_seqlens, w_ws, u_ws, kr_ws, gt_ws, ub_ws, a_seg, b_seg,
-    T, N, NT, NSEG,
+    cu_seqlens, kd_ws, v, m_ws, gt_ws, sc_ws, a_seg, b_seg,
+    s_vt, s_vh, T, N, NT, NSEG,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """One program per (column block, segment, value head). Column blocks below cdiv(V, BV): b_seg, the
-    walk from S = 0; the others: A_seg, the walk of the identity's columns with U0 = 0. Both [K, *] fp32."""
+    walk from S = 0; the others: A_seg, the walk of the identity's columns with V = 0. Both [K, *] fp32."""
     i_c = tl.program_id(0)
     i_s = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -311,17 +333,17 @@ def _segment_summary_kernel(
     if i_c < n_vb:
         o_c = i_c * BV + tl.arange(0, BV)
         c_ok = o_c < V
-        S = _walk(tl.zeros([BK, BV], dtype=tl.float32), s0, s_end, p_first, i_hv, w_ws, 0, w_ws, w_ws, u_ws,
-                  w_ws, kr_ws, gt_ws, ub_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, True, False, DOT_PREC,
-                  K == BK, V % BV == 0)
+        S = _walk(tl.zeros([BK, BV], dtype=tl.float32), s0, s_end, p_first, i_hv, kd_ws, 0, kd_ws, kd_ws,
+                  v + i_hv * s_vh, s_vt, kd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, True, False,
+                  DOT_PREC, K == BK, V % BV == 0)
         off = ((i_s * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * V + o_c[None, :]
         tl.store(b_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
     else:
         o_c = (i_c - n_vb) * BV + tl.arange(0, BV)
         c_ok = o_c < K
         eye = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)
-        S = _walk(eye, s0, s_end, p_first, i_hv, w_ws, 0, w_ws, w_ws, u_ws,
-                  w_ws, kr_ws, gt_ws, ub_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, False, False, DOT_PREC,
+        S = _walk(eye, s0, s_end, p_first, i_hv, kd_ws, 0, kd_ws, kd_ws, v, s_vt,
+                  kd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, False, False, DOT_PREC,
                   K == BK, K % BV == 0)
         off = ((i_s * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * K + o_c[None, :]
         tl.store(a_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
@@ -372,8 +394,8 @@ def _segment_scan_kernel(
 @direct
 @triton.jit(do_not_specialize=["n_slots"])
 def _segment_output_kernel(
-    o, cu_seqlens, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws, h_seg, slot_of_seq,
-    s_ot, s_oh,
+    o, cu_seqlens, n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws, h_seg, slot_of_seq,
+    s_ot, s_oh, s_vt, s_vh,
     state_dst, dst_stride, checkpoint_indices, s_ck, n_ck, ck_every, n_slots,
     T, N, NT, NSEG,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -404,7 +426,7 @@ def _segment_output_kernel(
         base = (i_s * HV + i_hv) * K
         S = tl.load(h_seg + (base + o_k[:, None]) * V + o_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         p_first = chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
-        _walk(S, s0, s_end, p_first, i_hv, o_h, s_ot, aqk_ws, w_ws, u_ws, qd_ws, kr_ws, gt_ws, ub_ws,
-              o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
+        _walk(S, s0, s_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v + i_hv * s_vh, s_vt, qd_ws, m_ws, gt_ws,
+              sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
               checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
               HAS_CHECKPOINTS, V_FIRST)
