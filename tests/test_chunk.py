@@ -11,11 +11,13 @@ import torch
 import triton
 import triton.language as tl
 from helpers import bits, checked_call, make_inputs, on_cpu, poison_pool, rel_err, rounding_floor, run_planned
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import kda
 import kda_reference as ref
 from kda.accuracy.config import KERNEL_FP32_TERM, KERNEL_NARROW_TERM
 from kda.accuracy.prefill import kernel_bound
+from kda.ops.chunk import _v_tiles
 from kda.ops.common import tf32_round
 from kda.plan import chunk_plan
 
@@ -559,7 +561,9 @@ def test_walk_tma_loads_equal_pointer_loads(dtype, device):
     default where the device has TMA and K, V are multiples of 8) against masked pointer loads: the same
     arithmetic on the same values, so the same bits. Varlen with partial chunks, an empty sequence and a
     one-chunk one; V = 40 (a V block past V, zero-filled by the descriptor's bound); fp32 (fp32 workspaces)
-    and bf16 inputs (fp16 workspaces); checkpoints on, paged K-first pool."""
+    and bf16 inputs (fp16 workspaces); checkpoints on, paged K-first pool. V itself by TMA where its strides
+    allow (`chunk._v_tiles`): also a v whose token stride is not its own (a slice of a wider projection, still
+    by TMA) and a v off 16-byte alignment (by pointers inside the TMA walk), each with the same bits."""
     bounds = [0, 70, 70, 100, 230]
     T, H, HV, K, V, N = bounds[-1], 1, 2, 32, 40, 4
     q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device,
@@ -571,14 +575,26 @@ def test_walk_tma_loads_equal_pointer_loads(dtype, device):
     has = torch.tensor([True, True, False, True], device=device)
     for n in range(N):
         pool0[idx[n]] = 0.1 * torch.randn(HV, K, V, generator=torch.Generator().manual_seed(n)).to(device)
+    wide = torch.zeros(1, T, HV, V + 8, dtype=v.dtype, device=device)
+    v_wide = wide[..., 8:]  # token stride V + 8: a projection's slice
+    v_wide.copy_(v)
+    flat = torch.zeros(v.numel() + 1, dtype=v.dtype, device=device)
+    v_off = flat[1:].view(v.shape)  # 2 or 4 bytes past 16-byte alignment
+    v_off.copy_(v)
+    assert all(isinstance(_v_tiles(x, 64, 32), TensorDescriptor) for x in (v, v_wide))
+    assert _v_tiles(v_off, 64, 32) is v_off
     runs = {}
-    for tma in (True, False):
+    for name, tma, vv in (("tma", True, v), ("pointers", False, v), ("wide v", True, v_wide), ("v off", True, v_off)):
         pool = pool0.clone()
-        o, _, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(walk_tma=tma, walk="plain"),
+        o, _, plan = run_planned(kda.chunk_kda, q, k, vv, g, beta, dict(walk_tma=tma, walk="plain"),
                                  state_cache=pool, state_indices=idx, has_initial_state=has, state_v_first=False,
                                  checkpoint_every=64, checkpoint_indices=ckpt, **kw)
         assert plan.walk_tma == tma
-        runs[tma] = (o, pool)
+        runs[name] = (o, pool)
+    for name in ("wide v", "v off"):
+        assert torch.equal(bits(runs[name][0]), bits(runs["tma"][0]))
+        assert torch.equal(bits(runs[name][1]), bits(runs["tma"][1]))
+    runs[True], runs[False] = runs["tma"], runs["pointers"]
     if device == "cpu":  # the interpreter emulates TMA: the CPU suite runs the default path
         assert chunk_plan(checked_call(kda.chunk_kda, q, k, v, g, beta, state_cache=pool0, state_indices=idx,
                                        has_initial_state=has, state_v_first=False, **kw)).walk_tma
