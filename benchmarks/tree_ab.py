@@ -1,0 +1,120 @@
+"""Two or more copies of the package timed in one device call: `chunk_kda` by graph replay at the
+benchmark's prefill shapes, its kernels by torch.profiler, and its bf16-input accuracy against the float64
+chunk oracle, each tree imported in its own process, in turns (a, b, a, b, ...), so that every variant
+meets the same machine state. This is how a kernel change is weighed before it lands
+(`benchmarks/results/2026-12-02-37c2d18-h200-prepare-folded-inverse.md`).
+
+    python benchmarks/tree_ab.py [--rounds 2] [--shapes 1x16384x32,4x4096x32] TREE[:LABEL] TREE[:LABEL] ...
+
+A TREE is a directory holding `kda/`, `kda_reference/` and `benchmarks/bench.py` (`.` for this checkout;
+another commit: `git archive <rev> kda kda_reference benchmarks | tar -x -C <dir>`, an ignored folder named
+in the device call's `carry`). Prints one line per shape and tree, then a summary of each tree's graph time
+over the first tree's, shape by shape and as a geometric mean. Inputs as `bench.py`'s prefill rows: bf16
+q, k, v, fp32 g with Kimi's in-kernel lower-bound gate (-5), q/k l2norm, beta sigmoid, fp32 initial and
+final state, K = V = 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+
+SHAPES = "1x16384x32,4x4096x32,1x4096x12,1x16384x12,1x65536x12,1x8192x96,1x4096x32"
+
+
+def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
+    """Runs in the subprocess: times `tree`'s package and prints one JSON line."""
+    sys.path.insert(0, os.path.join(tree, "benchmarks"))
+    sys.path.insert(0, tree)
+    import bench
+    import torch
+
+    import kda
+    import kda_reference as ref
+
+    dev = "cuda"
+    timer = bench.Timer(warmup_ms=25, rep_ms=300)
+
+    def inputs(B, T, H, seed):
+        torch.manual_seed(seed)
+        q, k, v, g, beta, A_log, dt_bias = bench._tokens(B, T, H, H, dev)
+        flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+                     A_log=A_log, dt_bias=dt_bias, lower_bound=bench.LOWER_BOUND)
+        h0 = torch.randn(B, H, 128, 128, device=dev) * 0.1
+        return q, k, v, g, beta, h0, flags
+
+    rows = []
+    for B, T, H in shapes:
+        q, k, v, g, beta, h0, flags = inputs(B, T, H, 0)
+        call = functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
+
+        us = timer.graph(call)
+        call()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        kernels = {e.key: round(getattr(e, "device_time_total", 0.0), 1) for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA}
+        rows.append(dict(shape=f"{B}x{T} H={H}", graph_us=round(us, 1), kernels=kernels))
+        del q, k, v, g, beta, h0, call
+        torch.cuda.empty_cache()
+    acc = []
+    for T in (2048, 8192):
+        q, k, v, g, beta, h0, flags = inputs(1, T, 4, 3)
+        o, s = kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)
+        d = {n: (x.double() if torch.is_tensor(x) else x) for n, x in flags.items()}
+        ro, rs = ref.chunk_kda(q.double(), k.double(), v.double(), g.double(), beta.double(), None, h0.double(),
+                               True, **d)
+        acc.append(dict(T=T, out=bench._rel(o, ro), state=bench._rel(s, rs),
+                        floor=bench._rel(ro.to(torch.bfloat16), ro)))
+    print("RESULT " + json.dumps(dict(rows=rows, acc=acc)), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trees", nargs="+", metavar="TREE[:LABEL]")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--shapes", default=SHAPES, help=f"BxTxH, comma separated (default {SHAPES})")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    if a.child is not None:
+        child(a.child, shapes)
+        return
+    trees = [(t.split(":", 1) + [t])[:2] if ":" in t else [t, t] for t in a.trees]
+    best: dict[str, dict[str, float]] = {}
+    for r in range(a.rounds):
+        for path, label in trees:
+            env = dict(os.environ, PYTHONPATH="")
+            out = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(path), "--shapes", a.shapes,
+                                  "x"], capture_output=True, text=True, env=env)
+            res = next((json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
+            if res is None:
+                print(f"{label} round {r}: failed\n{out.stderr[-3000:]}", flush=True)
+                continue
+            for row in res["rows"]:
+                ker = ", ".join(f"{k[:32]} {v}" for k, v in row["kernels"].items())
+                print(f"{label:12s} r{r} {row['shape']:14s} {row['graph_us']:9.1f} us   ({ker})", flush=True)
+                mine = best.setdefault(label, {})
+                mine[row["shape"]] = min(mine.get(row["shape"], math.inf), row["graph_us"])
+            for x in res["acc"]:
+                print(f"{label:12s} r{r} accuracy T={x['T']} H=4: output {x['out']:.4e} state {x['state']:.4e} "
+                      f"(bf16 floor {x['floor']:.4e})", flush=True)
+    base = trees[0][1]
+    print(f"\nbest graph us over the rounds, and over {base}'s:")
+    for _, label in trees:
+        got = best.get(label, {})
+        ratios = [got[s] / best[base][s] for s in got if s in best.get(base, {})]
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
+        cells = "  ".join(f"{s} {got[s]:.1f}" for s in got)
+        print(f"{label:12s} {cells}  geomean {geo:.3f}")
+
+
+if __name__ == "__main__":
+    main()
