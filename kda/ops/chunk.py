@@ -159,7 +159,8 @@ def _v_tiles(v: torch.Tensor, rows: int, cols: int):
     engine can address it (16-byte aligned base and strides, unit stride along V), else v itself (pointer
     loads)."""
     B, T, HV, V = v.shape
-    s_b, s_t, s_h, s_v = v.stride()
+    s_b, _, _, s_v = v.stride()
+    s_t, s_h = token_head_strides(v, T)  # the one stride of the flattened token axis (stride(0) when T == 1)
     size = v.element_size()
     if s_v != 1 or (B > 1 and s_b != T * s_t) or v.data_ptr() % 16 or (s_t * size) % 16 or (s_h * size) % 16:
         return v
