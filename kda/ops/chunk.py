@@ -5,7 +5,7 @@ gate pass where the plan has one), then the serial state walk (`kda.ops.chunk_wa
 
 Workspaces, token-major `[B*T, HV, *]` (gt per chunk): Qd, Kd, M = Xb^T Kr and N = A_qk Xb in the plan's
 workspace dtype (the walk's dot operands; the walk reads V from the input), A_kk in fp32 (split prepare), b2
-in fp32 (the gate pass), and with fp16 workspaces per chunk M's and N's two fp32 inverse scales
+in fp32 (the gate pass), and with fp16 workspaces per chunk M's and N's fp32 inverse scales and max|V|
 (`chunk_prepare._store_folded`).
 Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds.
 Prefix-cache checkpoints are stored by the walk (plain, or the segmented walk's output kernel) as it passes
@@ -78,7 +78,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     m_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     n_ws = torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
     gt_ws = torch.empty((max(n_chunks, 1), HV, K), dtype=torch.float32, device=dev)
-    # M's and N's scales for the fp16 walk (gt_ws: a stand-in the tf32 walk of fp32 workspaces never touches)
+    # M's and N's scales and max|V| for the fp16 walk (gt_ws: a stand-in the tf32 walk of fp32 workspaces never
+    # touches)
     sc_ws = (torch.empty((max(n_chunks, 1), HV, 4), dtype=torch.float32, device=dev) if ws_dtype == torch.float16
              else gt_ws)
 
@@ -134,10 +135,15 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
 
 
 @functools.lru_cache(maxsize=256)
-def _ragged_layout(shape: tuple, dtype: torch.dtype, rows: int, cols: int) -> tuple:
-    """(shape, strides, block) of Triton's ragged descriptor of a contiguous `[tokens, HV, C]` workspace with
-    tiles of [rows tokens, 1 head, cols], from `create_ragged_descriptor` itself (on a meta tensor)."""
-    desc = create_ragged_descriptor(torch.empty(shape, dtype=dtype, device="meta"), [rows, 1, cols])
+def _ragged_layout(shape: tuple, dtype: torch.dtype, rows: int, cols: int, strides: tuple | None = None) -> tuple:
+    """(shape, strides, block) of Triton's ragged descriptor of a `[tokens, HV, C]` tensor (contiguous, or of
+    `strides`) with tiles of [rows tokens, 1 head, cols], from `create_ragged_descriptor` itself (on a meta
+    tensor)."""
+    if strides is None:
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+    else:
+        meta = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+    desc = create_ragged_descriptor(meta, [rows, 1, cols])
     return list(desc.shape), list(desc.strides), list(desc.block_shape)
 
 
@@ -145,7 +151,7 @@ def _walk_tiles(plan: ChunkPlan, walk_ws: tuple, BK: int) -> tuple:
     """The plain walk's workspaces (N, Kd, the input v, Qd, M, gt, M's and N's scales) as its kernel takes them:
     with TMA, ragged descriptors (two leading dimensions whose strides wrap around 2^64: a load given a start
     token and a row count reads zeros past those rows, so a chunk stops at its sequence's end without a mask);
-    v stays a tensor (its strides are the caller's: the walk reads it by pointers)."""
+    v too where the copy engine can address it (`_v_tiles`), else the walk reads it by pointers."""
     if not plan.walk_tma:
         return walk_ws
     n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws = walk_ws
@@ -166,16 +172,8 @@ def _v_tiles(v: torch.Tensor, rows: int, cols: int):
         return v
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.padding = v, "zero"  # v itself: a recorded call finds its role (`kda.replay`) by the object
-    desc.shape, desc.strides, desc.block_shape = _ragged_view_layout((B * T, HV, V), (s_t, s_h, 1), v.dtype, rows,
-                                                                     cols)
+    desc.shape, desc.strides, desc.block_shape = _ragged_layout((B * T, HV, V), v.dtype, rows, cols, (s_t, s_h, 1))
     return desc
-
-
-@functools.lru_cache(maxsize=256)
-def _ragged_view_layout(shape: tuple, strides: tuple, dtype: torch.dtype, rows: int, cols: int) -> tuple:
-    """`_ragged_layout` of a strided `[tokens, HV, C]` view."""
-    desc = create_ragged_descriptor(torch.empty_strided(shape, strides, dtype=dtype, device="meta"), [rows, 1, cols])
-    return list(desc.shape), list(desc.strides), list(desc.block_shape)
 
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,

@@ -1,5 +1,5 @@
 """The state walk of `chunk_kda`: the serial part of the chunked form, after the prepare stage
-(`kda.ops.chunk_prepare`) has written Qd, Kd, M = Xb^T Kr, N = A_qk Xb, gt and M's and N's scales per chunk
+(`kda.ops.chunk_prepare`) has written Qd, Kd, M = Xb^T Kr, N = A_qk Xb, gt, M's and N's scales and max|V| per chunk
 (Xb = (I + A_kk)^-1 diag(beta), folded in by the prepare). Per chunk, K-first state S [K, V] (the loop body of
 `kda_reference.chunk.chunk_kda`, whose `V_new` = U = Xb D here), V read from the input itself:
 
@@ -85,7 +85,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     TMA: the workspaces are ragged tensor descriptors (`triton.tools.ragged_tma`) of `[tokens, HV, *]`, the
     tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K) read as zeros:
     no per-element addresses or masks, which the pointer loads spend most of their issue slots on. V comes
-    from the caller's input, whose strides need not suit a descriptor: pointer loads (i_c0 is unused)."""
+    from the caller's input: with V_TMA `v_h` is its ragged descriptor (columns o_c from i_c0), else a pointer
+    to this head's columns (its strides need not suit a descriptor)."""
     F16: tl.constexpr = (kd_ws.dtype if TMA else kd_ws.dtype.element_ty) == tl.float16
     BK: tl.constexpr = o_k.shape[0]
     BC: tl.constexpr = o_c.shape[0]
@@ -97,7 +98,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     # gt one chunk ahead: a plain load, so its latency would otherwise sit on the step's serial chain
     gt_ptr = gt_ws + (p_first * HV + i_hv) * K + o_k
     gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
-    if F16:  # M's and N's inverse scales, one chunk ahead as gt
+    if F16:  # M's and N's inverse scales and max|V|, one chunk ahead as gt
         sc_ptr = sc_ws + (p_first * HV + i_hv) * 4
         sm_next = tl.load(sc_ptr, mask=t_begin < t_end, other=0.0)
         sn_next = tl.load(sc_ptr + 1, mask=t_begin < t_end, other=0.0)
