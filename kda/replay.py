@@ -259,8 +259,8 @@ class Replay:
             for pos, off, shape, strides, padding, make, meta, j in desc_at:
                 if off.__class__ is int:
                     p = base + off
-                else:  # (role, offset from it): a caller's tensor, its alignment checked with the others'
-                    p = tensors[off[0]].data_ptr() + off[1]
+                else:  # (role,): a caller's tensor, its alignment checked with the others'
+                    p = tensors[off[0]].data_ptr()
                 if make is None:  # the launcher encodes it
                     vals[pos] = _Descriptor(p, shape, strides, padding)
                     continue
@@ -343,7 +343,7 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
                 r = role_of.get(id(base))
                 if r is not None:  # over a caller's tensor (the walk's v): its role's address, alignment checked
                     places.setdefault(r, [])
-                    at = (r, 0)
+                    at = (r,)
                 elif base.untyped_storage().data_ptr() in storage_of:
                     return
                 else:

@@ -78,8 +78,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     m_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     n_ws = torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
     gt_ws = torch.empty((max(n_chunks, 1), HV, K), dtype=torch.float32, device=dev)
-    # M's and N's scales and max|V| for the fp16 walk (gt_ws: a stand-in the tf32 walk of fp32 workspaces never
-    # touches)
+    # M's and N's scales and max|V| for the fp16 walk, a fourth slot for 16-byte rows (gt_ws: a stand-in the
+    # tf32 walk of fp32 workspaces never touches)
     sc_ws = (torch.empty((max(n_chunks, 1), HV, 4), dtype=torch.float32, device=dev) if ws_dtype == torch.float16
              else gt_ws)
 

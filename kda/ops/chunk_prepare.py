@@ -311,9 +311,9 @@ def _chunk_prepare_kernel(
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
     dot, the lower-left quadrant as another), Qd, Kd, gt stored, and Kr parked in M's rows until X is known.
-    With fp16 workspaces A_qk is held through the inverse in fp16 (as it was stored for the walk before the
-    inverse was folded in; compiled for sm_90 it fits without spills, where parking it in N's rows cost a
-    write, a read and a barrier); with fp32 ones it is parked in N's rows. Then Xb = X diag(beta),
+    With fp16 workspaces A_qk is held through the inverse in fp16 registers (compiled for sm_90 it fits
+    without spills; parking it in N's rows costs a write, a read and a barrier); with fp32 ones it is parked
+    in N's rows. Then Xb = X diag(beta),
     N = A_qk Xb, and M = Xb^T Kr over M's own rows (`_store_folded`). V is read only for its maximum (fp16
     workspaces: the walk's bound on D).
     DOT_PREC is the precision of this kernel's dots (ieee or tf32); CUMSUM_DTYPE that of b2 (fp64 with fp32

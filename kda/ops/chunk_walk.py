@@ -269,8 +269,8 @@ def _chunk_state_kernel(
     V_TMA: tl.constexpr = False,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
-    TMA: the workspaces come as ragged descriptors (`_walk`); v (token stride s_vt, head stride s_vh) is read
-    by pointers either way.
+    TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
+    by pointers (token stride s_vt, head stride s_vh).
     SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
     (`short_route`), and program i_n walks the i_n-th of the others (`kept_item`).
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
