@@ -269,6 +269,26 @@ def test_fp16_walk_scales_u_within_range(regime, device):
     assert rel_err(s, rs) < NARROW_STATE_TOL
 
 
+@pytest.mark.parametrize("gate_pass", [True, False])
+def test_max_v_of_every_v_slice_bounds_d(gate_pass, device):
+    """max|V| per chunk, the term of D's fp16 scale that the fused prepare reduces from V in column slices
+    (V = 48: a second slice of 32 columns masked past V), with b2 from the gate pass or its own cumsum:
+    one value at 3e4 in V's last column, the rest near 1, no initial state. A slice or column left out of
+    the maximum would scale D for values near 1 and turn that entry inf."""
+    B, T, H, HV, K, V = 1, 130, 1, 1, 64, 48
+    q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, gate="lower_bound",
+                                       device=device, seed=33)
+    kw.update(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    v = v.clone()
+    v[0, 70, 0, V - 1] = 3e4  # in the second chunk
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kw))
+    o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(cumsum_fp64=False, gate_pass=gate_pass), **kw)
+    assert plan.gate_pass == gate_pass and plan.prepare == "fused" and plan.ws_dtype == torch.float16
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, ro) <= kernel_bound(rounding_floor(ro, torch.bfloat16), torch.bfloat16)
+    assert rel_err(s, rs) < NARROW_STATE_TOL
+
+
 def test_out_is_written_in_place_and_equals_fresh_output(device):
     q, k, v, g, beta, kw = make_inputs(2, 33, 1, 1, 16, 16, device=device, seed=2)
     o1, _ = kda.chunk_kda(q, k, v, g, beta, **kw)
