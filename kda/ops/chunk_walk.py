@@ -90,6 +90,9 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     F16: tl.constexpr = (kd_ws.dtype if TMA else kd_ws.dtype.element_ty) == tl.float16
     BK: tl.constexpr = o_k.shape[0]
     BC: tl.constexpr = o_c.shape[0]
+    # Kd S and Qd S as one [2 BT, BK] x [BK, BC] dot: the step waits on one tensor-core round trip for both
+    # (each dot's result is awaited where it is issued). Columns of 64 spill with it and walk slower.
+    KQ: tl.constexpr = F16 and WRITE_O and BC <= 32
     o_t = tl.arange(0, BT)
     # int32 offsets inside a chunk from int64 chunk bases: 64-bit per-element addresses cost registers
     ws_k = o_t[:, None] * (HV * K) + o_k[None, :]
@@ -142,7 +145,16 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             inv_ps = 1.0 / ps
             pd = pow2_of(v_max + (K ** 0.5) * (32768.0 * inv_ps))
             # D pd formed scaled, V pd - (Kd Sr) pd / ps: one rounding as in V - Kd S, every factor a power of two
-            Dd = tl.dot(kd, Sr) * (-pd * inv_ps)
+            if KQ:
+                if TMA:
+                    qd = tl.reshape(load_ragged(qd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
+                else:
+                    qd = tl.load(qd_ws + base_k + ws_k, mask=m_k, other=0.0)
+                kq = tl.reshape(tl.permute(tl.join(kd, qd), (2, 0, 1)), [2 * BT, BK])  # [Kd; Qd]
+                kd_s, qd_s = tl.split(tl.permute(tl.reshape(tl.dot(kq, Sr), [2, BT, BC]), (1, 2, 0)))
+                Dd = kd_s * (-pd * inv_ps)
+            else:
+                Dd = tl.dot(kd, Sr) * (-pd * inv_ps)
             if HAS_V:
                 Dd += vt.to(tl.float32) * pd
             Dr = Dd.to(tl.float16)
@@ -155,15 +167,20 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             Dr = tf32_round(D, DOT_PREC)
         if WRITE_O:
             if TMA:
-                qd = tl.reshape(load_ragged(qd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
+                if not KQ:
+                    qd = tl.reshape(load_ragged(qd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
                 nt = tl.reshape(load_ragged(n_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BT])
             else:
-                qd = tl.load(qd_ws + base_k + ws_k, mask=m_k, other=0.0)
+                if not KQ:
+                    qd = tl.load(qd_ws + base_k + ws_k, mask=m_k, other=0.0)
                 # the prepare stored N's rows whole, zeros above the diagonal
                 nt = tl.load(n_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
                              mask=row_ok[:, None], other=0.0)
             if F16:
-                out = tl.dot(qd, Sr) * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
+                if KQ:
+                    out = qd_s * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
+                else:
+                    out = tl.dot(qd, Sr) * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
             else:
                 out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
                        + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
