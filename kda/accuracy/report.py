@@ -463,7 +463,9 @@ def _paged_md(report: dict) -> list[str]:
           f"with has_initial_state = False (sequences {p['fresh']}) vs the dense call from zeros; `padding`: "
           f"sequence {p['padding_sequence']} with slot -1 gets zero rows, its slot and the unnamed ones keep "
           "their bits, the others vs the dense call.", ""]
-    L += ["**Contract.** `kda.chunk_kda`: paged == dense bit for bit at any slot stride. "
+    L += ["**Contract.** `kda.chunk_kda`: paged == dense bit for bit at any slot stride for the sequences its "
+          "chunk kernels walk (its odd-stride calls here run without host bounds); with host bounds, sequences "
+          "of 1..16 tokens go to the recurrent loop kernel and follow `kda.fused_recurrent_kda`'s contract. "
           "`kda.fused_recurrent_kda`: bit for bit when the pool's stride(0) is a multiple of 16 elements (every "
           "contiguous pool, and padding by a multiple of 16); with another padding the two agree to rounding, "
           "not bitwise. Cause: with such a stride Triton cannot prove the state planes 16-byte aligned, so the "
