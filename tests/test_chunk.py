@@ -269,12 +269,12 @@ def test_fp16_walk_scales_u_within_range(regime, device):
     assert rel_err(s, rs) < NARROW_STATE_TOL
 
 
-@pytest.mark.parametrize("gate_pass", [True, False])
-def test_max_v_of_every_v_slice_bounds_d(gate_pass, device):
-    """max|V| per chunk, the term of D's fp16 scale that the fused prepare reduces from V in column slices
-    (V = 48: a second slice of 32 columns masked past V), with b2 from the gate pass or its own cumsum:
-    one value at 3e4 in V's last column, the rest near 1, no initial state. A slice or column left out of
-    the maximum would scale D for values near 1 and turn that entry inf."""
+@pytest.mark.parametrize("prepare", ["fused", "split"])
+def test_max_v_of_every_v_slice_bounds_d(prepare, device):
+    """max|V| per chunk, the term of D's fp16 scale that either prepare form reduces from V in column slices
+    (`chunk_prepare._store_folded`; V = 48: a second slice of 32 columns masked past V): one value at 3e4
+    in V's last column, the rest near 1, no initial state. A slice or column left out of the maximum would
+    scale D for values near 1 and turn that entry inf."""
     B, T, H, HV, K, V = 1, 130, 1, 1, 64, 48
     q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, gate="lower_bound",
                                        device=device, seed=33)
@@ -282,8 +282,8 @@ def test_max_v_of_every_v_slice_bounds_d(gate_pass, device):
     v = v.clone()
     v[0, 70, 0, V - 1] = 3e4  # in the second chunk
     ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kw))
-    o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(cumsum_fp64=False, gate_pass=gate_pass), **kw)
-    assert plan.gate_pass == gate_pass and plan.prepare == "fused" and plan.ws_dtype == torch.float16
+    o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(prepare=prepare), **kw)
+    assert plan.prepare == prepare and plan.ws_dtype == torch.float16
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     assert rel_err(o, ro) <= kernel_bound(rounding_floor(ro, torch.bfloat16), torch.bfloat16)
     assert rel_err(s, rs) < NARROW_STATE_TOL
@@ -614,12 +614,11 @@ def test_walk_tma_loads_equal_pointer_loads(dtype, device):
     for name in ("wide v", "v off"):
         assert torch.equal(bits(runs[name][0]), bits(runs["tma"][0]))
         assert torch.equal(bits(runs[name][1]), bits(runs["tma"][1]))
-    runs[True], runs[False] = runs["tma"], runs["pointers"]
     if device == "cpu":  # the interpreter emulates TMA: the CPU suite runs the default path
         assert chunk_plan(checked_call(kda.chunk_kda, q, k, v, g, beta, state_cache=pool0, state_indices=idx,
                                        has_initial_state=has, state_v_first=False, **kw)).walk_tma
-    assert torch.equal(bits(runs[True][0]), bits(runs[False][0]))
-    assert torch.equal(bits(runs[True][1]), bits(runs[False][1]))
+    assert torch.equal(bits(runs["tma"][0]), bits(runs["pointers"][0]))
+    assert torch.equal(bits(runs["tma"][1]), bits(runs["pointers"][1]))
 
 
 @pytest.mark.parametrize("contract,dtype", [("dense", torch.float32), ("dense", torch.bfloat16),

@@ -205,22 +205,22 @@ def paged_vs_dense(ctx: Context, part: dict | None = None) -> list[dict]:
                                        and same_bits(pool[others_d], before[others_d]))
         return r
 
+    def dense_runs(kern: str, h: torch.Tensor, kw: dict) -> dict:
+        """The dense calls the paged ones are compared with: from `h`, and from zeros in the fresh sequences."""
+        o_d, s_d = call(kern, *inp.args(), initial_state=h.clone(), output_final_state=True, **kw)
+        h_zero = h.clone()
+        h_zero[fresh_d] = 0
+        o_z, s_z = call(kern, *inp.args(), initial_state=h_zero, output_final_state=True, **kw)
+        return dict(out=o_d, state=s_d, dirty_out=o_z, dirty_state=s_z, padding_out=o_d[:, keep],
+                    padding_state=s_d[live])
+
     out = []
     for st_name in pick(P.contract_states, part, "state"):
         st = DTYPES[st_name]
         h = h0.to(st).to(dev)
         o_ref, s_ref, method = exact(inp, initial_state=h, state_v_first=True, cu_seqlens=cu)
-        h_zero = h.clone()
-        h_zero[fresh_d] = 0
-
-        def dense_runs(kern: str, kw: dict) -> dict:
-            o_d, s_d = call(kern, *inp.args(), initial_state=h.clone(), output_final_state=True, **kw)
-            o_z, s_z = call(kern, *inp.args(), initial_state=h_zero.clone(), output_final_state=True, **kw)
-            return dict(out=o_d, state=s_d, dirty_out=o_z, dirty_state=s_z, padding_out=o_d[:, keep],
-                        padding_state=s_d[live])
-
         for kern in KERNEL_NAMES:
-            dense = dense_runs(kern, kw)
+            dense = dense_runs(kern, h, kw)
             o_d, s_d = dense["out"], dense["state"]
             # aligned stride: paged == dense bit for bit, both kernels
             aligned = paged_runs(kern, h, st, ALIGNED_PAD)
@@ -230,7 +230,7 @@ def paged_vs_dense(ctx: Context, part: dict | None = None) -> list[dict]:
             # both get the bound checks (bitwise implies them).
             if kern == "chunk":
                 kw_odd = {n: x for n, x in kw.items() if n != "cu_seqlens_cpu"}
-                dense = dense_runs(kern, kw_odd)
+                dense = dense_runs(kern, h, kw_odd)
                 odd = paged_runs(kern, h, st, ODD_PAD, kw_odd)
             else:
                 odd = paged_runs(kern, h, st, ODD_PAD)

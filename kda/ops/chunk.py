@@ -170,10 +170,8 @@ def _v_tiles(v: torch.Tensor, rows: int, cols: int):
     size = v.element_size()
     if s_v != 1 or (B > 1 and s_b != T * s_t) or v.data_ptr() % 16 or (s_t * size) % 16 or (s_h * size) % 16:
         return v
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.padding = v, "zero"  # v itself: a recorded call finds its role (`kda.replay`) by the object
-    desc.shape, desc.strides, desc.block_shape = _ragged_layout((B * T, HV, V), v.dtype, rows, cols, (s_t, s_h, 1))
-    return desc
+    # over v itself, not a view: a recorded call finds its role (`kda.replay`) by the object
+    return _ragged(v, rows, cols, (B * T, HV, V), (s_t, s_h, 1))
 
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
@@ -195,13 +193,16 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
     )
 
 
-def _ragged(ws: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
-    """The ragged descriptor of a fresh contiguous workspace, its layout cached on the shape: building one
-    with `create_ragged_descriptor` costs about 10 us of host time, its checks (alignment, contiguity) hold
-    for every workspace this module allocates."""
+def _ragged(base: torch.Tensor, rows: int, cols: int, shape: tuple | None = None,
+            strides: tuple | None = None) -> TensorDescriptor:
+    """The ragged descriptor of `base` seen as `[tokens, HV, C]` (`shape`, `strides`; default: a fresh
+    contiguous workspace as it is), its layout cached: building one with `create_ragged_descriptor` costs
+    about 10 us of host time, and its checks (alignment, strides) hold for every workspace this module
+    allocates and for the v that `_v_tiles` passes."""
     desc = object.__new__(TensorDescriptor)
-    desc.base, desc.padding = ws, "zero"
-    desc.shape, desc.strides, desc.block_shape = _ragged_layout(tuple(ws.shape), ws.dtype, rows, cols)
+    desc.base, desc.padding = base, "zero"
+    desc.shape, desc.strides, desc.block_shape = _ragged_layout(shape or tuple(base.shape), base.dtype, rows, cols,
+                                                                strides)
     return desc
 
 

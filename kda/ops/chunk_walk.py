@@ -135,10 +135,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                 vt = tl.load(v_h + t0 * s_vt + v_off, mask=m_c, other=0.0)
         elif F16:
             v_max = 0.0  # the operator's columns: no V
-        if TMA:
-            kd = tl.reshape(load_ragged(kd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
-        else:
-            kd = tl.load(kd_ws + base_k + ws_k, mask=m_k, other=0.0)
+        kd = _k_tile(kd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
         if F16:
             ps = pow2_scale(S)
             Sr = (S * ps).to(tl.float16)
@@ -146,10 +143,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             pd = pow2_of(v_max + (K ** 0.5) * (32768.0 * inv_ps))
             # D pd formed scaled, V pd - (Kd Sr) pd / ps: one rounding as in V - Kd S, every factor a power of two
             if KQ:
-                if TMA:
-                    qd = tl.reshape(load_ragged(qd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
-                else:
-                    qd = tl.load(qd_ws + base_k + ws_k, mask=m_k, other=0.0)
+                qd = _k_tile(qd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
                 kq = tl.reshape(tl.permute(tl.join(kd, qd), (2, 0, 1)), [2 * BT, BK])  # [Kd; Qd]
                 kd_s, qd_s = tl.split(tl.permute(tl.reshape(tl.dot(kq, Sr), [2, BT, BC]), (1, 2, 0)))
                 Dd = kd_s * (-pd * inv_ps)
@@ -166,30 +160,24 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                 D += vt.to(tl.float32)
             Dr = tf32_round(D, DOT_PREC)
         if WRITE_O:
+            if not KQ:
+                qd = _k_tile(qd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
             if TMA:
-                if not KQ:
-                    qd = tl.reshape(load_ragged(qd_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
                 nt = tl.reshape(load_ragged(n_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BT])
             else:
-                if not KQ:
-                    qd = tl.load(qd_ws + base_k + ws_k, mask=m_k, other=0.0)
                 # the prepare stored N's rows whole, zeros above the diagonal
                 nt = tl.load(n_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
                              mask=row_ok[:, None], other=0.0)
             if F16:
-                if KQ:
-                    out = qd_s * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
-                else:
-                    out = tl.dot(qd, Sr) * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
+                if not KQ:
+                    qd_s = tl.dot(qd, Sr)
+                out = qd_s * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
             else:
                 out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
                        + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
             tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
                      mask=m_c)
-        if TMA:
-            mt = tl.reshape(load_ragged(m_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BK])
-        else:
-            mt = tl.load(m_ws + base_k + ws_k, mask=m_k, other=0.0)
+        mt = _k_tile(m_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
         if F16:
             S = S * gt[:, None] + tl.dot(tl.trans(mt), Dr) * (s_m * inv_pd)
         else:
@@ -204,6 +192,16 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                 ck_at += ck_every
                 ck_slot = tl.load(ck_row + ck_j, mask=ck_j < n_ck, other=-1).to(tl.int64)
     return S
+
+
+@triton.jit
+def _k_tile(ws, t0_32, n_in, i_hv, offs, mask, TMA: tl.constexpr):
+    """A chunk's [BT, BK] tile of a K-wide workspace (Kd, Qd, M): by TMA from its ragged descriptor `ws`
+    (rows past the sequence read 0), or at pointer offsets `offs` under `mask`."""
+    if TMA:
+        return tl.reshape(load_ragged(ws, t0_32, n_in, [0, i_hv, 0]), offs.shape)
+    else:
+        return tl.load(ws + offs, mask=mask, other=0.0)
 
 
 @triton.jit
