@@ -91,6 +91,30 @@ def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
+def _qk_inv_norms(k_ptr, q_ptr, rows, row_mask, s_kt, s_qt, K: tl.constexpr, BK: tl.constexpr):
+    """`_qk_inv_norm` of k and of q in one pass over K (their tiles' loads issued together); the same sums
+    in the same order, so the same bits."""
+    ssk = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = tile_mask(row_mask, cols < K, K % BK == 0)
+        x = tl.load(k_ptr + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.load(q_ptr + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        ssk += tl.sum(x * x, 1)
+        ssq += tl.sum(y * y, 1)
+    return 1.0 / tl.sqrt(ssk + 1e-6), 1.0 / tl.sqrt(ssq + 1e-6)
+
+
+@triton.jit
+def _first_half(x):
+    """x[:n/2] of a [n] vector."""
+    n: tl.constexpr = x.shape[0]
+    a, _ = tl.split(tl.permute(tl.reshape(x, [2, n // 2]), (1, 0)))
+    return a
+
+
+@triton.jit
 def _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID: tl.constexpr):
     """beta of `rows` for value head i_hv in fp32 (sigmoid applied in the kernel if asked), 0 past the
     sequence."""
@@ -190,7 +214,10 @@ def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, r
             v_abs = tl.maximum(v_abs, tl.abs(tl.load(v_c + o_t[:, None] * s_vt + cols[None, :], mask=m,
                                                      other=0.0).to(tl.float32)))
         v_max = tl.max(v_abs)
-    N = tl.dot(tf32_round(A_qk.to(tl.float32), PREC), Xb, input_precision=PREC)
+    if A_qk.dtype == tl.float16:  # exact in tf32: no rounding
+        N = tl.dot(A_qk.to(tl.float32), Xb, input_precision=PREC)
+    else:
+        N = tl.dot(tf32_round(A_qk, PREC), Xb, input_precision=PREC)
     if F16:
         pn = pow2_scale(N)
         pm = pow2_of(tl.max(tl.sum(tl.abs(Xb), 0)))
@@ -202,7 +229,9 @@ def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, r
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         m = tile_mask(row_ok, cols < K, EVEN_K)
-        kr = tf32_round(tl.load(m_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32), PREC)
+        kr = tl.load(m_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if not F16:  # an fp16 Kr is exact in tf32
+            kr = tf32_round(kr, PREC)
         tl.debug_barrier()  # read by every thread before it is overwritten
         M = tl.dot(XbT, kr, input_precision=PREC)
         if F16:
@@ -221,24 +250,28 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
     diagonal blocks by their finite series with tf32 dots (below; forward substitution with fp32 ones, which
     run on the FMA units and spill more as two more dots), then one merge per doubling of the block width: for
     M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1), M^-1 = D - D E D with E = [[0, 0], [C, 0]] (block forward
-    substitution written as two dots). Every dot takes operands rounded to nearest at PREC, as X is in the
-    merges anyway; the series' terms stay small (entries of L are at most |beta| in magnitude, and a 4 x 4
-    block's square and cube have at most two and one terms per entry), so little is lost to cancellation
+    substitution written as two dots). Unlike the K loop's and the fold's dots (A_qk's dots on truncated
+    operands had raised the output error from 2.00e-3 to 2.43e-3), these take their fp32 operands as the
+    tensor cores truncate them: rounding them to nearest first cost 1.3% of the calls' time and changed no
+    error in the fourth digit (docs/performance.md). The series' terms stay small (entries of L are at most |beta| in magnitude, and a
+    4 x 4 block's square and cube have at most two and one terms per entry), so little is lost to cancellation
     (forward substitution in fp32 on [NB, BC, BC] tiles gave the same accuracy, also with correlated keys
     and beta up to 1.9, and took 2.4% longer at 1x16384 H=32: docs/performance.md)."""
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
-    rb = o_t[:, None] // BC
-    cb = o_t[None, :] // BC
+    r = o_t[:, None]
+    c = o_t[None, :]
+    # every dot below takes L itself as its row operand (one conversion to the dot's register layout for
+    # all of them), the block structure applied to X's rows and to the products instead
     if PREC == "tf32":
         # the diagonal blocks' inverse as the series I - Ld + Ld^2 - ... (Ld^BC = 0: Ld is strictly lower
-        # inside BC x BC blocks), by X <- I - Ld X from X = I - Ld: BC - 2 tensor-core dots, no 3-D tiles
-        eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-        Ld = tl.where(rb == cb, L, 0.0)
-        X = eye - Ld
-        Ldr = tf32_round(Ld, PREC)
+        # inside BC x BC blocks), by X <- I - Ld X from X = I - Ld: BC - 2 tensor-core dots, no 3-D tiles.
+        # X is block diagonal, so Ld X is L X on the diagonal blocks (L's other blocks meet zeros)
+        eye = tl.where(r == c, 1.0, 0.0)
+        blk = r // BC == c // BC
+        X = eye - tl.where(blk, L, 0.0)
         for _ in tl.static_range(2, BC):
-            X = eye - tl.dot(Ldr, tf32_round(X, PREC), input_precision=PREC)
+            X = eye - tl.where(blk, tl.dot(L, X, input_precision=PREC), 0.0)
     else:  # fp32 dots run on the FMA units: forward substitution, all blocks at once in [NB, BC, BC] tiles
         o_b = tl.arange(0, NB)
         same_blk = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]
@@ -247,12 +280,13 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
         X = tl.reshape(tl.where(same_blk, tl.reshape(X3, [NB, BC, 1, BC]), 0.0), [BT, BT])
     for lvl in tl.static_range(0, 4):
         if (1 << lvl) < NB:
-            # blocks of width BC 2^lvl: E holds L's blocks just below the diagonal of every pair
-            w = 1 << lvl
-            E = tl.where(((rb // w) == (cb // w) + 1) & ((rb // w) % 2 == 1), L, 0.0)
-            Xr = tf32_round(X, PREC)
-            ED = tl.dot(tf32_round(E, PREC), Xr, input_precision=PREC)
-            X = X - tl.dot(Xr, tf32_round(ED, PREC), input_precision=PREC)
+            # X block diagonal in blocks of w rows; E holds L's blocks just below the diagonal of every pair,
+            # so E X is L times X's rows of the pairs' upper blocks, kept in the pairs' lower-left blocks
+            w = BC << lvl
+            Xu = tl.where((r // w) % 2 == 0, X, 0.0)
+            lower_left = (r // (2 * w) == c // (2 * w)) & ((r // w) % 2 == 1) & ((c // w) % 2 == 0)
+            ED = tl.where(lower_left, tl.dot(L, Xu, input_precision=PREC), 0.0)
+            X = X - tl.dot(X, ED, input_precision=PREC)
     return X
 
 
@@ -336,8 +370,8 @@ def _chunk_prepare_kernel(
     g_h = g + t0 * s_gt + i_hv * s_gh
     ws_base = (t0 * HV + i_hv) * K
     HALF: tl.constexpr = BT // 2
-    rk = _qk_inv_norm(k_h, o_t, row_ok, s_kt, K, BK, True)
-    rq = _qk_inv_norm(q_h, o_t, row_ok, s_qt, K, BK, True) * scale
+    rk, rq = _qk_inv_norms(k_h, q_h, o_t, row_ok, s_kt, s_qt, K, BK)
+    rq = rq * scale
     b_beta = _load_beta(beta + t0 * s_bt, o_t, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
     first_half = (o_t < HALF)[:, None]
@@ -345,7 +379,7 @@ def _chunk_prepare_kernel(
     # the lower-left quadrant (bottom rows against top columns) has its own [BT, HALF] accumulators
     o_h = tl.arange(0, HALF)
     top_ok = o_h < n_rows
-    rk_t = _qk_inv_norm(k_h, o_h, top_ok, s_kt, K, BK, True)
+    rk_t = _first_half(rk)
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
     X_kk = tl.zeros([BT, HALF], dtype=tl.float32)
