@@ -250,10 +250,9 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
     diagonal blocks by their finite series with tf32 dots (below; forward substitution with fp32 ones, which
     run on the FMA units and spill more as two more dots), then one merge per doubling of the block width: for
     M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1), M^-1 = D - D E D with E = [[0, 0], [C, 0]] (block forward
-    substitution written as two dots). Unlike the K loop's and the fold's dots (A_qk's dots on truncated
-    operands had raised the output error from 2.00e-3 to 2.43e-3), these take their fp32 operands as the
-    tensor cores truncate them: rounding them to nearest first cost 1.3% of the calls' time and changed no
-    error in the fourth digit (docs/performance.md). The series' terms stay small (entries of L are at most |beta| in magnitude, and a
+    substitution written as two dots). Every dot takes operands rounded to nearest at PREC (taken as the
+    tensor cores truncate them, the final-state error of the ill-conditioned `correlated_keys` inputs rose
+    from 1.87e-3 to 1.98e-3 for 1.3% of the calls' time: docs/performance.md). The series' terms stay small (entries of L are at most |beta| in magnitude, and a
     4 x 4 block's square and cube have at most two and one terms per entry), so little is lost to cancellation
     (forward substitution in fp32 on [NB, BC, BC] tiles gave the same accuracy, also with correlated keys
     and beta up to 1.9, and took 2.4% longer at 1x16384 H=32: docs/performance.md)."""
@@ -263,6 +262,7 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
     c = o_t[None, :]
     # every dot below takes L itself as its row operand (one conversion to the dot's register layout for
     # all of them), the block structure applied to X's rows and to the products instead
+    Lr = tf32_round(L, PREC)
     if PREC == "tf32":
         # the diagonal blocks' inverse as the series I - Ld + Ld^2 - ... (Ld^BC = 0: Ld is strictly lower
         # inside BC x BC blocks), by X <- I - Ld X from X = I - Ld: BC - 2 tensor-core dots, no 3-D tiles.
@@ -271,7 +271,7 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
         blk = r // BC == c // BC
         X = eye - tl.where(blk, L, 0.0)
         for _ in tl.static_range(2, BC):
-            X = eye - tl.where(blk, tl.dot(L, X, input_precision=PREC), 0.0)
+            X = eye - tl.where(blk, tl.dot(Lr, tf32_round(X, PREC), input_precision=PREC), 0.0)
     else:  # fp32 dots run on the FMA units: forward substitution, all blocks at once in [NB, BC, BC] tiles
         o_b = tl.arange(0, NB)
         same_blk = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]
@@ -283,10 +283,11 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
             # X block diagonal in blocks of w rows; E holds L's blocks just below the diagonal of every pair,
             # so E X is L times X's rows of the pairs' upper blocks, kept in the pairs' lower-left blocks
             w = BC << lvl
-            Xu = tl.where((r // w) % 2 == 0, X, 0.0)
+            Xr = tf32_round(X, PREC)
+            Xu = tl.where((r // w) % 2 == 0, Xr, 0.0)
             lower_left = (r // (2 * w) == c // (2 * w)) & ((r // w) % 2 == 1) & ((c // w) % 2 == 0)
-            ED = tl.where(lower_left, tl.dot(L, Xu, input_precision=PREC), 0.0)
-            X = X - tl.dot(X, ED, input_precision=PREC)
+            ED = tl.where(lower_left, tl.dot(Lr, Xu, input_precision=PREC), 0.0)
+            X = X - tl.dot(Xr, tf32_round(ED, PREC), input_precision=PREC)
     return X
 
 
