@@ -76,15 +76,21 @@ def _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.con
 
 
 @triton.jit
+def _row_ssq(x_ptr, rows, row_mask, stride_t, k0, K: tl.constexpr, BK: tl.constexpr):
+    """sum of x^2 per row over the K slice [k0, k0 + BK) (0 past K and outside `row_mask`)."""
+    cols = k0 + tl.arange(0, BK)
+    m = tile_mask(row_mask, cols < K, K % BK == 0)
+    x = tl.load(x_ptr + rows[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return tl.sum(x * x, 1)
+
+
+@triton.jit
 def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
     """1 / sqrt(sum x^2 + 1e-6) per row (l2norm), or ones."""
     if USE_L2NORM:
         ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
         for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            m = tile_mask(row_mask, cols < K, K % BK == 0)
-            x = tl.load(x_ptr + rows[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            ssq += tl.sum(x * x, 1)
+            ssq += _row_ssq(x_ptr, rows, row_mask, stride_t, k0, K, BK)
         return 1.0 / tl.sqrt(ssq + 1e-6)
     else:
         return tl.full([rows.shape[0]], 1.0, dtype=tl.float32)
@@ -97,12 +103,8 @@ def _qk_inv_norms(k_ptr, q_ptr, rows, row_mask, s_kt, s_qt, K: tl.constexpr, BK:
     ssk = tl.zeros([rows.shape[0]], dtype=tl.float32)
     ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        m = tile_mask(row_mask, cols < K, K % BK == 0)
-        x = tl.load(k_ptr + rows[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        y = tl.load(q_ptr + rows[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        ssk += tl.sum(x * x, 1)
-        ssq += tl.sum(y * y, 1)
+        ssk += _row_ssq(k_ptr, rows, row_mask, s_kt, k0, K, BK)
+        ssq += _row_ssq(q_ptr, rows, row_mask, s_qt, k0, K, BK)
     return 1.0 / tl.sqrt(ssk + 1e-6), 1.0 / tl.sqrt(ssq + 1e-6)
 
 
@@ -252,10 +254,11 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
     M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1), M^-1 = D - D E D with E = [[0, 0], [C, 0]] (block forward
     substitution written as two dots). Every dot takes operands rounded to nearest at PREC (taken as the
     tensor cores truncate them, the final-state error of the ill-conditioned `correlated_keys` inputs rose
-    from 1.87e-3 to 1.98e-3 for 1.3% of the calls' time: docs/performance.md). The series' terms stay small (entries of L are at most |beta| in magnitude, and a
-    4 x 4 block's square and cube have at most two and one terms per entry), so little is lost to cancellation
-    (forward substitution in fp32 on [NB, BC, BC] tiles gave the same accuracy, also with correlated keys
-    and beta up to 1.9, and took 2.4% longer at 1x16384 H=32: docs/performance.md)."""
+    from 1.87e-3 to 1.98e-3 for 1.3% of the calls' time: docs/performance.md). The series' terms stay small
+    (entries of L are at most |beta| in magnitude, and a 4 x 4 block's square and cube have at most two and
+    one terms per entry), so little is lost to cancellation (forward substitution in fp32 on [NB, BC, BC]
+    tiles gave the same accuracy, also with correlated keys and beta up to 1.9, and took 2.4% longer at
+    1x16384 H=32: docs/performance.md)."""
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
     r = o_t[:, None]
