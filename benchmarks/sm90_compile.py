@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kda.ops import chunk_prepare, chunk_walk, fused_recurrent  # noqa: E402
-from kda.plan import CHUNK, FUSED_SUB, _chunk_plan, _decode_plan  # noqa: E402
+from kda.plan import CHUNK, FUSED_SUB, WAIT_CHUNKS, _chunk_plan, _decode_plan  # noqa: E402
 
 K = V = 128
 H_CHUNK = 32  # value heads of the prefill cases (1x16384 H=32)
@@ -47,27 +47,27 @@ def _decode(v_first: bool, dtype: torch.dtype):
     return _decode_plan(K, V, v_first, dtype, True, False)
 
 
-def gate_case():
+def gate_case(signal: int = 0):
     plan = _chunk()
-    ptrs = dict(g="fp32", A_log="fp32", dt_bias="fp32", cu_seqlens="i32", b2_ws="fp32", gt_ws="fp32")
+    ptrs = dict(g="fp32", A_log="fp32", dt_bias="fp32", cu_seqlens="i32", b2_ws="fp32", gt_ws="fp32", ready="i32")
     consts = dict(HV=H_CHUNK, K=K, BT=CHUNK, BK=plan.prepare_BK, IS_VARLEN=False, HAS_A_LOG=True, HAS_DT_BIAS=True,
-                  SHORT=0)
+                  SHORT=0, SIGNAL_CHUNKS=signal)
     return chunk_prepare._chunk_gate_kernel, ptrs, consts, dict(N=1), 4, 1
 
 
-def prepare_case():
+def prepare_case(signal: int = 0):
     plan = _chunk()
     ws = "fp16" if plan.ws_dtype == torch.float16 else "fp32"
     ptrs = dict(q="bf16", k="bf16", v="bf16", g="fp32", beta="bf16", A_log="fp32", dt_bias="fp32", cu_seqlens="i32",
-                kd_ws=ws, qd_ws=ws, m_ws=ws, n_ws=ws, gt_ws="fp32", b2_ws="fp32", sc_ws="fp32")
+                kd_ws=ws, qd_ws=ws, m_ws=ws, n_ws=ws, gt_ws="fp32", b2_ws="fp32", sc_ws="fp32", ready="i32")
     consts = dict(H=H_CHUNK, HV=H_CHUNK, K=K, V=V, BT=CHUNK, BC=FUSED_SUB, BK=plan.prepare_BK,
                   IS_VARLEN=False, HAS_A_LOG=True, HAS_DT_BIAS=True, SHORT=0, USE_BETA_SIGMOID=True,
                   DOT_PREC=plan.dot_prec, CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32,
-                  B2_FROM_WS=plan.gate_pass)
+                  B2_FROM_WS=plan.gate_pass, SIGNAL_CHUNKS=signal)
     return chunk_prepare._chunk_prepare_kernel, ptrs, consts, dict(N=1, s_bh=1), plan.prepare_warps, 1
 
 
-def walk_case(walk_bv: int):
+def walk_case(walk_bv: int, wait: int = 0):
     plan = _chunk(walk_bv)
     assert plan.walk_tma
     ws = "fp16" if plan.ws_dtype == torch.float16 else "fp32"
@@ -78,10 +78,10 @@ def walk_case(walk_bv: int):
     # v: the input's ragged descriptor (`chunk._v_tiles`), [BT, 1, BV] tiles
     ptrs = dict(o="bf16", cu_seqlens="i32", n_ws=desc(ws, CHUNK), kd_ws=desc(ws, K), v=desc("bf16", walk_bv),
                 qd_ws=desc(ws, K), m_ws=desc(ws, K), gt_ws="fp32", sc_ws="fp32", state_src="fp32", state_dst="fp32",
-                slot_of_seq="i32", has_initial_state="i1", checkpoint_indices="i32", errors="i32")
+                slot_of_seq="i32", has_initial_state="i1", checkpoint_indices="i32", errors="i32", ready="i32")
     consts = dict(HV=H_CHUNK, K=K, V=V, BT=CHUNK, BK=K, BV=walk_bv, IS_VARLEN=False, HAS_SRC=True, HAS_DST=True,
                   PAGED=False, HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC=plan.dot_prec, HAS_CHECKPOINTS=False,
-                  HAS_ERRORS=False, SHORT=0, TMA=True, V_TMA=True)
+                  HAS_ERRORS=False, SHORT=0, TMA=True, V_TMA=True, WAIT_CHUNKS=wait, FENCE=wait > 0)
     return chunk_walk._chunk_state_kernel, ptrs, consts, dict(N=1, n_slots=1), plan.walk_warps, plan.walk_stages
 
 
@@ -105,6 +105,9 @@ CASES = {
     "prepare": prepare_case,
     "walk": lambda: walk_case(32),
     "walk-bv64": lambda: walk_case(64),
+    "gate-signal": lambda: gate_case(WAIT_CHUNKS),
+    "prepare-signal": lambda: prepare_case(WAIT_CHUNKS),
+    "walk-beside": lambda: walk_case(32, WAIT_CHUNKS),
     "decode-vfirst-fp32": lambda: decode_case(True, torch.float32),
     "decode-vfirst-bf16": lambda: decode_case(True, torch.bfloat16),
     "decode-kfirst-fp32": lambda: decode_case(False, torch.float32),

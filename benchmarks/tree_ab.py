@@ -54,6 +54,7 @@ def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
         call = functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
 
         us = timer.graph(call)
+        eager_us, host_us = timer.eager(call), timer.host(call)
         call()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -61,7 +62,8 @@ def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
             torch.cuda.synchronize()
         kernels = {e.key: round(getattr(e, "device_time_total", 0.0), 1) for e in prof.key_averages()
                    if e.device_type == torch.autograd.DeviceType.CUDA}
-        rows.append(dict(shape=f"{B}x{T} H={H}", graph_us=round(us, 1), kernels=kernels))
+        rows.append(dict(shape=f"{B}x{T} H={H}", graph_us=round(us, 1), eager_us=round(eager_us, 1),
+                         host_us=round(host_us, 1), kernels=kernels))
         del q, k, v, g, beta, h0, call
         torch.cuda.empty_cache()
     acc = []
@@ -100,7 +102,8 @@ def main() -> None:
                 continue
             for row in res["rows"]:
                 ker = ", ".join(f"{k[:32]} {v}" for k, v in row["kernels"].items())
-                print(f"{label:12s} r{r} {row['shape']:14s} {row['graph_us']:9.1f} us   ({ker})", flush=True)
+                print(f"{label:12s} r{r} {row['shape']:14s} {row['graph_us']:9.1f} us  eager {row['eager_us']:.1f}"
+                      f"  host {row['host_us']:.1f}   ({ker})", flush=True)
                 mine = best.setdefault(label, {})
                 mine[row["shape"]] = min(mine.get(row["shape"], math.inf), row["graph_us"])
             for x in res["acc"]:

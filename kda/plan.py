@@ -173,7 +173,7 @@ class ChunkPlan:
     walk_tma: bool = False  # the plain walk loads its chunk tiles by TMA (ragged tensor descriptors)
     segment_chunks: int = SEGMENT_CHUNKS
     short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
-    parts: int = 1  # a one-sequence call prepared and walked in this many overlapped parts (`_parts`)
+    wait_chunks: int = 0  # > 0: the walk runs beside the prepare, awaiting groups of this many chunks (`_beside`)
 
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
@@ -189,9 +189,8 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
                        walk_BV, _tma_capable(call))
-    parts = _parts(call, segmented, walk_BV)
-    if parts > 1:
-        plan = replace(plan, parts=parts)
+    if _beside(call, segmented, walk_BV):
+        plan = replace(plan, wait_chunks=WAIT_CHUNKS)
     if overrides:
         plan = replace(plan, **overrides)
     return plan, _route(call.N, plan.short_len if plan.walk == "plain" else 0, lengths)
@@ -239,14 +238,6 @@ def _route(N: int, S: int, lengths: list[int] | None) -> tuple[int, int, int]:
 WALK_BV64_STEP_COST = 1.2
 
 
-# Parts of a walk in parts: under CUDA graph capture the host's launches cost nothing at replay; called eagerly
-# each part costs host time (about 0.5 ms a part on a kind's first call, 35-70 us once `kda.replay` recorded
-# it), so a part must hold enough GPU work to outlast it (H200 sweeps: docs/performance.md, "Walk in parts").
-CAPTURED_PART_TOKENS = 1024
-EAGER_PART_TOKEN_HEADS = 49152
-MAX_PARTS = 8
-
-
 def one_whole_sequence(call: KDACall) -> bool:
     """The call holds one sequence of all T tokens, known on the host: dense with B = 1, or varlen with one
     sequence and host bounds (`cu_seqlens_cpu`, checked to be [0, T]), the form a serving engine passes for
@@ -256,22 +247,21 @@ def one_whole_sequence(call: KDACall) -> bool:
     return call.N == 1 and call.host_bounds is not None
 
 
-def _parts(call: KDACall, segmented: bool, walk_BV: int) -> int:
-    """Parts of a one-sequence call (`one_whole_sequence`) whose walk keeps at most half the SMs (few heads):
-    the prepare of each next part runs on the other SMs while the walk of the part before it runs
-    (`kda.ops.chunk`). Finer under CUDA graph capture than eagerly (the constants above). Not with
-    checkpoints (they are stored by the walk into the pool the parts do not write until the last) nor on
-    the CPU (no streams). 1: one prepare, then one walk."""
-    if (segmented or not one_whole_sequence(call) or call.checkpoint_every or not call.q.is_cuda
-            or interpreted()):
-        return 1
-    if 2 * call.HV * cdiv(call.V, walk_BV) > _sm_count(call.q.device.index or 0):
-        return 1
-    if torch.cuda.is_current_stream_capturing():
-        parts = call.T // CAPTURED_PART_TOKENS
-    else:
-        parts = call.T * call.HV // EAGER_PART_TOKEN_HEADS
-    return max(1, min(MAX_PARTS, parts))
+# The walk beside the prepare awaits groups of this many chunks: each group's walk starts afresh (its
+# pipeline's first loads exposed), and the last group's walk follows the prepare's end.
+WAIT_CHUNKS = 16
+
+
+def _beside(call: KDACall, segmented: bool, walk_BV: int) -> bool:
+    """Whether the walk runs beside the prepare (`kda.ops.chunk._walk_beside_prepare`): a dense call (or a
+    lone varlen prefill with host bounds, run as dense) whose walk programs, one an SM, leave at least half
+    the SMs to the prepare, so the prepare's programs always find SMs while the walk's await them. On a GPU
+    only (the interpreter runs the launches one after another)."""
+    if segmented or not call.q.is_cuda or interpreted():
+        return False
+    if call.cu_seqlens is not None and not one_whole_sequence(call):
+        return False
+    return 2 * call.N * call.HV * cdiv(call.V, walk_BV) <= _sm_count(call.q.device.index or 0)
 
 
 def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:

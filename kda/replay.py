@@ -17,8 +17,8 @@ address moved. The key holds the length of `cu_seqlens_cpu`; its values are comp
 Not recorded (every such call takes the full path): KDA_DEBUG on, the interpreter, a launch hook registered
 (a profiler's), an argument whose type the key does not cover, one tensor passed in two roles, a view of a
 buffer that several roles share, and a launch Triton's own path made. Workspaces and their views come from
-one buffer per call, a region per buffer the call allocated. The walk in parts is recorded with its streams: each
-launch on the caller's stream or the side stream, and the waits between them in order. At most `CAPACITY`
+one buffer per call, a region per buffer the call allocated. The walk beside the prepare is recorded with its streams:
+each launch on the caller's stream or the side stream, and the waits between them in order. At most `CAPACITY`
 kinds are kept, the oldest dropped first.
 """
 
@@ -301,8 +301,8 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
             storage_of.setdefault(x.untyped_storage().data_ptr(), []).append(r)
     device = torch.cuda.current_device()
     main = _launch.RECORD.main
-    # streams other than the caller's: the torch streams the recorded waits name (the walk in parts' side
-    # stream, one per device for the process), by raw handle
+    # streams other than the caller's: the torch streams the recorded waits name (the side stream of the walk
+    # beside the prepare, one per device for the process), by raw handle
     sides = {x.cuda_stream: x for op in record if op[0] == "wait" for x in op[1:] if x.cuda_stream != main}
     launches, order, places, regions = [], [], {}, {}
     size = n_maps = 0

@@ -621,57 +621,63 @@ def test_walk_tma_loads_equal_pointer_loads(dtype, device):
     assert torch.equal(bits(runs["tma"][1]), bits(runs["pointers"][1]))
 
 
-@pytest.mark.parametrize("contract,dtype", [("dense", torch.float32), ("dense", torch.bfloat16),
-                                            ("paged", torch.float32), ("paged_padding", torch.float32),
-                                            ("varlen_paged", torch.bfloat16)])
-def test_walk_in_parts_equals_one_walk(contract, dtype, device):
-    """A one-sequence call prepared and walked in parts (`ChunkPlan.parts`: on a GPU for few heads, the
-    prepare of each next part beside the walk of the part before it), the state carried between the parts
-    in fp32: the same arithmetic on the same chunks as one walk, so the same bits, with T not a multiple
-    of the parts (a short last part). Dense initial and final state; a paged pool (the other slots
-    untouched); a padding sequence (no slot read or written in any part, zero output, error word clear);
-    varlen with bounds [0, T] given on the host too (an engine's lone prefill, run as the dense form in
-    parts and in one walk alike)."""
+@pytest.mark.parametrize("contract,dtype,gate_pass", [
+    ("dense", torch.float32, False), ("dense", torch.bfloat16, True), ("dense2", torch.float32, False),
+    ("paged", torch.float32, True), ("paged_padding", torch.float32, False), ("varlen_paged", torch.bfloat16, False),
+    ("split", torch.float32, False)])
+def test_walk_beside_prepare_equals_one_walk(contract, dtype, gate_pass, device):
+    """The walk beside the prepare (`ChunkPlan.wait_chunks`: on a GPU for few heads, the walk on a side
+    stream awaiting each group of chunks; the interpreter launches one after another, so this checks the
+    arithmetic and the counters' placement) against one prepare then one walk: the same bits, with T not a
+    multiple of the groups (a short last group) and checkpoints stored by the waiting walk. The counters are
+    zeroed by the gate pass (forced here: the interpreter's ieee dots plan none), by their own launch, or
+    counted by the split prepare's solve (an unbounded gate). Dense B = 1 and 2; a paged pool (the other
+    slots untouched); a padding sequence (no slot read or written, zero output, error word clear); varlen
+    with bounds [0, T] given on the host too (an engine's lone prefill, run as the dense form)."""
     T, H, HV, K, V = 300, 1, 2, 32, 32
-    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device, seed=25)
+    B = 2 if contract == "dense2" else 1
+    gate = "logdecay" if contract == "split" else "lower_bound"
+    q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, dtype=dtype, gate=gate, device=device, seed=25)
     kw.update(use_qk_l2norm_in_kernel=True)
     if contract == "varlen_paged":
         kw.update(cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=device),
                   cu_seqlens_cpu=torch.tensor([0, T], dtype=torch.int32))
     runs = {}
-    for parts in (1, 3):
-        errors = torch.zeros(1, dtype=torch.int32, device=device)
-        if contract == "dense":
-            h0 = 0.1 * torch.randn(1, HV, K, V, generator=torch.Generator().manual_seed(1)).to(device)
-            o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(parts=parts), initial_state=h0,
+    for wait in (0, 2):
+        errors = torch.zeros(B, dtype=torch.int32, device=device)
+        over = dict(wait_chunks=wait, gate_pass=gate_pass)
+        if contract.startswith("dense") or contract == "split":
+            h0 = 0.1 * torch.randn(B, HV, K, V, generator=torch.Generator().manual_seed(1)).to(device)
+            o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, over, initial_state=h0,
                                      output_final_state=True, errors=errors, **kw)
-            runs[parts] = (o, s)
+            runs[wait] = (o, s)
         else:
-            pool = poison_pool(4, (HV, K, V), torch.float32, device)
+            pool = poison_pool(6, (HV, K, V), torch.float32, device)
             pool[2] = 0.1 * torch.randn(HV, K, V, generator=torch.Generator().manual_seed(2)).to(device)
             before = pool.clone()
             slot = -1 if contract == "paged_padding" else 2
-            o, _, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(parts=parts), state_cache=pool,
+            o, _, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, over, state_cache=pool,
                                      state_indices=torch.tensor([slot], dtype=torch.int32, device=device),
                                      has_initial_state=torch.tensor([True], device=device), state_v_first=False,
-                                     errors=errors, **kw)
-            for other in (0, 1, 3) if slot == 2 else range(4):
+                                     checkpoint_every=128, errors=errors,
+                                     checkpoint_indices=torch.tensor([[4, 1]], dtype=torch.int32, device=device),
+                                     **kw)
+            for other in (0, 3, 5) if slot == 2 else (0, 2, 3, 5):
                 assert torch.equal(bits(pool[other]), bits(before[other]))
-            runs[parts] = (o, pool[2])
-        assert plan.parts == parts and not errors.any()
-    assert torch.equal(bits(runs[3][0]), bits(runs[1][0])) and torch.equal(bits(runs[3][1]), bits(runs[1][1]))
+            runs[wait] = (o, pool)
+        assert plan.wait_chunks == wait and plan.gate_pass == gate_pass and not errors.any()
+        assert plan.prepare == ("split" if contract == "split" else "fused")
+    assert torch.equal(bits(runs[2][0]), bits(runs[0][0])) and torch.equal(bits(runs[2][1]), bits(runs[0][1]))
     if contract == "paged_padding":
-        assert torch.equal(runs[3][0], torch.zeros_like(runs[3][0]))
-    else:
-        init = h0 if contract == "dense" else before[2:3]
-        ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=init.cpu().double(),
+        assert torch.equal(runs[2][0], torch.zeros_like(runs[2][0]))
+    elif contract.startswith("dense"):
+        ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=h0.cpu().double(),
                                    output_final_state=True, **on_cpu(kw))
         if dtype == torch.float32:
-            assert rel_err(runs[3][0], ro) < FP32_TOL and rel_err(runs[3][1], rs[0]) < FP32_TOL
-        else:  # 16-bit inputs: the gate pass and fp16 workspaces, per part
-            floor = rounding_floor(ro, dtype)
-            assert rel_err(runs[3][0], ro) <= kernel_bound(floor, dtype)
-            assert rel_err(runs[3][1], rs[0]) < NARROW_STATE_TOL
+            assert rel_err(runs[2][0], ro) < FP32_TOL and rel_err(runs[2][1], rs) < FP32_TOL
+        else:
+            assert rel_err(runs[2][0], ro) <= kernel_bound(rounding_floor(ro, dtype), dtype)
+            assert rel_err(runs[2][1], rs) < NARROW_STATE_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -29,13 +29,20 @@ from ..plan import (
     cdiv,
     chunk_plan_and_route,
     gate_args,
+    interpreted,
     next_power_of_2,
     one_whole_sequence,
     output_buffer,
     short_route,
     state_plan,
 )
-from .chunk_prepare import _chunk_gate_kernel, _chunk_intra_kernel, _chunk_prepare_kernel, _chunk_solve_kernel
+from .chunk_prepare import (
+    _chunk_gate_kernel,
+    _chunk_intra_kernel,
+    _chunk_prepare_kernel,
+    _chunk_solve_kernel,
+    _zero_counters_kernel,
+)
 from .chunk_walk import (
     _chunk_state_kernel,
     _segment_output_kernel,
@@ -84,8 +91,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
              else gt_ws)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    if plan.parts > 1:
-        return _walk_in_parts(call, plan, o, st, (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws))
+    if plan.wait_chunks:
+        return _walk_beside_prepare(call, plan, o, st, (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws))
     if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
         _prepare(call, plan, (q, k, v, g, beta), (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws), T, grid_chunks, short,
                  varlen)
@@ -98,7 +105,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
                else (gt_ws, 0, 0, BT, st.slot_count))
     if plan.walk == "plain":  # with short sequences routed, only the kept ones have programs
         _plain_walk(call, plan, o, st, _walk_tiles(plan, walk_ws, BK), cu, kept, N, varlen, short, ck_args,
-                    has_ckpt, 0, total)
+                    has_ckpt)
         return o, st.final_state
     BV = plan.walk_BV
     n_vb = cdiv(V, BV)
@@ -175,20 +182,23 @@ def _v_tiles(v: torch.Tensor, rows: int, cols: int):
 
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
-                N: int, varlen: bool, short: int, ck_args: tuple, has_ckpt: bool, t_lo: int, t_hi: int) -> None:
-    """`_chunk_state_kernel` over `seqs` sequences and the tokens [t_lo, t_hi) of each: the whole call, or one
-    part of `_walk_in_parts` (run as a dense call of one sequence, `st` that part's state)."""
+                N: int, varlen: bool, short: int, ck_args: tuple, has_ckpt: bool,
+                ready: torch.Tensor | None = None) -> None:
+    """`_chunk_state_kernel` over `seqs` sequences. `ready`: the walk beside the prepare
+    (`_walk_beside_prepare`), each group of chunks awaited."""
     T, HV, K, V, BT, BV = call.T, call.HV, call.K, call.V, plan.BT, plan.walk_BV
     s_ot, s_oh = token_head_strides(o, T)
     has_errors = call.errors is not None
     errors = call.errors if has_errors else walk_ws[5]  # gt_ws: a stand-in never written (HAS_ERRORS off)
     _chunk_state_kernel[(cdiv(V, BV), seqs, HV)](
         o, cu, *walk_ws, *st.pointers(walk_ws[5]), s_ot, s_oh, *token_head_strides(call.v, T), st.src_stride,
-        st.dst_stride, *ck_args, errors,
-        T, N, cdiv(T, BT), t_lo, t_hi,
+        st.dst_stride, *ck_args, errors, walk_ws[5] if ready is None else ready,
+        T, N, cdiv(T, BT),
         HV=HV, K=K, V=V, BT=BT, BK=max(16, next_power_of_2(K)), BV=BV, IS_VARLEN=varlen, DOT_PREC=plan.dot_prec,
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
         HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
+        WAIT_CHUNKS=0 if ready is None else plan.wait_chunks,
+        FENCE=ready is not None and plan.walk_tma and not interpreted(),
         num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 
@@ -207,9 +217,11 @@ def _ragged(base: torch.Tensor, rows: int, cols: int, shape: tuple | None = None
 
 
 def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, grid_chunks: int, short: int,
-             varlen: bool) -> None:
-    """The gate pass (where planned) and the prepare of `grid_chunks` chunks: the whole call, or (with views of
-    the inputs and workspaces starting at a chunk boundary, `varlen` False) a part of a one-sequence call."""
+             varlen: bool, ready: torch.Tensor | None = None, after_gate=None) -> None:
+    """The gate pass (where planned) and the prepare of `grid_chunks` chunks.
+    `ready`: the counters the walk beside the prepare awaits (`_walk_beside_prepare`), zeroed by the gate pass
+    (by `_zero_counters_kernel` where there is none) and counted up by the prepare; `after_gate` is called once
+    they are zeroed, before the prepare's launches."""
     q, k, v, g, beta = inputs
     kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws = ws
     H, HV, K, V, N = call.H, call.HV, call.K, call.V, call.N
@@ -226,22 +238,29 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
     g_beta = (*token_head_strides(g, T), *token_head_strides(beta, T))
     common = dict(IS_VARLEN=varlen, SHORT=short, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel,
                   DOT_PREC=prec)
+    signal = plan.wait_chunks if ready is not None else 0
+    if signal and not (fused and plan.gate_pass):  # no gate pass to zero the counters
+        _zero_counters_kernel[(cdiv(ready.numel(), 1024),)](ready, ready.numel(), BLOCK=1024, num_warps=4)
+        after_gate()
+    ready = gt_ws if ready is None else ready  # a stand-in never touched (SIGNAL_CHUNKS 0)
     if fused:
         gate = dict(HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None)
         b2_ws = gt_ws
         if plan.gate_pass:
             b2_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
             _chunk_gate_kernel[(grid_chunks, HV, cdiv(K, plan.prepare_BK))](
-                g, A_log, dt_bias, cu, b2_ws, gt_ws, *g_beta[:2], T, N, NT, lower_bound,
-                HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short, **gate, num_warps=4,
-                num_stages=1,
+                g, A_log, dt_bias, cu, b2_ws, gt_ws, ready, *g_beta[:2], T, N, NT, lower_bound,
+                HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short, **gate,
+                SIGNAL_CHUNKS=signal, num_warps=4, num_stages=1,
             )
-        _chunk_prepare_kernel[(grid_chunks, HV)](
-            q, k, v, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws,
+        if signal and plan.gate_pass:
+            after_gate()
+        _chunk_prepare_kernel[(HV, grid_chunks) if signal else (grid_chunks, HV)](
+            q, k, v, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws, ready,
             *strides, *v_strides, *g_beta, T, N, NT, call.scale, lower_bound,
             H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, **gate,
             CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
-            num_warps=plan.prepare_warps, num_stages=1, **common,
+            SIGNAL_CHUNKS=signal, num_warps=plan.prepare_warps, num_stages=1, **common,
         )
     else:
         akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
@@ -254,68 +273,51 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
             HAS_DT_BIAS=call.dt_bias is not None, USE_LOWER_BOUND=call.lower_bound is not None,
             USE_L2NORM=call.use_qk_l2norm_in_kernel, num_warps=4, num_stages=1, **common,
         )
-        _chunk_solve_kernel[(grid_chunks, HV)](
-            v, beta, cu, akk_ws, m_ws, n_ws, sc_ws, *v_strides, g_beta[2], g_beta[3],
-            T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), INV_PREC="ieee",
+        _chunk_solve_kernel[(HV, grid_chunks) if signal else (grid_chunks, HV)](
+            v, beta, cu, akk_ws, m_ws, n_ws, sc_ws, ready, *v_strides, g_beta[2], g_beta[3],
+            T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), INV_PREC="ieee", SIGNAL_CHUNKS=signal,
             num_warps=4, num_stages=1, **common,
         )
 
 
-def _walk_in_parts(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, ws: tuple):
-    """A one-sequence call with few walk programs (`ChunkPlan.parts`; `kda.plan.one_whole_sequence`: dense,
-    or varlen with host bounds [0, T], run here as dense): the tokens in `plan.parts` chunk-aligned parts.
-    The prepare of part i + 1 runs beside the walk of part i (the walk on a side stream, each part after its
-    prepare's event), so the SMs the walk leaves idle prepare the next part; the walks run in order, the
-    state carried in fp32 between them (two planes, used in turn)."""
-    if not one_whole_sequence(call):
-        raise ValueError("a plan in parts needs one sequence of all T tokens known on the host")
-    T, BT = call.T, plan.BT
+def _walk_beside_prepare(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, ws: tuple):
+    """A dense call with few walk programs (`ChunkPlan.wait_chunks`): the walk on a side stream runs beside
+    the prepare, each group of `wait_chunks` chunks walked once the prepare has stored it (counters in
+    `ready`, zeroed by the gate pass before either starts; the prepare launched chunk by chunk across the
+    heads, so groups complete in order). Three launches, so the host pays for one call; on the GPU the
+    prepare's SMs and the walk's overlap from the first group on."""
+    T, BT, HV = call.T, plan.BT, call.HV
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    gt_ws, sc_ws = ws[4:]
-    size = cdiv(cdiv(T, plan.parts), BT) * BT
-    bounds = list(range(0, T, size)) + [T]
-    kd_ws, qd_ws, m_ws, n_ws = ws[:4]
+    kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws = ws
+    NT = cdiv(T, BT)
+    ready = torch.empty((call.B * cdiv(NT, plan.wait_chunks) * HV,), dtype=torch.int32, device=q.device)
+    ckpt = call.checkpoint_indices
+    has_ckpt = ckpt is not None
+    ck_args = ((ckpt, ckpt.stride(0), ckpt.shape[1], call.checkpoint_every, st.slot_count) if has_ckpt
+               else (gt_ws, 0, 0, BT, st.slot_count))
     walk_ws = _walk_tiles(plan, (n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws), max(16, next_power_of_2(call.K)))
-    carry = torch.empty((2, 1, *call.state_plane_shape), dtype=torch.float32, device=q.device)
-    no_ckpt = (gt_ws, 0, 0, BT, st.slot_count)  # the parts keep no checkpoints (`kda.plan._parts`)
     side = _side_stream(q) if q.is_cuda else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
-    if side is not None:
-        wait_stream(side, main)  # the inputs, and what the caller queued before this call
-    for i, (t_lo, t_hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        c_lo, c_hi = t_lo // BT, cdiv(t_hi, BT)
-        views = tuple(x[:, t_lo:t_hi] for x in (q, k, v, g, beta))
-        part_ws = tuple(x[t_lo:t_hi] for x in ws[:4]) + (gt_ws[c_lo:c_hi], sc_ws[c_lo:c_hi])
-        _prepare(call, plan, views, part_ws, t_hi - t_lo, c_hi - c_lo, 0, False)
-        part = _part_state(st, carry, i, len(bounds) - 2)
+
+    def fork():  # the walk reads gt and the zeroed counters, and what the caller queued before this call
         if side is not None:
-            wait_stream(side, main)  # this part's prepare
-            with torch.cuda.stream(side):
-                _plain_walk(call, plan, o, part, walk_ws, q, 1, 1, False, 0, no_ckpt, False, t_lo, t_hi)
-        else:
-            _plain_walk(call, plan, o, part, walk_ws, q, 1, 1, False, 0, no_ckpt, False, t_lo, t_hi)
+            wait_stream(side, main)
+
+    _prepare(call, plan, (q, k, v, g, beta), ws, T, call.B * NT, 0, False, ready, fork)
     if side is not None:
+        with torch.cuda.stream(side):
+            _plain_walk(call, plan, o, st, walk_ws, q, call.B, call.B, False, 0, ck_args, has_ckpt, ready)
         wait_stream(main, side)  # the caller's stream owns o, the state and every workspace again
+    else:
+        _plain_walk(call, plan, o, st, walk_ws, q, call.B, call.B, False, 0, ck_args, has_ckpt, ready)
     return o, st.final_state
-
-
-def _part_state(st: StatePlan, carry: torch.Tensor, i: int, last: int) -> StatePlan:
-    """Where part i of `_walk_in_parts` reads and writes state: the call's source for the first part and
-    its destination for the last, a carry plane between (paged: the carry seen as a pool whose every slot is
-    that plane, stride 0, so a padding sequence or a bad slot stays a guarded no-op in every part)."""
-    def plane(j):
-        return carry[j].expand(st.src.shape[0], *carry.shape[2:]) if st.paged else carry[j]
-
-    src = st.src if i == 0 else plane((i - 1) % 2)
-    dst = st.dst if i == last else plane(i % 2)
-    return StatePlan(src, dst, st.slot_of_seq, st.has_initial_state if i == 0 else None, None, st.paged)
 
 
 _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
-    """One side stream per device for `_walk_in_parts`, made at its first use. At a higher priority than the
+    """One side stream per device for `_walk_beside_prepare`, made at its first use. At a higher priority than the
     caller's streams: the walk is the call's serial chain, and its programs should take the SMs a finished
     prepare program frees before the next prepare's do."""
     index = x.device.index or 0

@@ -76,6 +76,30 @@ def _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.con
 
 
 @triton.jit
+def _counter(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
+    """The counter of the group of W chunks that holds the chunk at token t0 of dense sequence i_n, in
+    `ready` ([B, groups, HV] int32: the walk beside the prepare awaits it, `chunk_walk._await_count`)."""
+    c = (t0 - i_n * T) // BT
+    return ready + (i_n * tl.cdiv(NT, W) + c // W) * HV + i_hv
+
+
+@triton.jit
+def _count_chunk(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
+    """This program's chunk is stored: 1 added to its group's counter with release semantics, after a
+    barrier, so that every thread's stores come before it."""
+    tl.debug_barrier()
+    tl.atomic_add(_counter(ready, i_n, t0, T, NT, i_hv, HV, BT, W), 1, sem="release", scope="gpu")
+
+
+@direct
+@triton.jit
+def _zero_counters_kernel(ready, n, BLOCK: tl.constexpr):
+    """The counters of a walk beside a prepare that has no gate pass to zero them, before the prepare."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ready + o, tl.zeros([BLOCK], dtype=tl.int32), mask=o < n)
+
+
+@triton.jit
 def _row_ssq(x_ptr, rows, row_mask, stride_t, k0, K: tl.constexpr, BK: tl.constexpr):
     """sum of x^2 per row over the K slice [k0, k0 + BK) (0 past K and outside `row_mask`)."""
     cols = k0 + tl.arange(0, BK)
@@ -297,22 +321,27 @@ def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
 @direct
 @triton.jit
 def _chunk_gate_kernel(
-    g, A_log, dt_bias, cu_seqlens, b2_ws, gt_ws,
+    g, A_log, dt_bias, cu_seqlens, b2_ws, gt_ws, ready,
     s_gt, s_gh, T, N, NT, lower_bound,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    SHORT: tl.constexpr,
+    SHORT: tl.constexpr, SIGNAL_CHUNKS: tl.constexpr = 0,
 ):
     """The gate pass of the fused prepare (16-bit inputs): one program per (chunk, value head, K slice)
     writes b2, the fp32 cumulative log2 decay from the chunk start (the cumsum `_chunk_prepare_kernel`
     would take in its own loop), token-major like the workspaces, and gt = 2^b2_last. The prepare then
-    reads b2 and its anchor rows instead of scanning and reducing across its warps."""
+    reads b2 and its anchor rows instead of scanning and reducing across its warps.
+    SIGNAL_CHUNKS > 0 (dense): the first K slice of each group's first chunk zeroes the group's counter in
+    `ready`, which the prepare then counts up (`_chunk_prepare_kernel`)."""
     i_p = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_k = tl.program_id(2)
     i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
     if t0 >= eos:
         return
+    if SIGNAL_CHUNKS > 0:
+        if (i_k == 0) & (((t0 - i_n * T) // BT) % SIGNAL_CHUNKS == 0):
+            tl.store(_counter(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS), 0)
     o_t = tl.arange(0, BT)
     row_ok = o_t < eos - t0
     cols = i_k * BK + tl.arange(0, BK)
@@ -336,7 +365,7 @@ def _b2_row(b2_ws, ws_base, r, n_rows, cols, HV: tl.constexpr, K: tl.constexpr):
 @triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws,
+    kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws, ready,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     T, N, NT, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -344,7 +373,7 @@ def _chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     SHORT: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, CUMSUM_DTYPE: tl.constexpr,
-    B2_FROM_WS: tl.constexpr,
+    B2_FROM_WS: tl.constexpr, SIGNAL_CHUNKS: tl.constexpr = 0,
 ):
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
@@ -356,9 +385,16 @@ def _chunk_prepare_kernel(
     workspaces: the walk's bound on D).
     DOT_PREC is the precision of this kernel's dots (ieee or tf32); CUMSUM_DTYPE that of b2 (fp64 with fp32
     inputs; fp32 with 16-bit ones, where its 1e-4 relative error in the decay factors is far below the
-    inputs' rounding and fp64 tiles doubled the registers and spills)."""
-    i_p = tl.program_id(0)
-    i_hv = tl.program_id(1)
+    inputs' rounding and fp64 tiles doubled the registers and spills).
+    SIGNAL_CHUNKS > 0 (dense): the walk runs beside this kernel (`_chunk_state_kernel`'s WAIT_CHUNKS); the grid
+    is (value head, chunk), so that chunks finish in order, and each program adds 1 to its group's counter in
+    `ready` once its stores are done."""
+    if SIGNAL_CHUNKS > 0:
+        i_p = tl.program_id(1)
+        i_hv = tl.program_id(0)
+    else:
+        i_p = tl.program_id(0)
+        i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
     if t0 >= eos:
@@ -459,6 +495,8 @@ def _chunk_prepare_kernel(
         tl.debug_barrier()  # read by every thread before N overwrites it
     _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v + t0 * s_vt + i_hv * s_vh,
                   s_vt, HV, K, V, BT, BK, EVEN_K, DOT_PREC)
+    if SIGNAL_CHUNKS > 0:
+        _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
 
 
 @direct
@@ -569,22 +607,27 @@ def _chunk_intra_kernel(
 @direct
 @triton.jit
 def _chunk_solve_kernel(
-    v, beta, cu_seqlens, akk_ws, m_ws, n_ws, sc_ws,
+    v, beta, cu_seqlens, akk_ws, m_ws, n_ws, sc_ws, ready,
     s_vt, s_vh, s_bt, s_bh,
     T, N, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr,
     SHORT: tl.constexpr,
-    INV_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr, SIGNAL_CHUNKS: tl.constexpr = 0,
 ):
     """Split prepare, part 2: one program per (chunk, value head). X = (I + A_kk)^-1, written over A_kk:
     the NC diagonal BC x BC blocks by forward substitution, all blocks at once in an [NC, BC, BC] tile
     (X_i = e_i - sum_{j<i} L_ij X_j), then block row by block row X[r, :r] = -X_rr (L[r, :r] X[:r, :r])
     (block forward substitution; the rows above r are final by then). fp32 throughout ("ieee" dots).
-    Then N = A_qk Xb and M = Xb^T Kr over the A_qk and Kr parked by `_chunk_intra_kernel` (`_store_folded`)."""
-    i_p = tl.program_id(0)
-    i_hv = tl.program_id(1)
+    Then N = A_qk Xb and M = Xb^T Kr over the A_qk and Kr parked by `_chunk_intra_kernel` (`_store_folded`).
+    SIGNAL_CHUNKS > 0: as `_chunk_prepare_kernel`'s (grid (value head, chunk), each chunk counted once stored)."""
+    if SIGNAL_CHUNKS > 0:
+        i_p = tl.program_id(1)
+        i_hv = tl.program_id(0)
+    else:
+        i_p = tl.program_id(0)
+        i_hv = tl.program_id(1)
     i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
     if t0 >= eos:
         return
@@ -631,3 +674,5 @@ def _chunk_solve_kernel(
     Xb = tf32_round(X * b_beta[None, :], DOT_PREC)
     _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok,
                   v + t0 * s_vt + i_hv * s_vh, s_vt, HV, K, V, BT, BK, K % BK == 0, DOT_PREC)
+    if SIGNAL_CHUNKS > 0:
+        _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)

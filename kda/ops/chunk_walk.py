@@ -195,6 +195,20 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
 
 
 @triton.jit
+def _await_count(ptr, target, FENCE: tl.constexpr):
+    """Spin until the counter at `ptr` reaches `target`: the prepare programs of a group of chunks each add 1
+    with release semantics after their stores (`_chunk_prepare_kernel`), so what they stored is visible after
+    this acquire. FENCE: the tiles are then read by TMA (the async proxy), ordered after the acquire by a proxy
+    fence (not under the interpreter, which runs no PTX and launches the prepare to its end first)."""
+    n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    while n < target:
+        n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    if FENCE:
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [n], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _k_tile(ws, t0_32, n_in, i_hv, offs, mask, TMA: tl.constexpr):
     """A chunk's [BT, BK] tile of a K-wide workspace (Kd, Qd, M): by TMA from its ragged descriptor `ws`
     (rows past the sequence read 0), or at pointer offsets `offs` under `mask`."""
@@ -273,15 +287,15 @@ def _chunk_state_kernel(
     o, cu_seqlens, n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_ot, s_oh, s_vt, s_vh, src_stride, dst_stride,
-    checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors,
-    T, N, NT, t_lo, t_hi,
+    checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors, ready,
+    T, N, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
-    V_TMA: tl.constexpr = False,
+    V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, FENCE: tl.constexpr = False,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
@@ -291,8 +305,8 @@ def _chunk_state_kernel(
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
     s_ck, n_ck columns, one every ck_every tokens) stored into the pool `state_dst` of n_slots slots as
     the walk passes them (`_walk`).
-    Only the tokens in [t_lo, t_hi) of each sequence are walked (a part of a dense one-sequence call whose
-    parts run one after another, the state carried between them: `kda.ops.chunk`); t_lo is a chunk start."""
+    WAIT_CHUNKS > 0 (dense): the prepare runs beside this walk; each group of WAIT_CHUNKS chunks is walked
+    once its prepare programs have counted themselves into `ready` (`[B, groups, HV]` int32, `_await_count`)."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     if SHORT > 0:
@@ -306,20 +320,30 @@ def _chunk_state_kernel(
             n_slots, HAS_CHECKPOINTS, HAS_ERRORS)
     kv_ok = k_ok[:, None] & v_ok[None, :]
     o_h = o + i_hv * s_oh
-    w_lo = tl.maximum(bos, t_lo)
-    w_hi = tl.minimum(eos, t_hi)
     if slot < 0:  # padding sequence: no state read or write, zero output rows
-        _zero_rows(o_h, s_ot, w_lo, w_hi, o_v, v_ok, BT, BV)
+        _zero_rows(o_h, s_ot, bos, eos, o_v, v_ok, BT, BV)
     else:
-        p_first = chunk_program(i_n, bos, w_lo, NT, IS_VARLEN, BT)
+        p_first = chunk_program(i_n, bos, bos, NT, IS_VARLEN, BT)
         if V_TMA:
             v_h = v
         else:
             v_h = v + i_hv * s_vh
-        S = _walk(S, w_lo, w_hi, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
-                  sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
-                  checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride,
-                  n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA)
+        ck_row = checkpoint_indices + i_n.to(tl.int64) * s_ck
+        if WAIT_CHUNKS > 0:
+            SPAN: tl.constexpr = WAIT_CHUNKS * BT
+            ready_h = ready + i_n * tl.cdiv(NT, WAIT_CHUNKS) * HV + i_hv
+            for g_lo in range(bos, eos, SPAN):
+                g_hi = tl.minimum(g_lo + SPAN, eos)
+                _await_count(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT), FENCE)
+                S = _walk(S, g_lo, g_hi, p_first + (g_lo - bos) // BT, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt,
+                          qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC,
+                          K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
+                          HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA)
+        else:
+            S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
+                      sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
+                      ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA,
+                      tl.program_id(0) * BV, V_TMA)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
