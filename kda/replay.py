@@ -24,6 +24,8 @@ kinds are kept, the oldest dropped first.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -185,7 +187,7 @@ class Replay:
     take the full path (another address modulo 16, `out` overlapping an input, a seed outside i32)."""
 
     __slots__ = ("launches", "order", "uses", "residues", "workspaces", "new_o", "new_final", "checks_out",
-                 "extents", "device", "maps", "bounds")
+                 "extents", "device", "maps", "bounds", "events")
 
     def __init__(self, launches, order, uses, residues, workspaces, new_o, new_final, checks_out, extents, device,
                  bounds=None):
@@ -195,8 +197,8 @@ class Replay:
         #              a TMA descriptor is passed encoded (`launch.tma_encoder`) where the launcher would encode it
         #              on every launch, its encoding kept in `maps[map]` with the address it was made for
         self.launches = launches
-        # in the call's order: (0, launch, side stream or None for the caller's) or (1, waiter, waited), a
-        # stream None standing for the caller's current stream
+        # in the call's order: (0, launch, side stream or None for the caller's) or (1, (waiter, waited), the
+        # wait's index among the waits), a stream None standing for the caller's current stream
         self.order = order
         self.uses = uses  # ((role, ((launch, position, byte offset into the role's tensor), ...)), ...)
         # per use: the address modulo 16 (the kernels were specialised on the alignment of each address and
@@ -210,6 +212,9 @@ class Replay:
         self.device = device
         self.maps = [(None, None)] * sum(len(launch[-1]) for launch in launches)
         self.bounds = bounds  # the host bounds the call was recorded with (`_bounds_value`), or None
+        # per thread, one event per wait in `order`, recorded again by every call (a wait takes the event's
+        # state when it is queued): a new event per wait costs its creation and destruction on the host
+        self.events = {}
 
     def __call__(self, tensors: tuple, seed, bounds=None):
         if seed is not None and (type(seed) is not int or _int_class(seed)):  # not i32: another binary
@@ -245,12 +250,16 @@ class Replay:
             base = ws.data_ptr()
         stream = torch._C._cuda_getCurrentRawStream(self.device)
         maps = self.maps
-        current = None
+        current = events = None
         for kind, a, b in self.order:
-            if kind:  # a wait between the caller's stream (None) and a side stream
+            if kind:  # a wait (waiter, waited) between the caller's stream (None) and a side stream, its event b
                 if current is None:
                     current = torch.cuda.current_stream(self.device)
-                (current if a is None else a).wait_stream(current if b is None else b)
+                    events = self._events()
+                waiter, waited = a
+                ev = events[b]
+                ev.record(current if waited is None else waited)
+                (current if waiter is None else waiter).wait_event(ev)
                 continue
             run, prefix, gx, gy, gz, function, packed, _, seed_at, ws_at, desc_at = self.launches[a]
             vals = filled[a]
@@ -273,6 +282,15 @@ class Replay:
                 vals[seed_at] = seed
             run(gx, gy, gz, stream if b is None else b.cuda_stream, function, *prefix, packed, None, None, None, *vals)
         return o, final
+
+
+    def _events(self) -> list:
+        """This thread's events for the waits (made at its first call of this kind)."""
+        mine = self.events.get(threading.get_ident())
+        if mine is None:
+            waits = sum(1 for op in self.order if op[0])
+            mine = self.events[threading.get_ident()] = [torch.cuda.Event() for _ in range(waits)]
+        return mine
 
 
 def replayed(key, tensors: tuple, seed, bounds=None):
@@ -319,8 +337,8 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
 
     for op in record:
         if op[0] == "wait":
-            order.append((1, None if op[1].cuda_stream == main else op[1],
-                          None if op[2].cuda_stream == main else op[2]))
+            order.append((1, (None if op[1].cuda_stream == main else op[1],
+                              None if op[2].cuda_stream == main else op[2]), sum(x[0] for x in order)))
             continue
         kernel, grid, args, meta, st = op
         if (st != main and st not in sides) or not isinstance(kernel, DirectKernel) or kernel._plain is None:
