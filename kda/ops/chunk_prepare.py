@@ -121,15 +121,34 @@ def _qk_inv_norm(x_ptr, rows, row_mask, stride_t, K: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
-def _qk_inv_norms(k_ptr, q_ptr, rows, row_mask, s_kt, s_qt, K: tl.constexpr, BK: tl.constexpr):
-    """`_qk_inv_norm` of k and of q in one pass over K (their tiles' loads issued together); the same sums
-    in the same order, so the same bits."""
+def _qk_inv_norms(k_ptr, q_ptr, v_ptr, rows, row_mask, s_kt, s_qt, s_vt, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, VMAX: tl.constexpr):
+    """`_qk_inv_norm` of k and of q in one pass over K (their tiles' loads issued together; the same sums in
+    the same order, so the same bits), and with VMAX max|v| over the rows (0 without), its tiles loaded in the
+    same pass so that their latency is waited for once."""
     ssk = tl.zeros([rows.shape[0]], dtype=tl.float32)
     ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    v_abs = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ssk += _row_ssq(k_ptr, rows, row_mask, s_kt, k0, K, BK)
         ssq += _row_ssq(q_ptr, rows, row_mask, s_qt, k0, K, BK)
-    return 1.0 / tl.sqrt(ssk + 1e-6), 1.0 / tl.sqrt(ssq + 1e-6)
+        if VMAX:  # columns past V masked (V narrower than K)
+            v_abs = tl.maximum(v_abs, _abs_tile(v_ptr, rows, row_mask, s_vt, k0, V, BK, V % BK == 0 and V >= K))
+    v_max = 0.0
+    if VMAX:
+        for c0 in range(K, V, BK):  # V wider than K
+            v_abs = tl.maximum(v_abs, _abs_tile(v_ptr, rows, row_mask, s_vt, c0, V, BK, V % BK == 0))
+        v_max = tl.max(v_abs)
+    return 1.0 / tl.sqrt(ssk + 1e-6), 1.0 / tl.sqrt(ssq + 1e-6), v_max
+
+
+@triton.jit
+def _abs_tile(x_ptr, rows, row_mask, stride_t, c0, C: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+    """|x| of `rows` and the columns [c0, c0 + BK) in fp32 (0 past C and outside `row_mask`; EVEN: every
+    column is below C, no column mask)."""
+    cols = c0 + tl.arange(0, BK)
+    m = tile_mask(row_mask, cols < C, EVEN)
+    return tl.abs(tl.load(x_ptr + rows[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -219,8 +238,8 @@ def _block_forward_substitution(L3, BC: tl.constexpr):
 
 
 @triton.jit
-def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, row_ok, v_c, s_vt,
-                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, row_ok, v_max,
+                  HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   EVEN_K: tl.constexpr, PREC: tl.constexpr):
     """N = A_qk Xb into N's rows (from row offset n_base), and M = Xb^T Kr over the Kr that the caller parked
     in M's rows (from m_base), each slice read by every thread before it is overwritten. Xb is zero past the
@@ -228,18 +247,10 @@ def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, r
     fp16 workspaces: Xb's entries are not bounded by 1 (an ill-conditioned I + A_kk), so N and M are stored
     times a power of two per chunk, N's from its largest entry, M's from the largest column sum of |Xb|
     (|Kr| <= 1 bounds |M_ij| by column i's sum: no reduction over the K slices), and row (i_p, i_hv) of
-    `sc_ws` keeps the inverse powers (exact) that the walk multiplies its fp32 products by, and max|V| of the
-    chunk's rows (`v_c`: v at the chunk's first token and this head, token stride s_vt), the term of D's
-    bound that the walk would otherwise reduce from its V tile on every step."""
+    `sc_ws` keeps the inverse powers (exact) that the walk multiplies its fp32 products by, and `v_max`, max|V|
+    of the chunk's rows (the caller's), the term of D's bound that the walk would otherwise reduce from its
+    V tile on every step."""
     F16: tl.constexpr = m_ws.dtype.element_ty == tl.float16
-    if F16:  # max|V| first, its loads beside the dots below, and one reduction
-        v_abs = tl.zeros([BT, BK], dtype=tl.float32)
-        for c0 in range(0, V, BK):
-            cols = c0 + tl.arange(0, BK)
-            m = tile_mask(row_ok, cols < V, V % BK == 0)
-            v_abs = tl.maximum(v_abs, tl.abs(tl.load(v_c + o_t[:, None] * s_vt + cols[None, :], mask=m,
-                                                     other=0.0).to(tl.float32)))
-        v_max = tl.max(v_abs)
     if A_qk.dtype == tl.float16:  # exact in tf32: no rounding
         N = tl.dot(A_qk.to(tl.float32), Xb, input_precision=PREC)
     else:
@@ -410,7 +421,10 @@ def _chunk_prepare_kernel(
     g_h = g + t0 * s_gt + i_hv * s_gh
     ws_base = (t0 * HV + i_hv) * K
     HALF: tl.constexpr = BT // 2
-    rk, rq = _qk_inv_norms(k_h, q_h, o_t, row_ok, s_kt, s_qt, K, BK)
+    # max|V| (fp16 workspaces) beside the norms: one wait for both loads (at the end it had its own)
+    F16: tl.constexpr = m_ws.dtype.element_ty == tl.float16
+    rk, rq, v_max = _qk_inv_norms(k_h, q_h, v + t0 * s_vt + i_hv * s_vh, o_t, row_ok, s_kt, s_qt, s_vt, K, V, BK,
+                                  F16)
     rq = rq * scale
     b_beta = _load_beta(beta + t0 * s_bt, o_t, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
@@ -493,8 +507,8 @@ def _chunk_prepare_kernel(
         tl.debug_barrier()  # parked by every thread before it is read back
         A_qk = tl.load(n_ws + n_off, mask=row_ok[:, None], other=0.0)
         tl.debug_barrier()  # read by every thread before N overwrites it
-    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v + t0 * s_vt + i_hv * s_vh,
-                  s_vt, HV, K, V, BT, BK, EVEN_K, DOT_PREC)
+    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v_max, HV, K, BT, BK,
+                  EVEN_K, DOT_PREC)
     if SIGNAL_CHUNKS > 0:
         _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
 
@@ -672,7 +686,14 @@ def _chunk_solve_kernel(
                 mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
 
     Xb = tf32_round(X * b_beta[None, :], DOT_PREC)
-    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok,
-                  v + t0 * s_vt + i_hv * s_vh, s_vt, HV, K, V, BT, BK, K % BK == 0, DOT_PREC)
+    v_max = 0.0
+    if m_ws.dtype.element_ty == tl.float16:
+        v_abs = tl.zeros([BT, BK], dtype=tl.float32)
+        for c0 in range(0, V, BK):
+            v_abs = tl.maximum(v_abs, _abs_tile(v + t0 * s_vt + i_hv * s_vh, o_t, row_ok, s_vt, c0, V, BK,
+                                                V % BK == 0))
+        v_max = tl.max(v_abs)
+    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok, v_max,
+                  HV, K, BT, BK, K % BK == 0, DOT_PREC)
     if SIGNAL_CHUNKS > 0:
         _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
