@@ -84,6 +84,18 @@ def _counter(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr, W:
 
 
 @triton.jit
+def _chunk_and_head(HEAD_FASTEST: tl.constexpr):
+    """(chunk program, value head) of a (chunk, head) grid, or with HEAD_FASTEST of a (head, chunk) one."""
+    if HEAD_FASTEST:
+        i_p = tl.program_id(1)
+        i_hv = tl.program_id(0)
+    else:
+        i_p = tl.program_id(0)
+        i_hv = tl.program_id(1)
+    return i_p, i_hv
+
+
+@triton.jit
 def _count_chunk(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
     """This program's chunk is stored: 1 added to its group's counter with release semantics, after a
     barrier, so that every thread's stores come before it."""
@@ -400,12 +412,7 @@ def _chunk_prepare_kernel(
     SIGNAL_CHUNKS > 0 (dense): the walk runs beside this kernel (`_chunk_state_kernel`'s WAIT_CHUNKS); the grid
     is (value head, chunk), so that chunks finish in order, and each program adds 1 to its group's counter in
     `ready` once its stores are done."""
-    if SIGNAL_CHUNKS > 0:
-        i_p = tl.program_id(1)
-        i_hv = tl.program_id(0)
-    else:
-        i_p = tl.program_id(0)
-        i_hv = tl.program_id(1)
+    i_p, i_hv = _chunk_and_head(SIGNAL_CHUNKS > 0)
     i_h = i_hv // (HV // H)
     i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
     if t0 >= eos:
@@ -636,12 +643,7 @@ def _chunk_solve_kernel(
     (block forward substitution; the rows above r are final by then). fp32 throughout ("ieee" dots).
     Then N = A_qk Xb and M = Xb^T Kr over the A_qk and Kr parked by `_chunk_intra_kernel` (`_store_folded`).
     SIGNAL_CHUNKS > 0: as `_chunk_prepare_kernel`'s (grid (value head, chunk), each chunk counted once stored)."""
-    if SIGNAL_CHUNKS > 0:
-        i_p = tl.program_id(1)
-        i_hv = tl.program_id(0)
-    else:
-        i_p = tl.program_id(0)
-        i_hv = tl.program_id(1)
+    i_p, i_hv = _chunk_and_head(SIGNAL_CHUNKS > 0)
     i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
     if t0 >= eos:
         return
