@@ -189,6 +189,9 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     full = dict(output_final_state=True, initial_state=h0, **kw)
     call = checked_call(kda.chunk_kda, *args, **full)
     assert chunk_plan(call).wait_chunks > 0
+    # 128 walk programs (H = 32) would leave a prepare program fewer than half the SMs: never beside it
+    wide, wide_h0, wide_kw = _inputs(128, H=32)
+    assert chunk_plan(checked_call(kda.chunk_kda, *wide, initial_state=wide_h0, **wide_kw)).wait_chunks == 0
     one_o, one_s = chunk_kda_fwd(call, chunk_plan(call, wait_chunks=0))
     out = torch.empty_like(one_o)
     s = torch.cuda.Stream()
