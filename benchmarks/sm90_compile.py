@@ -108,6 +108,7 @@ CASES = {
     "gate-signal": lambda: gate_case(WAIT_CHUNKS),
     "prepare-signal": lambda: prepare_case(WAIT_CHUNKS),
     "walk-beside": lambda: walk_case(32, WAIT_CHUNKS),
+    "walk-bv64-beside": lambda: walk_case(64, WAIT_CHUNKS),
     "decode-vfirst-fp32": lambda: decode_case(True, torch.float32),
     "decode-vfirst-bf16": lambda: decode_case(True, torch.bfloat16),
     "decode-kfirst-fp32": lambda: decode_case(False, torch.float32),
