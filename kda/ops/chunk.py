@@ -283,9 +283,12 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
 def _walk_beside_prepare(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, ws: tuple):
     """A dense call with few walk programs (`ChunkPlan.wait_chunks`): the walk on a side stream runs beside
     the prepare, each group of `wait_chunks` chunks walked once the prepare has stored it (counters in
-    `ready`, zeroed by the gate pass before either starts; the prepare launched chunk by chunk across the
-    heads, so groups complete in order). Three launches, so the host pays for one call; on the GPU the
-    prepare's SMs and the walk's overlap from the first group on."""
+    `ready`, zeroed by the gate pass, or their own launch, before either starts; the prepare launched chunk by
+    chunk across the heads, so groups complete in order). Three launches, so the host pays for one call; on
+    the GPU the prepare's SMs and the walk's overlap from the first group on.
+    The prepare is launched before the walk, always: the walk spins on it, and a kernel's first launch loads
+    its module lazily, a load that waits on the device (a walk launched first hung there). The walk's
+    programs keep at most half the SMs (`kda.plan._beside`), so the prepare's always find room."""
     T, BT, HV = call.T, plan.BT, call.HV
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws = ws
