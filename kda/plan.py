@@ -253,11 +253,11 @@ WAIT_CHUNKS = 16
 
 
 def _beside(call: KDACall, segmented: bool, walk_BV: int) -> bool:
-    """Whether the walk runs beside the prepare (`kda.ops.chunk._walk_beside_prepare`): a dense call (or a
+    """Whether the walk runs beside the prepare (`kda.ops.chunk`): a dense call (or a
     lone varlen prefill with host bounds, run as dense) whose walk programs, one an SM, leave at least half
     the SMs to the prepare, so the prepare's programs always find SMs while the walk's await them. On a GPU
     only (the interpreter runs the launches one after another)."""
-    if segmented or not call.q.is_cuda or interpreted():
+    if segmented or call.T == 0 or not call.q.is_cuda or interpreted():  # T = 0: no prepare to fork after
         return False
     if call.cu_seqlens is not None and not one_whole_sequence(call):
         return False

@@ -283,7 +283,6 @@ class Replay:
             run(gx, gy, gz, stream if b is None else b.cuda_stream, function, *prefix, packed, None, None, None, *vals)
         return o, final
 
-
     def _events(self) -> list:
         """This thread's events for the waits (made at its first call of this kind)."""
         mine = self.events.get(threading.get_ident())
@@ -335,10 +334,12 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
             size += -(-storage.nbytes() // _ALIGN) * _ALIGN
         return regions[sp] + x.data_ptr() - sp
 
+    n_waits = 0
     for op in record:
         if op[0] == "wait":
             order.append((1, (None if op[1].cuda_stream == main else op[1],
-                              None if op[2].cuda_stream == main else op[2]), sum(x[0] for x in order)))
+                              None if op[2].cuda_stream == main else op[2]), n_waits))
+            n_waits += 1
             continue
         kernel, grid, args, meta, st = op
         if (st != main and st not in sides) or not isinstance(kernel, DirectKernel) or kernel._plain is None:

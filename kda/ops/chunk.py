@@ -10,6 +10,15 @@ in fp32 (the gate pass), and with fp16 workspaces per chunk M's and N's fp32 inv
 Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds.
 Prefix-cache checkpoints are stored by the walk (plain, or the segmented walk's output kernel) as it passes
 them: no extra pass.
+
+The walk beside the prepare (`ChunkPlan.wait_chunks`: a dense call with few walk programs): the walk runs on
+a side stream beside the prepare, each group of `wait_chunks` chunks walked once the prepare has stored it
+(counters in `ready`, zeroed by the gate pass, or their own launch, before either starts; the prepare
+launched chunk by chunk across the heads, so groups complete in order). Three launches, so the host pays for
+one call; on the GPU the prepare's SMs and the walk's overlap from the first group on. The prepare is
+launched before the walk, always: the walk spins on it, and a kernel's first launch loads its module lazily,
+a load that waits on the device (a walk launched first hung there). The walk's programs keep at most half
+the SMs (`kda.plan._beside`), so the prepare's always find room.
 """
 
 from __future__ import annotations
@@ -91,11 +100,19 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
              else gt_ws)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    if plan.wait_chunks:
-        return _walk_beside_prepare(call, plan, o, st, (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws))
+    # the walk beside the prepare (`ChunkPlan.wait_chunks`, dense): the counters it awaits, and its side stream
+    ready = (torch.empty((B * cdiv(NT, plan.wait_chunks) * HV,), dtype=torch.int32, device=dev)
+             if plan.wait_chunks else None)
+    side = _side_stream(q) if ready is not None and q.is_cuda else None
+    main = torch.cuda.current_stream(dev) if side is not None else None
+
+    def fork():  # the walk reads gt and the zeroed counters, and what the caller queued before this call
+        if side is not None:
+            wait_stream(side, main)
+
     if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
         _prepare(call, plan, (q, k, v, g, beta), (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws), T, grid_chunks, short,
-                 varlen)
+                 varlen, ready, fork)
     # the walk reads v (the input) itself
     walk_ws = (n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws)
     ckpt = call.checkpoint_indices
@@ -104,8 +121,13 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     ck_args = ((ckpt, ckpt.stride(0), ckpt.shape[1], call.checkpoint_every, st.slot_count) if has_ckpt
                else (gt_ws, 0, 0, BT, st.slot_count))
     if plan.walk == "plain":  # with short sequences routed, only the kept ones have programs
-        _plain_walk(call, plan, o, st, _walk_tiles(plan, walk_ws, BK), cu, kept, N, varlen, short, ck_args,
-                    has_ckpt)
+        tiles = _walk_tiles(plan, walk_ws, BK)
+        if side is None:
+            _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready)
+        else:  # launched after the prepare, always (module docstring)
+            with torch.cuda.stream(side):
+                _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready)
+            wait_stream(main, side)  # the caller's stream owns o, the state and every workspace again
         return o, st.final_state
     BV = plan.walk_BV
     n_vb = cdiv(V, BV)
@@ -185,7 +207,7 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
                 N: int, varlen: bool, short: int, ck_args: tuple, has_ckpt: bool,
                 ready: torch.Tensor | None = None) -> None:
     """`_chunk_state_kernel` over `seqs` sequences. `ready`: the walk beside the prepare
-    (`_walk_beside_prepare`), each group of chunks awaited."""
+    (module docstring), each group of chunks awaited."""
     T, HV, K, V, BT, BV = call.T, call.HV, call.K, call.V, plan.BT, plan.walk_BV
     s_ot, s_oh = token_head_strides(o, T)
     has_errors = call.errors is not None
@@ -219,7 +241,7 @@ def _ragged(base: torch.Tensor, rows: int, cols: int, shape: tuple | None = None
 def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, grid_chunks: int, short: int,
              varlen: bool, ready: torch.Tensor | None = None, after_gate=None) -> None:
     """The gate pass (where planned) and the prepare of `grid_chunks` chunks.
-    `ready`: the counters the walk beside the prepare awaits (`_walk_beside_prepare`), zeroed by the gate pass
+    `ready`: the counters the walk beside the prepare awaits (module docstring), zeroed by the gate pass
     (by `_zero_counters_kernel` where there is none) and counted up by the prepare; `after_gate` is called once
     they are zeroed, before the prepare's launches."""
     q, k, v, g, beta = inputs
@@ -280,47 +302,11 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
         )
 
 
-def _walk_beside_prepare(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, ws: tuple):
-    """A dense call with few walk programs (`ChunkPlan.wait_chunks`): the walk on a side stream runs beside
-    the prepare, each group of `wait_chunks` chunks walked once the prepare has stored it (counters in
-    `ready`, zeroed by the gate pass, or their own launch, before either starts; the prepare launched chunk by
-    chunk across the heads, so groups complete in order). Three launches, so the host pays for one call; on
-    the GPU the prepare's SMs and the walk's overlap from the first group on.
-    The prepare is launched before the walk, always: the walk spins on it, and a kernel's first launch loads
-    its module lazily, a load that waits on the device (a walk launched first hung there). The walk's
-    programs keep at most half the SMs (`kda.plan._beside`), so the prepare's always find room."""
-    T, BT, HV = call.T, plan.BT, call.HV
-    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws = ws
-    NT = cdiv(T, BT)
-    ready = torch.empty((call.B * cdiv(NT, plan.wait_chunks) * HV,), dtype=torch.int32, device=q.device)
-    ckpt = call.checkpoint_indices
-    has_ckpt = ckpt is not None
-    ck_args = ((ckpt, ckpt.stride(0), ckpt.shape[1], call.checkpoint_every, st.slot_count) if has_ckpt
-               else (gt_ws, 0, 0, BT, st.slot_count))
-    walk_ws = _walk_tiles(plan, (n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws), max(16, next_power_of_2(call.K)))
-    side = _side_stream(q) if q.is_cuda else None
-    main = torch.cuda.current_stream(q.device) if side is not None else None
-
-    def fork():  # the walk reads gt and the zeroed counters, and what the caller queued before this call
-        if side is not None:
-            wait_stream(side, main)
-
-    _prepare(call, plan, (q, k, v, g, beta), ws, T, call.B * NT, 0, False, ready, fork)
-    if side is not None:
-        with torch.cuda.stream(side):
-            _plain_walk(call, plan, o, st, walk_ws, q, call.B, call.B, False, 0, ck_args, has_ckpt, ready)
-        wait_stream(main, side)  # the caller's stream owns o, the state and every workspace again
-    else:
-        _plain_walk(call, plan, o, st, walk_ws, q, call.B, call.B, False, 0, ck_args, has_ckpt, ready)
-    return o, st.final_state
-
-
 _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
-    """One side stream per device for `_walk_beside_prepare`, made at its first use. At a higher priority than the
+    """One side stream per device for the walk beside the prepare, made at its first use. At a higher priority than the
     caller's streams: the walk is the call's serial chain, and its programs should take the SMs a finished
     prepare program frees before the next prepare's do."""
     index = x.device.index or 0

@@ -148,9 +148,7 @@ def _qk_inv_norms(k_ptr, q_ptr, v_ptr, rows, row_mask, s_kt, s_qt, s_vt, K: tl.c
             v_abs = tl.maximum(v_abs, _abs_tile(v_ptr, rows, row_mask, s_vt, k0, V, BK, V % BK == 0 and V >= K))
     v_max = 0.0
     if VMAX:
-        for c0 in range(K, V, BK):  # V wider than K
-            v_abs = tl.maximum(v_abs, _abs_tile(v_ptr, rows, row_mask, s_vt, c0, V, BK, V % BK == 0))
-        v_max = tl.max(v_abs)
+        v_max = _abs_max(v_abs, v_ptr, rows, row_mask, s_vt, K, V, BK)  # columns of V wider than K
     return 1.0 / tl.sqrt(ssk + 1e-6), 1.0 / tl.sqrt(ssq + 1e-6), v_max
 
 
@@ -161,6 +159,14 @@ def _abs_tile(x_ptr, rows, row_mask, stride_t, c0, C: tl.constexpr, BK: tl.const
     cols = c0 + tl.arange(0, BK)
     m = tile_mask(row_mask, cols < C, EVEN)
     return tl.abs(tl.load(x_ptr + rows[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _abs_max(x_abs, x_ptr, rows, row_mask, stride_t, c_lo, C: tl.constexpr, BK: tl.constexpr):
+    """max|x| of `rows` over the tile x_abs (|x| of columns already read) and the columns [c_lo, C)."""
+    for c0 in range(c_lo, C, BK):
+        x_abs = tl.maximum(x_abs, _abs_tile(x_ptr, rows, row_mask, stride_t, c0, C, BK, C % BK == 0))
+    return tl.max(x_abs)
 
 
 @triton.jit
@@ -690,11 +696,8 @@ def _chunk_solve_kernel(
     Xb = tf32_round(X * b_beta[None, :], DOT_PREC)
     v_max = 0.0
     if m_ws.dtype.element_ty == tl.float16:
-        v_abs = tl.zeros([BT, BK], dtype=tl.float32)
-        for c0 in range(0, V, BK):
-            v_abs = tl.maximum(v_abs, _abs_tile(v + t0 * s_vt + i_hv * s_vh, o_t, row_ok, s_vt, c0, V, BK,
-                                                V % BK == 0))
-        v_max = tl.max(v_abs)
+        v_max = _abs_max(tl.zeros([BT, BK], dtype=tl.float32), v + t0 * s_vt + i_hv * s_vh, o_t, row_ok, s_vt, 0,
+                         V, BK)
     _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok, v_max,
                   HV, K, BT, BK, K % BK == 0, DOT_PREC)
     if SIGNAL_CHUNKS > 0:
