@@ -173,7 +173,7 @@ class ChunkPlan:
     walk_tma: bool = False  # the plain walk loads its chunk tiles by TMA (ragged tensor descriptors)
     segment_chunks: int = SEGMENT_CHUNKS
     short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
-    wait_chunks: int = 0  # > 0: the walk runs beside the prepare, awaiting groups of this many chunks (`_beside`)
+    wait_chunks: int = 0  # > 0: the walk runs beside the prepare, awaiting groups of this many chunks (`_beside_bv`)
 
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
@@ -189,7 +189,11 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
                        walk_BV, _tma_capable(call))
-    if _beside(call, segmented, walk_BV):
+    beside_BV = _beside_bv(call, segmented, walk_BV)
+    if beside_BV:
+        if beside_BV != walk_BV:
+            plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V,
+                               segmented, beside_BV, _tma_capable(call))
         plan = replace(plan, wait_chunks=WAIT_CHUNKS)
     if overrides:
         plan = replace(plan, **overrides)
@@ -252,16 +256,32 @@ def one_whole_sequence(call: KDACall) -> bool:
 WAIT_CHUNKS = 16
 
 
-def _beside(call: KDACall, segmented: bool, walk_BV: int) -> bool:
-    """Whether the walk runs beside the prepare (`kda.ops.chunk`): a dense call (or a
-    lone varlen prefill with host bounds, run as dense) whose walk programs, one an SM, leave at least half
-    the SMs to the prepare, so the prepare's programs always find SMs while the walk's await them. On a GPU
-    only (the interpreter runs the launches one after another)."""
+# A walk of one wave at V blocks of 32 (its programs more than half the SMs) runs beside the prepare at V blocks
+# of 64 instead where the prepare holds at least this many (chunk, head) programs: the prepare then keeps two
+# programs on only half the SMs (about 1.3x its time) and the last group's walk follows its end (about 75 us),
+# which the walk's own time repays only on long prepares (H200, H = 32: 1x4096 4.7% slower, 1x16384 4.2%
+# faster; docs/performance.md).
+BESIDE_BV64_CHUNKS = 8192
+
+
+def _beside_bv(call: KDACall, segmented: bool, walk_BV: int) -> int:
+    """The walk's V block where it runs beside the prepare (`kda.ops.chunk`), 0 where it does not: a dense
+    call (or a lone varlen prefill with host bounds, run as dense) whose walk programs, one an SM, leave at
+    least half the SMs to the prepare, so the prepare's programs always find SMs while the walk's await them;
+    `walk_BV`, or 64 for a long one-wave walk at 32 (`BESIDE_BV64_CHUNKS`). On a GPU only (the interpreter
+    runs the launches one after another)."""
     if segmented or call.T == 0 or not call.q.is_cuda or interpreted():  # T = 0: no prepare to fork after
-        return False
+        return 0
     if call.cu_seqlens is not None and not one_whole_sequence(call):
-        return False
-    return 2 * call.N * call.HV * cdiv(call.V, walk_BV) <= _sm_count(call.q.device.index or 0)
+        return 0
+    sms = _sm_count(call.q.device.index or 0)
+    heads = call.N * call.HV
+    if 2 * heads * cdiv(call.V, walk_BV) <= sms:
+        return walk_BV
+    if (walk_BV == 32 and call.K <= 128 and 2 * heads * cdiv(call.V, 64) <= sms
+            and heads * cdiv(call.T, CHUNK) >= BESIDE_BV64_CHUNKS):
+        return 64
+    return 0
 
 
 def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:

@@ -169,18 +169,21 @@ def test_decode_replays_in_a_cuda_graph_bitwise():
     assert torch.equal(bits(pool), bits(eager_pool))
 
 
-@pytest.mark.parametrize("form", ["dense", "varlen", "fp32"])
+@pytest.mark.parametrize("form", ["dense", "varlen", "fp32", "wide"])
 def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     """A one-sequence call with few heads runs its walk beside the prepare (on a side stream, each group of
-    chunks awaited: `kda.plan._beside`): eager calls, the replayed graph and a plan of one prepare then one
+    chunks awaited: `kda.plan._beside_bv`): eager calls, the replayed graph and a plan of one prepare then one
     walk give the same bits, call after call (an ordering fault would show as a stale tile now and then).
     Varlen with host bounds [0, T] (an engine's lone prefill) runs as the dense form; fp32 inputs have no gate
-    pass, so their counters are zeroed by their own launch."""
+    pass, so their counters are zeroed by their own launch; a long call with 32 heads (one wave of walk
+    programs at V blocks of 32) runs beside it at V blocks of 64."""
     from kda.ops.chunk import chunk_kda_fwd
-    from kda.plan import chunk_plan
+    from kda.plan import BESIDE_BV64_CHUNKS, chunk_plan
 
-    T = 8192 + 320  # a short last group
-    args, h0, kw = _inputs(T, H=12)  # 48 walk programs: the plain walk (fewer take the segmented one)
+    # a short last group; 48 walk programs at H = 12: the plain walk (fewer take the segmented one)
+    H = 32 if form == "wide" else 12
+    T = (BESIDE_BV64_CHUNKS // H * 64 if form == "wide" else 8192) + 320
+    args, h0, kw = _inputs(T, H=H)
     if form == "varlen":
         kw.update(cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device="cuda"),
                   cu_seqlens_cpu=torch.tensor([0, T], dtype=torch.int32))
@@ -188,8 +191,10 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
         args = tuple(x.float() for x in args)
     full = dict(output_final_state=True, initial_state=h0, **kw)
     call = checked_call(kda.chunk_kda, *args, **full)
-    assert chunk_plan(call).wait_chunks > 0
-    # 128 walk programs (H = 32) would leave a prepare program fewer than half the SMs: never beside it
+    plan = chunk_plan(call)
+    assert plan.wait_chunks > 0 and plan.walk_BV == (64 if form == "wide" else 32)
+    # 128 walk programs (H = 32) would leave a prepare program fewer than half the SMs, and at V blocks of 64
+    # a short prepare ends before their walk would pay for its slower programs: not beside it
     wide, wide_h0, wide_kw = _inputs(128, H=32)
     assert chunk_plan(checked_call(kda.chunk_kda, *wide, initial_state=wide_h0, **wide_kw)).wait_chunks == 0
     one_o, one_s = chunk_kda_fwd(call, chunk_plan(call, wait_chunks=0))
