@@ -194,7 +194,7 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
         if beside_BV != walk_BV:
             plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V,
                                segmented, beside_BV, _tma_capable(call))
-        plan = replace(plan, wait_chunks=WAIT_CHUNKS)
+        plan = replace(plan, wait_chunks=WAIT_CHUNKS if beside_BV == walk_BV else WAIT_CHUNKS_BV64)
     if overrides:
         plan = replace(plan, **overrides)
     return plan, _route(call.N, plan.short_len if plan.walk == "plain" else 0, lengths)
@@ -258,10 +258,13 @@ WAIT_CHUNKS = 16
 
 # A walk of one wave at V blocks of 32 (its programs more than half the SMs) runs beside the prepare at V blocks
 # of 64 instead where the prepare holds at least this many (chunk, head) programs: the prepare then keeps two
-# programs on only half the SMs (about 1.3x its time) and the last group's walk follows its end (about 75 us),
-# which the walk's own time repays only on long prepares (H200, H = 32: 1x4096 4.7% slower, 1x16384 4.2%
-# faster; docs/performance.md).
-BESIDE_BV64_CHUNKS = 8192
+# programs on only half the SMs (about 1.25x its time), which the walk's own time repays only on long prepares
+# (H200, H = 32: 1x1024 10.6% slower, 1x4096 3.8% faster; docs/performance.md). It awaits groups of 4 chunks:
+# its prepare, not its walk, is the longer, and a smaller last group follows the prepare's end sooner (groups
+# of 16 / 4 / 1: 1x16384 H=32 1380 / 1338 / 1324 us, but 1x8192 H=24, where the walk is the longer, 611 / 559
+# / 628).
+BESIDE_BV64_CHUNKS = 2048
+WAIT_CHUNKS_BV64 = 4
 
 
 def _beside_bv(call: KDACall, segmented: bool, walk_BV: int) -> int:
