@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kda.ops import chunk_prepare, chunk_walk, fused_recurrent  # noqa: E402
-from kda.plan import CHUNK, FUSED_SUB, WAIT_CHUNKS, _chunk_plan, _decode_plan  # noqa: E402
+from kda.plan import CHUNK, FUSED_SUB, WAIT_CHUNKS, WAIT_CHUNKS_BV64, _chunk_plan, _decode_plan  # noqa: E402
 
 K = V = 128
 H_CHUNK = 32  # value heads of the prefill cases (1x16384 H=32)
@@ -108,7 +108,7 @@ CASES = {
     "gate-signal": lambda: gate_case(WAIT_CHUNKS),
     "prepare-signal": lambda: prepare_case(WAIT_CHUNKS),
     "walk-beside": lambda: walk_case(32, WAIT_CHUNKS),
-    "walk-bv64-beside": lambda: walk_case(64, WAIT_CHUNKS),
+    "walk-bv64-beside": lambda: walk_case(64, WAIT_CHUNKS_BV64),
     "decode-vfirst-fp32": lambda: decode_case(True, torch.float32),
     "decode-vfirst-bf16": lambda: decode_case(True, torch.bfloat16),
     "decode-kfirst-fp32": lambda: decode_case(False, torch.float32),
