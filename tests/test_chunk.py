@@ -732,3 +732,39 @@ def test_one_whole_sequence_needs_the_bounds_on_the_host(device):
     assert one_whole_sequence(call(one, **bounds(0, T), cu_seqlens_cpu=torch.tensor([0, T], dtype=torch.int32)))
     assert not one_whole_sequence(call(one, **bounds(0, T)))
     assert not one_whole_sequence(call(one, **bounds(0, 90, T), cu_seqlens_cpu=torch.tensor([0, 90, T])))
+
+
+@pytest.mark.parametrize("sms", [132, 78, 16])
+def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
+    """Liveness of the walk beside the prepare: its programs spin until the prepare's have run, so the plan
+    may put it there only where the walk's programs (at the V block it runs beside the prepare with) take at
+    most half the SMs, only for one whole sequence per row (dense, or varlen with host bounds [0, T]), never
+    for an empty call or a segmented walk, and at V blocks of 64 only where K fits them (K <= 128). Checked on
+    the planner's decisions over a grid of shapes as a GPU of `sms` SMs would see them."""
+    from types import SimpleNamespace
+
+    from kda import plan as P
+
+    monkeypatch.setattr(P, "interpreted", lambda: False)
+    monkeypatch.setattr(P, "_sm_count", lambda index: sms)
+    dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    beside_seen = set()
+    for B in (1, 2, 4):
+        for HV in (1, 4, 8, 12, 16, 24, 32, 48, 96):
+            for K, V in ((128, 128), (64, 64), (256, 128), (128, 256), (32, 32)):
+                for T in (0, 64, 1000, 4096, 16384, 65536):
+                    for varlen in (False, True):
+                        call = SimpleNamespace(q=dev, B=1 if varlen else B, T=T * B if varlen else T, HV=HV,
+                                               K=K, V=V, N=B, cu_seqlens=object() if varlen else None,
+                                               host_bounds=(0, T) if varlen and B == 1 else None)
+                        walk_BV = P._walk_bv(call, None)
+                        segmented = P._segment(call, call.N * HV * P.cdiv(V, walk_BV), P.CHUNK)
+                        bv = P._beside_bv(call, segmented, walk_BV)
+                        if not bv:
+                            continue
+                        beside_seen.add(bv == walk_BV)
+                        assert 2 * call.N * HV * P.cdiv(V, bv) <= sms
+                        assert T > 0 and not segmented and bv in (walk_BV, 64)
+                        assert not varlen or call.N == 1
+                        assert bv == walk_BV or K <= 128
+    assert beside_seen == {True, False}  # both forms planned somewhere on the grid
