@@ -258,11 +258,11 @@ WAIT_CHUNKS = 16
 
 # A walk of one wave at V blocks of 32 (its programs more than half the SMs) runs beside the prepare at V blocks
 # of 64 instead where the prepare holds at least this many (chunk, head) programs: the prepare then keeps two
-# programs on only half the SMs (about 1.25x its time), which the walk's own time repays only on long prepares
+# programs on only half the SMs (about 1.3x its time), which the walk's own time repays only on long prepares
 # (H200, H = 32: 1x1024 10.6% slower, 1x4096 3.8% faster; docs/performance.md). It awaits groups of 4 chunks:
 # its prepare, not its walk, is the longer, and a smaller last group follows the prepare's end sooner (groups
-# of 16 / 4 / 1: 1x16384 H=32 1380 / 1338 / 1324 us, but 1x8192 H=24, where the walk is the longer, 611 / 559
-# / 628).
+# of 16 / 4 / 1: 1x16384 H=32 1380 / 1338 / 1324 us), while each group restarts the walk's pipeline (1x8192
+# H=24, where the walk is the longer, groups of 4 / 2 / 1: 559 / 611 / 628 us).
 BESIDE_BV64_CHUNKS = 2048
 WAIT_CHUNKS_BV64 = 4
 
