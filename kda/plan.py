@@ -187,13 +187,10 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     lengths = _sorted_lengths(call)
     walk_BV = _walk_bv(call, lengths)
     segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
+    beside_BV = _beside_bv(call, segmented, walk_BV)  # the walk's V block beside the prepare, or 0
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
-                       walk_BV, _tma_capable(call))
-    beside_BV = _beside_bv(call, segmented, walk_BV)
+                       beside_BV or walk_BV, _tma_capable(call))
     if beside_BV:
-        if beside_BV != walk_BV:
-            plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V,
-                               segmented, beside_BV, _tma_capable(call))
         plan = replace(plan, wait_chunks=WAIT_CHUNKS if beside_BV == walk_BV else WAIT_CHUNKS_BV64)
     if overrides:
         plan = replace(plan, **overrides)

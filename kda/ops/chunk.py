@@ -306,9 +306,9 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
-    """One side stream per device for the walk beside the prepare, made at its first use. At a higher priority than the
-    caller's streams: the walk is the call's serial chain, and its programs should take the SMs a finished
-    prepare program frees before the next prepare's do."""
+    """One side stream per device for the walk beside the prepare, made at its first use. At a higher priority
+    than the caller's streams: the walk is the call's serial chain, and its programs should take the SMs a
+    finished prepare program frees before the next prepare's do."""
     index = x.device.index or 0
     stream = _SIDE_STREAMS.get(index)
     if stream is None:

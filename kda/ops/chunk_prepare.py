@@ -106,7 +106,8 @@ def _count_chunk(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr
 @direct
 @triton.jit
 def _zero_counters_kernel(ready, n, BLOCK: tl.constexpr):
-    """The counters of a walk beside a prepare that has no gate pass to zero them, before the prepare."""
+    """The counters of a walk beside a prepare that has no gate pass to zero them, before the prepare. A kernel
+    of ours rather than `Tensor.zero_`: `kda.replay` records and replays only this package's launches."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(ready + o, tl.zeros([BLOCK], dtype=tl.int32), mask=o < n)
 
