@@ -67,7 +67,7 @@ def prepare_case(signal: int = 0):
     return chunk_prepare._chunk_prepare_kernel, ptrs, consts, dict(N=1, s_bh=1), plan.prepare_warps, 1
 
 
-def walk_case(walk_bv: int, wait: int = 0):
+def walk_case(walk_bv: int, wait: int = 0, in_loop: bool = False):
     plan = _chunk(walk_bv)
     assert plan.walk_tma
     ws = "fp16" if plan.ws_dtype == torch.float16 else "fp32"
@@ -81,7 +81,8 @@ def walk_case(walk_bv: int, wait: int = 0):
                 slot_of_seq="i32", has_initial_state="i1", checkpoint_indices="i32", errors="i32", ready="i32")
     consts = dict(HV=H_CHUNK, K=K, V=V, BT=CHUNK, BK=K, BV=walk_bv, IS_VARLEN=False, HAS_SRC=True, HAS_DST=True,
                   PAGED=False, HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC=plan.dot_prec, HAS_CHECKPOINTS=False,
-                  HAS_ERRORS=False, SHORT=0, TMA=True, V_TMA=True, WAIT_CHUNKS=wait, FENCE=wait > 0)
+                  HAS_ERRORS=False, SHORT=0, TMA=True, V_TMA=True, WAIT_CHUNKS=wait, WAIT_IN_LOOP=in_loop,
+                  SPIN=2 if wait else 0)
     return chunk_walk._chunk_state_kernel, ptrs, consts, dict(N=1, n_slots=1), plan.walk_warps, plan.walk_stages
 
 
@@ -108,7 +109,7 @@ CASES = {
     "gate-signal": lambda: gate_case(WAIT_CHUNKS),
     "prepare-signal": lambda: prepare_case(WAIT_CHUNKS),
     "walk-beside": lambda: walk_case(32, WAIT_CHUNKS),
-    "walk-bv64-beside": lambda: walk_case(64, WAIT_CHUNKS_BV64),
+    "walk-bv64-beside": lambda: walk_case(64, WAIT_CHUNKS_BV64, True),
     "decode-vfirst-fp32": lambda: decode_case(True, torch.float32),
     "decode-vfirst-bf16": lambda: decode_case(True, torch.bfloat16),
     "decode-kfirst-fp32": lambda: decode_case(False, torch.float32),

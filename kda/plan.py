@@ -174,6 +174,7 @@ class ChunkPlan:
     segment_chunks: int = SEGMENT_CHUNKS
     short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
     wait_chunks: int = 0  # > 0: the walk runs beside the prepare, awaiting groups of this many chunks (`_beside_bv`)
+    wait_in_loop: bool = False  # it awaits them inside its pipelined loop (`_chunk_state_kernel`'s WAIT_IN_LOOP)
 
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
@@ -190,8 +191,11 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     beside_BV = _beside_bv(call, segmented, walk_BV)  # the walk's V block beside the prepare, or 0
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
                        beside_BV or walk_BV, _tma_capable(call))
-    if beside_BV:
-        plan = replace(plan, wait_chunks=WAIT_CHUNKS if beside_BV == walk_BV else WAIT_CHUNKS_BV64)
+    if beside_BV == walk_BV:
+        plan = replace(plan, wait_chunks=WAIT_CHUNKS)
+    elif beside_BV:  # the wait inside the pipelined loop for TMA walks (pointer loads lose their pipelining)
+        plan = replace(plan, wait_chunks=WAIT_CHUNKS_BV64 if plan.walk_tma else WAIT_CHUNKS_BV64_OUTER,
+                       wait_in_loop=plan.walk_tma)
     if overrides:
         plan = replace(plan, **overrides)
     return plan, _route(call.N, plan.short_len if plan.walk == "plain" else 0, lengths)
@@ -256,12 +260,15 @@ WAIT_CHUNKS = 16
 # A walk of one wave at V blocks of 32 (its programs more than half the SMs) runs beside the prepare at V blocks
 # of 64 instead where the prepare holds at least this many (chunk, head) programs: the prepare then keeps two
 # programs on only half the SMs (about 1.3x its time), which the walk's own time repays only on long prepares
-# (H200, H = 32: 1x1024 10.6% slower, 1x4096 3.8% faster; docs/performance.md). It awaits groups of 4 chunks:
-# its prepare, not its walk, is the longer, and a smaller last group follows the prepare's end sooner (groups
-# of 16 / 4 / 1: 1x16384 H=32 1380 / 1338 / 1324 us), while each group restarts the walk's pipeline (1x8192
-# H=24, where the walk is the longer, groups of 4 / 2 / 1: 559 / 611 / 628 us).
+# (H200, H = 32: 1x1024 10.6% slower, 1x4096 3.8% faster; docs/performance.md). Its prepare, not its walk, is
+# the longer there, and a smaller last group follows the prepare's end sooner. A TMA walk waits inside its
+# pipelined loop, for groups of 2 (1x16384 H=32 1338 -> 1317 us, 1x8192 H=24 561 -> 497 against the outer
+# loop's groups of 4; groups of 4 in the loop 1330 / 503). A pointer walk keeps the outer loop (its loads are not
+# pipelined behind an in-loop wait), each group restarting its pipeline: groups of 4 (1x16384 H=32 groups of
+# 16 / 4 / 1: 1380 / 1338 / 1324 us; 1x8192 H=24, where the walk is the longer: 559 / 611 / 628 at 4 / 2 / 1).
 BESIDE_BV64_CHUNKS = 2048
-WAIT_CHUNKS_BV64 = 4
+WAIT_CHUNKS_BV64 = 2
+WAIT_CHUNKS_BV64_OUTER = 4
 
 
 def _beside_bv(call: KDACall, segmented: bool, walk_BV: int) -> int:

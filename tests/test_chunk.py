@@ -626,14 +626,14 @@ def test_walk_tma_loads_equal_pointer_loads(dtype, device):
     ("paged", torch.float32, True), ("paged_padding", torch.float32, False), ("varlen_paged", torch.bfloat16, False),
     ("split", torch.float32, False)])
 def test_walk_beside_prepare_equals_one_walk(contract, dtype, gate_pass, device):
-    """The walk beside the prepare (`ChunkPlan.wait_chunks`: on a GPU for few heads, the walk on a side
-    stream awaiting each group of chunks; the interpreter launches one after another, so this checks the
-    arithmetic and the counters' placement) against one prepare then one walk: the same bits, with T not a
-    multiple of the groups (a short last group) and checkpoints stored by the waiting walk. The counters are
-    zeroed by the gate pass (forced here: the interpreter's ieee dots plan none), by their own launch, or
-    counted by the split prepare's solve (an unbounded gate). Dense B = 1 and 2; a paged pool (the other
-    slots untouched); a padding sequence (no slot read or written, zero output, error word clear); varlen
-    with bounds [0, T] given on the host too (an engine's lone prefill, run as the dense form)."""
+    """The walk beside the prepare (`ChunkPlan.wait_chunks`: on a GPU for few heads, the walk on a side stream awaiting
+    each group of chunks, by an outer loop or inside its pipelined loop; the interpreter launches one after another,
+    so this checks the arithmetic and the counters' placement) against one prepare then one walk: the same bits,
+    with T not a multiple of the groups (a short last group) and checkpoints stored by the waiting walk. The
+    counters are zeroed by the gate pass (forced here: the interpreter's ieee dots plan none), by their own launch,
+    or counted by the split prepare's solve (an unbounded gate). Dense B = 1 and 2; a paged pool (the other slots
+    untouched); a padding sequence (no slot read or written, zero output, error word clear); varlen with bounds [0,
+    T] given on the host too (an engine's lone prefill, run as the dense form)."""
     T, H, HV, K, V = 300, 1, 2, 32, 32
     B = 2 if contract == "dense2" else 1
     gate = "logdecay" if contract == "split" else "lower_bound"
@@ -643,14 +643,14 @@ def test_walk_beside_prepare_equals_one_walk(contract, dtype, gate_pass, device)
         kw.update(cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=device),
                   cu_seqlens_cpu=torch.tensor([0, T], dtype=torch.int32))
     runs = {}
-    for wait in (0, 2):
+    for wait, in_loop in ((0, False), (2, False), (2, True)):
         errors = torch.zeros(B, dtype=torch.int32, device=device)
-        over = dict(wait_chunks=wait, gate_pass=gate_pass)
+        over = dict(wait_chunks=wait, wait_in_loop=in_loop, gate_pass=gate_pass)
         if contract.startswith("dense") or contract == "split":
             h0 = 0.1 * torch.randn(B, HV, K, V, generator=torch.Generator().manual_seed(1)).to(device)
             o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, over, initial_state=h0,
                                      output_final_state=True, errors=errors, **kw)
-            runs[wait] = (o, s)
+            runs[wait, in_loop] = (o, s)
         else:
             pool = poison_pool(6, (HV, K, V), torch.float32, device)
             pool[2] = 0.1 * torch.randn(HV, K, V, generator=torch.Generator().manual_seed(2)).to(device)
@@ -664,20 +664,22 @@ def test_walk_beside_prepare_equals_one_walk(contract, dtype, gate_pass, device)
                                      **kw)
             for other in (0, 3, 5) if slot == 2 else (0, 2, 3, 5):
                 assert torch.equal(bits(pool[other]), bits(before[other]))
-            runs[wait] = (o, pool)
+            runs[wait, in_loop] = (o, pool)
         assert plan.wait_chunks == wait and plan.gate_pass == gate_pass and not errors.any()
         assert plan.prepare == ("split" if contract == "split" else "fused")
-    assert torch.equal(bits(runs[2][0]), bits(runs[0][0])) and torch.equal(bits(runs[2][1]), bits(runs[0][1]))
+    for form in ((2, False), (2, True)):
+        assert torch.equal(bits(runs[form][0]), bits(runs[0, False][0]))
+        assert torch.equal(bits(runs[form][1]), bits(runs[0, False][1]))
     if contract == "paged_padding":
-        assert torch.equal(runs[2][0], torch.zeros_like(runs[2][0]))
+        assert torch.equal(runs[2, True][0], torch.zeros_like(runs[2, True][0]))
     elif contract.startswith("dense"):
         ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=h0.cpu().double(),
                                    output_final_state=True, **on_cpu(kw))
         if dtype == torch.float32:
-            assert rel_err(runs[2][0], ro) < FP32_TOL and rel_err(runs[2][1], rs) < FP32_TOL
+            assert rel_err(runs[2, True][0], ro) < FP32_TOL and rel_err(runs[2, True][1], rs) < FP32_TOL
         else:
-            assert rel_err(runs[2][0], ro) <= kernel_bound(rounding_floor(ro, dtype), dtype)
-            assert rel_err(runs[2][1], rs) < NARROW_STATE_TOL
+            assert rel_err(runs[2, True][0], ro) <= kernel_bound(rounding_floor(ro, dtype), dtype)
+            assert rel_err(runs[2, True][1], rs) < NARROW_STATE_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

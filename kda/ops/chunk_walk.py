@@ -62,7 +62,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
           EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
           ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
           HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False, TMA: tl.constexpr = False,
-          i_c0=0, V_TMA: tl.constexpr = False):
+          i_c0=0, V_TMA: tl.constexpr = False, ready_h=None, WAIT: tl.constexpr = 0, SPIN: tl.constexpr = 0):
     """S [BK, BC] (columns o_c of the state, or of the identity for a segment operator) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). D = V - Kd S (V: columns o_c of the input v of
@@ -100,9 +100,14 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         v_off = o_t[:, None] * s_vt + o_c[None, :]
     # gt one chunk ahead: a plain load, so its latency would otherwise sit on the step's serial chain
     gt_ptr = gt_ws + (p_first * HV + i_hv) * K + o_k
-    gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
+    # the waits' zeros, one chain for the gt loads and one for the tiles (below)
+    z_g = tl.zeros([], dtype=tl.int32)
+    z_t = tl.zeros([], dtype=tl.int32)
+    if WAIT > 0:
+        z_g = _ready_zero(ready_h, t_begin, t_begin, t_end, HV, BT, WAIT, SPIN, z_g)
+    gt_next = tl.load(gt_ptr + z_g, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
     if F16:  # M's and N's inverse scales and max|V|, one chunk ahead as gt
-        sc_ptr = sc_ws + (p_first * HV + i_hv) * 4
+        sc_ptr = sc_ws + (p_first * HV + i_hv) * 4 + z_g
         sm_next = tl.load(sc_ptr, mask=t_begin < t_end, other=0.0)
         sn_next = tl.load(sc_ptr + 1, mask=t_begin < t_end, other=0.0)
         vm_next = tl.load(sc_ptr + 2, mask=t_begin < t_end, other=0.0)
@@ -113,21 +118,28 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     for t0 in range(t_begin, t_end, BT):
         gt = gt_next
         gt_ptr += HV * K
-        gt_next = tl.load(gt_ptr, mask=k_ok & (o_k * 0 + t0 + BT < t_end), other=0.0)
+        if WAIT > 0:  # the next chunk's gt and scales, stored by the prepare (gt where there is no gate pass)
+            z_g = _ready_zero(ready_h, t0 + BT, t_begin, t_end, HV, BT, WAIT, SPIN, z_g)
+        gt_next = tl.load(gt_ptr + z_g, mask=k_ok & (o_k * 0 + t0 + BT < t_end), other=0.0)
         if F16:
             s_m = sm_next
             s_n = sn_next
             v_max = vm_next
             sc_ptr += HV * 4
-            sm_next = tl.load(sc_ptr, mask=t0 + BT < t_end, other=0.0)
-            sn_next = tl.load(sc_ptr + 1, mask=t0 + BT < t_end, other=0.0)
-            vm_next = tl.load(sc_ptr + 2, mask=t0 + BT < t_end, other=0.0)
+            sm_next = tl.load(sc_ptr + z_g, mask=t0 + BT < t_end, other=0.0)
+            sn_next = tl.load(sc_ptr + 1 + z_g, mask=t0 + BT < t_end, other=0.0)
+            vm_next = tl.load(sc_ptr + 2 + z_g, mask=t0 + BT < t_end, other=0.0)
         row_ok = o_t < t_end - t0
         m_k = tile_mask(row_ok, k_ok, EVEN_K)
         m_c = tile_mask(row_ok, c_ok, EVEN_C)
         base_k = (t0 * HV + i_hv) * K
         n_in = tl.minimum(t_end - t0, BT).to(tl.int32)
         t0_32 = tl.cast(t0, tl.int32)
+        if WAIT > 0:  # the chunk stored by the prepare: its tiles' coordinates depend on the wait
+            z_t = _ready_zero(ready_h, t0, t_begin, t_end, HV, BT, WAIT, SPIN, z_t)
+            t0 = t0 + z_t
+            t0_32 = t0_32 + z_t
+            base_k = base_k + z_t
         if HAS_V:  # V's tile first: it does not wait on S
             if V_TMA:  # v as a ragged descriptor of the input (`chunk._v_tiles`): rows past the sequence read 0
                 vt = tl.reshape(load_ragged(v_h, t0_32, n_in, [0, i_hv, i_c0]), [BT, BC])
@@ -196,16 +208,56 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
 
 @triton.jit
 def _await_count(ptr, target, FENCE: tl.constexpr):
-    """Spin until the counter at `ptr` reaches `target`: the prepare programs of a group of chunks each add 1
-    with release semantics after their stores (`_chunk_prepare_kernel`), so what they stored is visible after
-    this acquire. FENCE: the tiles are then read by TMA (the async proxy), ordered after the acquire by a proxy
-    fence (not under the interpreter, which runs no PTX and launches the prepare to its end first)."""
+    """Spin until the counter at `ptr` reaches `target` (the outer loop's wait, `_chunk_state_kernel`), as
+    `_spin_zero` does; FENCE: then a proxy fence, for tiles read by TMA (not under the interpreter, which runs
+    no PTX and launches the prepare to its end first)."""
     n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     while n < target:
         n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     if FENCE:
         tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [n], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+@triton.jit
+def _ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, WAIT: tl.constexpr,
+                SPIN: tl.constexpr, z_prev):
+    """0, once the group of WAIT chunks holding the chunk at token t (of a walk from t_begin to t_end) is
+    counted in `ready_h` (one counter a group, HV apart). Only a group's first chunk spins; the others take
+    z_prev, the zero of the chunk before (each load depends on every earlier wait, so no compiler moves it
+    above one); at once for t >= t_end (a prefetch past the end)."""
+    first = (t < t_end) & ((t - t_begin) % (WAIT * BT) == 0)
+    g_i = tl.where(first, (t - t_begin) // (WAIT * BT), 0)
+    target = tl.where(first, tl.cdiv(tl.minimum(t + WAIT * BT, t_end) - t, BT), 0).to(tl.int32)
+    return _spin_zero(ready_h + g_i * HV, target, first.to(tl.int32), z_prev, SPIN)
+
+
+@triton.jit
+def _spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
+    """z_prev (0), once the counter at `ptr` reaches `target` where `spin` is set (else at once): the prepare
+    programs each add 1 with release semantics after their stores (`_chunk_prepare_kernel`), so what they
+    stored is visible to this thread's later loads. One PTX block with its own loop (SPIN 1: acquire; 2: then
+    a proxy fence, for tiles read by TMA, the async proxy), so that Triton's IR holds no loop: the pipeliner
+    moves it with the prefetches whose coordinates depend on it. A pure op to the compiler (the pipeliner runs
+    it for prefetches past the end too, where `_ready_zero` asks for no spin). SPIN 0, the interpreter: one
+    atomic read where `spin` is set (it runs the prepare to its end first)."""
+    if SPIN == 2:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .s32 v; setp.eq.s32 p, $3, 0; @p bra DONE; "
+            "SPIN: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; @p bra SPIN; "
+            "fence.proxy.async.global; DONE: mov.b32 $0, $4; }",
+            "=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), target, spin, z_prev], dtype=tl.int32, is_pure=True,
+            pack=1)
+    elif SPIN == 1:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .s32 v; setp.eq.s32 p, $3, 0; @p bra DONE; "
+            "SPIN: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; @p bra SPIN; "
+            "DONE: mov.b32 $0, $4; }",
+            "=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), target, spin, z_prev], dtype=tl.int32, is_pure=True,
+            pack=1)
+    else:
+        n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu", mask=spin != 0)
+        return tl.where(n >= target, z_prev, z_prev).to(tl.int32)
 
 
 @triton.jit
@@ -295,7 +347,8 @@ def _chunk_state_kernel(
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
-    V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, FENCE: tl.constexpr = False,
+    V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, WAIT_IN_LOOP: tl.constexpr = False,
+    SPIN: tl.constexpr = 0,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
@@ -305,8 +358,11 @@ def _chunk_state_kernel(
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
     s_ck, n_ck columns, one every ck_every tokens) stored into the pool `state_dst` of n_slots slots as
     the walk passes them (`_walk`).
-    WAIT_CHUNKS > 0 (dense): the prepare runs beside this walk; each group of WAIT_CHUNKS chunks is walked
-    once its prepare programs have counted themselves into `ready` (`[B, groups, HV]` int32, `_await_count`)."""
+    WAIT_CHUNKS > 0 (dense): the prepare runs beside this walk, counting each group of WAIT_CHUNKS chunks into
+    `ready` (`[B, groups, HV]` int32), and each group is walked once counted: by an outer loop over the groups
+    (`_await_count`; each group's walk restarts its pipeline), or with WAIT_IN_LOOP (TMA walks) inside the
+    walk's pipelined loop, a chunk's tiles and scales loaded once `_ready_zero` has seen its group counted (the
+    pipeliner prefetches behind the wait). SPIN: 0 under the interpreter, 1 for pointer loads, 2 for TMA ones."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     if SHORT > 0:
@@ -329,12 +385,12 @@ def _chunk_state_kernel(
         else:
             v_h = v + i_hv * s_vh
         ck_row = checkpoint_indices + i_n.to(tl.int64) * s_ck
-        if WAIT_CHUNKS > 0:
+        ready_h = ready + i_n * tl.cdiv(NT, tl.maximum(WAIT_CHUNKS, 1)) * HV + i_hv
+        if (WAIT_CHUNKS > 0) and not WAIT_IN_LOOP:
             SPAN: tl.constexpr = WAIT_CHUNKS * BT
-            ready_h = ready + i_n * tl.cdiv(NT, WAIT_CHUNKS) * HV + i_hv
             for g_lo in range(bos, eos, SPAN):
                 g_hi = tl.minimum(g_lo + SPAN, eos)
-                _await_count(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT), FENCE)
+                _await_count(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT), SPIN == 2)
                 S = _walk(S, g_lo, g_hi, p_first + (g_lo - bos) // BT, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt,
                           qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC,
                           K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
@@ -343,7 +399,7 @@ def _chunk_state_kernel(
             S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
                       sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
                       ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA,
-                      tl.program_id(0) * BV, V_TMA)
+                      tl.program_id(0) * BV, V_TMA, ready_h, WAIT_CHUNKS, SPIN)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
