@@ -632,8 +632,8 @@ def test_walk_beside_prepare_equals_one_walk(contract, dtype, gate_pass, device)
     with T not a multiple of the groups (a short last group) and checkpoints stored by the waiting walk. The
     counters are zeroed by the gate pass (forced here: the interpreter's ieee dots plan none), by their own launch,
     or counted by the split prepare's solve (an unbounded gate). Dense B = 1 and 2; a paged pool (the other slots
-    untouched); a padding sequence (no slot read or written, zero output, error word clear); varlen with bounds [0,
-    T] given on the host too (an engine's lone prefill, run as the dense form)."""
+    untouched); a padding sequence (no slot read or written, zero output, error word clear); varlen with bounds
+    [0, T] given on the host too (an engine's lone prefill, run as the dense form)."""
     T, H, HV, K, V = 300, 1, 2, 32, 32
     B = 2 if contract == "dense2" else 1
     gate = "logdecay" if contract == "split" else "lower_bound"
