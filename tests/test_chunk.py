@@ -102,6 +102,29 @@ def test_strong_decay_and_correlated_keys(device):
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
 
 
+@pytest.mark.parametrize("keys", ["random", "correlated"])
+def test_tf32_prepare_against_float64(keys, device):
+    """The fused prepare as the GPU runs it for 16-bit inputs (tf32 dots: the inverse's diagonal blocks by their
+    series, every merge and fold computed transposed, `chunk_prepare._unit_lower_inverse_t`), forced on fp32
+    inputs, against the float64 oracle: within a few tf32 roundings (2^-11 each; a wrong block or merge of the
+    inverse errs by O(1)), with random keys and with correlated keys and beta near 1 (an ill-conditioned
+    I + A_kk). The interpreter's other tests take the ieee path, whose inverse starts from forward
+    substitution."""
+    B, T, H, HV, K, V = 1, 150, 1, 1, 32, 16
+    q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, gate="lower_bound", device=device, seed=3)
+    kw.update(use_qk_l2norm_in_kernel=True)
+    if keys == "correlated":
+        gen = torch.Generator().manual_seed(4)
+        base = torch.randn(K, generator=gen)
+        k = torch.nn.functional.normalize(base + 0.01 * torch.randn(B, T, H, K, generator=gen), dim=-1).to(device)
+        beta = torch.full((B, T, HV), 0.99, device=device)
+    o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(dot_prec="tf32"), output_final_state=True, **kw)
+    assert plan.prepare == "fused" and plan.dot_prec == "tf32"
+    ro, rs = ref.recurrent_kda(*(x.cpu() for x in (q, k, v, g, beta)), output_final_state=True, **on_cpu(kw))
+    bound = 4 * 2.0 ** -11
+    assert rel_err(o, ro) < bound and rel_err(s, rs) < bound
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, -5.2])
 @pytest.mark.parametrize("keys", ["random", "correlated"])
 @pytest.mark.parametrize("K", [32, 100])

@@ -257,11 +257,13 @@ def _block_forward_substitution(L3, BC: tl.constexpr):
 
 
 @triton.jit
-def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, row_ok, v_max,
+def _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, row_ok, v_max,
                   HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   EVEN_K: tl.constexpr, PREC: tl.constexpr):
     """N = A_qk Xb into N's rows (from row offset n_base), and M = Xb^T Kr over the Kr that the caller parked
-    in M's rows (from m_base), each slice read by every thread before it is overwritten. Xb is zero past the
+    in M's rows (from m_base), each slice read by every thread before it is overwritten, from XbT = Xb^T (the
+    row operand of M's dots, and N's column operand as the transpose of a register tile, which a tf32 dot
+    stages without transposing it: `_unit_lower_inverse_t`). Xb is zero past the
     sequence (beta is), so N's columns and M's rows are too; N is lower triangular, stored with whole rows.
     fp16 workspaces: Xb's entries are not bounded by 1 (an ill-conditioned I + A_kk), so N and M are stored
     times a power of two per chunk, N's from its largest entry, M's from the largest column sum of |Xb|
@@ -270,15 +272,15 @@ def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, r
     of the chunk's rows (the caller's), the term of D's bound that the walk would otherwise reduce from its
     V tile on every step."""
     F16: tl.constexpr = m_ws.dtype.element_ty == tl.float16
+    Xb = tl.trans(XbT)
     if A_qk.dtype == tl.float16:  # exact in tf32: no rounding
         N = tl.dot(A_qk.to(tl.float32), Xb, input_precision=PREC)
     else:
         N = tl.dot(tf32_round(A_qk, PREC), Xb, input_precision=PREC)
     if F16:
         pn = pow2_scale(N)
-        pm = pow2_of(tl.max(tl.sum(tl.abs(Xb), 0)))
+        pm = pow2_of(tl.max(tl.sum(tl.abs(XbT), 1)))
         N = N * pn
-    XbT = tl.trans(Xb)
     tl.store(n_ws + n_base + o_t[:, None] * (HV * BT) + o_t[None, :], N, mask=row_ok[:, None])
     tl.debug_barrier()  # Kr parked by every thread before it is read back
     ws = m_base + o_t[:, None] * (HV * K)
@@ -301,51 +303,53 @@ def _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, r
 
 
 @triton.jit
-def _unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """X = (I + L)^-1 for a strictly lower [BT, BT] tile L (the oracle's `INV`). Inside the BC x BC
-    diagonal blocks by their finite series with tf32 dots (below; forward substitution with fp32 ones, which
-    run on the FMA units and spill more as two more dots), then one merge per doubling of the block width: for
-    M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1), M^-1 = D - D E D with E = [[0, 0], [C, 0]] (block forward
-    substitution written as two dots). Every dot takes operands rounded to nearest at PREC (taken as the
-    tensor cores truncate them, the final-state error of the ill-conditioned `correlated_keys` inputs rose
-    from 1.87e-3 to 1.98e-3 for 1.3% of the calls' time: docs/performance.md). The series' terms stay small
-    (entries of L are at most |beta| in magnitude, and a 4 x 4 block's square and cube have at most two and
-    one terms per entry), so little is lost to cancellation (forward substitution in fp32 on [NB, BC, BC]
-    tiles gave the same accuracy, also with correlated keys and beta up to 1.9, and took 2.4% longer at
-    1x16384 H=32: docs/performance.md)."""
+def _unit_lower_inverse_t(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Y = X^T for X = (I + L)^-1 and a strictly lower [BT, BT] tile L (the oracle's `INV`), computed transposed:
+    a tf32 dot takes its column operand K-major, so a tile from a dot's accumulator is staged in shared memory
+    element by element, transposed, where L^T (stored once, as L is: 16-byte rows) and the other operands of
+    the transposed products need no transpose (11 transposed stagings a chunk down to 4, the merges' second
+    dots). Inside the BC x BC diagonal blocks by their finite series with tf32 dots (below; forward substitution
+    with fp32 ones, which run on the FMA units and spill more as two more dots), then one merge per doubling of
+    the block width: for M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1), M^-1 = D - D E D with E = [[0, 0], [C,
+    0]] (block forward substitution written as two dots), here Y <- Y - (Y E^T) Y. Every dot takes operands
+    rounded to nearest at PREC (taken as the tensor cores truncate them, the final-state error of the
+    ill-conditioned `correlated_keys` inputs rose from 1.87e-3 to 1.98e-3 for 1.3% of the calls' time:
+    docs/performance.md). The series' terms stay small (entries of L are at most |beta| in magnitude, and a 4 x
+    4 block's square and cube have at most two and one terms per entry), so little is lost to cancellation
+    (forward substitution in fp32 on [NB, BC, BC] tiles gave the same accuracy, also with correlated keys and
+    beta up to 1.9, and took 2.4% longer at 1x16384 H=32: docs/performance.md)."""
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
     r = o_t[:, None]
     c = o_t[None, :]
-    # every dot below takes L itself as its row operand (one conversion to the dot's register layout for
-    # all of them), the block structure applied to X's rows and to the products instead
-    Lr = tf32_round(L, PREC)
+    # every dot below but the merges' second takes L^T as its column operand
+    LrT = tl.trans(tf32_round(L, PREC))
     if PREC == "tf32":
         # the diagonal blocks' inverse as the series I - Ld + Ld^2 - ... (Ld^BC = 0: Ld is strictly lower
-        # inside BC x BC blocks), by X <- I - Ld X from X = I - Ld: BC - 2 tensor-core dots, no 3-D tiles.
-        # X is block diagonal, so Ld X is L X on the diagonal blocks (L's other blocks meet zeros)
+        # inside BC x BC blocks), by Y <- I - Y Ld^T from Y = I - Ld^T: BC - 2 tensor-core dots, no 3-D tiles.
+        # Y is block diagonal, so Y Ld^T is Y L^T on the diagonal blocks (L^T's other blocks meet zeros)
         eye = tl.where(r == c, 1.0, 0.0)
         blk = r // BC == c // BC
-        X = eye - tl.where(blk, L, 0.0)
+        Y = eye - tl.where(blk, tl.trans(L), 0.0)
         for _ in tl.static_range(2, BC):
-            X = eye - tl.where(blk, tl.dot(Lr, tf32_round(X, PREC), input_precision=PREC), 0.0)
+            Y = eye - tl.where(blk, tl.dot(tf32_round(Y, PREC), LrT, input_precision=PREC), 0.0)
     else:  # fp32 dots run on the FMA units: forward substitution, all blocks at once in [NB, BC, BC] tiles
         o_b = tl.arange(0, NB)
         same_blk = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]
         L3 = tl.sum(tl.where(same_blk, tl.reshape(L, [NB, BC, NB, BC]), 0.0), 2)  # the diagonal blocks
         X3 = _block_forward_substitution(L3, BC)
-        X = tl.reshape(tl.where(same_blk, tl.reshape(X3, [NB, BC, 1, BC]), 0.0), [BT, BT])
+        Y = tl.trans(tl.reshape(tl.where(same_blk, tl.reshape(X3, [NB, BC, 1, BC]), 0.0), [BT, BT]))
     for lvl in tl.static_range(0, 4):
         if (1 << lvl) < NB:
-            # X block diagonal in blocks of w rows; E holds L's blocks just below the diagonal of every pair,
-            # so E X is L times X's rows of the pairs' upper blocks, kept in the pairs' lower-left blocks
+            # Y block diagonal in blocks of w rows; E^T holds L^T's blocks just above the diagonal of every pair,
+            # so Y E^T is Y's rows of the pairs' upper blocks times L^T, kept in the pairs' upper-right blocks
             w = BC << lvl
-            Xr = tf32_round(X, PREC)
-            Xu = tl.where((r // w) % 2 == 0, Xr, 0.0)
-            lower_left = (r // (2 * w) == c // (2 * w)) & ((r // w) % 2 == 1) & ((c // w) % 2 == 0)
-            ED = tl.where(lower_left, tl.dot(Lr, Xu, input_precision=PREC), 0.0)
-            X = X - tl.dot(Xr, tf32_round(ED, PREC), input_precision=PREC)
-    return X
+            Yr = tf32_round(Y, PREC)
+            Yu = tl.where((r // w) % 2 == 0, Yr, 0.0)
+            upper_right = (r // (2 * w) == c // (2 * w)) & ((r // w) % 2 == 0) & ((c // w) % 2 == 1)
+            H = tl.where(upper_right, tl.dot(Yu, LrT, input_precision=PREC), 0.0)
+            Y = Y - tl.dot(tf32_round(H, PREC), Yr, input_precision=PREC)
+    return Y
 
 
 @direct
@@ -516,12 +520,12 @@ def _chunk_prepare_kernel(
     else:
         A_qk = A_qk.to(tl.float16)
 
-    Xb = tf32_round(_unit_lower_inverse(L, BT, BC, DOT_PREC) * b_beta[None, :], DOT_PREC)
+    XbT = tf32_round(_unit_lower_inverse_t(L, BT, BC, DOT_PREC) * b_beta[:, None], DOT_PREC)
     if PARK:
         tl.debug_barrier()  # parked by every thread before it is read back
         A_qk = tl.load(n_ws + n_off, mask=row_ok[:, None], other=0.0)
         tl.debug_barrier()  # read by every thread before N overwrites it
-    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v_max, HV, K, BT, BK,
+    _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v_max, HV, K, BT, BK,
                   EVEN_K, DOT_PREC)
     if SIGNAL_CHUNKS > 0:
         _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
@@ -694,12 +698,12 @@ def _chunk_solve_kernel(
     X = tl.load(a_h + rows[:, None] * (HV * BT) + o_t[None, :],
                 mask=row_ok[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
 
-    Xb = tf32_round(X * b_beta[None, :], DOT_PREC)
+    XbT = tl.trans(tf32_round(X * b_beta[None, :], DOT_PREC))
     v_max = 0.0
     if m_ws.dtype.element_ty == tl.float16:
         v_max = _abs_max(tl.zeros([BT, BK], dtype=tl.float32), v + t0 * s_vt + i_hv * s_vh, o_t, row_ok, s_vt, 0,
                          V, BK)
-    _store_folded(A_qk, Xb, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok, v_max,
+    _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok, v_max,
                   HV, K, BT, BK, K % BK == 0, DOT_PREC)
     if SIGNAL_CHUNKS > 0:
         _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
