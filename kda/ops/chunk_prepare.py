@@ -23,7 +23,8 @@ Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
   tokens away: 2^115 at lb = -5; both halves in one dot whose off-diagonal quadrants are dropped), the
   block of second-half rows against first-half columns at the first row of the second half (both factors
   <= 1, so fp16 operands where the dots run in tf32). The inverse: the finite series I - L + L^2 - ... inside
-  the `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling. Kr is parked
+  the `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling, all on the
+  transpose X^T (`_unit_lower_inverse_t`: tf32 dots stage fewer operands transposed). Kr is parked
   in M's rows, and A_qk held in fp16 registers (parked in N's rows with fp32 workspaces), until Xb is known
   (`_store_folded`).
 - `_chunk_intra_kernel` + `_chunk_solve_kernel`, for any gate (a raw log-decay may be -1000 per token):
