@@ -236,23 +236,17 @@ def _ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, 
 def _spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
     """z_prev (0), once the counter at `ptr` reaches `target` where `spin` is set (else at once): the prepare
     programs each add 1 with release semantics after their stores (`_chunk_prepare_kernel`), so what they
-    stored is visible to this thread's later loads. One PTX block with its own loop (SPIN 1: acquire; 2: then
-    a proxy fence, for tiles read by TMA, the async proxy), so that Triton's IR holds no loop: the pipeliner
-    moves it with the prefetches whose coordinates depend on it. A pure op to the compiler (the pipeliner runs
-    it for prefetches past the end too, where `_ready_zero` asks for no spin). SPIN 0, the interpreter: one
-    atomic read where `spin` is set (it runs the prepare to its end first)."""
-    if SPIN == 2:
+    stored is visible to this thread's later loads. One PTX block with its own loop (an acquire, then a proxy
+    fence for tiles read by TMA, the async proxy; the plan waits in the loop for TMA walks only), so that
+    Triton's IR holds no loop: the pipeliner moves it with the prefetches whose coordinates depend on it. A
+    pure op to the compiler (the pipeliner runs it for prefetches past the end too, where `_ready_zero` asks
+    for no spin). SPIN 0, the interpreter: one atomic read where `spin` is set (it runs the prepare to its end
+    first)."""
+    if SPIN > 0:
         return tl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .s32 v; setp.eq.s32 p, $3, 0; @p bra DONE; "
             "SPIN: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; @p bra SPIN; "
             "fence.proxy.async.global; DONE: mov.b32 $0, $4; }",
-            "=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), target, spin, z_prev], dtype=tl.int32, is_pure=True,
-            pack=1)
-    elif SPIN == 1:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .s32 v; setp.eq.s32 p, $3, 0; @p bra DONE; "
-            "SPIN: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; @p bra SPIN; "
-            "DONE: mov.b32 $0, $4; }",
             "=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), target, spin, z_prev], dtype=tl.int32, is_pure=True,
             pack=1)
     else:
