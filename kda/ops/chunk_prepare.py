@@ -305,20 +305,20 @@ def _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, 
 
 @triton.jit
 def _unit_lower_inverse_t(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """Y = X^T for X = (I + L)^-1 and a strictly lower [BT, BT] tile L (the oracle's `INV`), computed transposed:
-    a tf32 dot takes its column operand K-major, so a tile from a dot's accumulator is staged in shared memory
-    element by element, transposed, where L^T (stored once, as L is: 16-byte rows) and the other operands of
-    the transposed products need no transpose (11 transposed stagings a chunk down to 4, the merges' second
+    """Y = X^T for X = (I + L)^-1 and a strictly lower [BT, BT] tile L (the oracle's `INV`), computed transposed: a
+    tf32 dot takes its column operand K-major, so a tile from a dot's accumulator is staged in shared memory element
+    by element, transposed, where L^T (staged once, as L is held: 8-byte pieces of its rows) and the other operands
+    of the transposed products need no transpose (11 transposed stagings a chunk down to 4, the merges' second
     dots). Inside the BC x BC diagonal blocks by their finite series with tf32 dots (below; forward substitution
-    with fp32 ones, which run on the FMA units and spill more as two more dots), then one merge per doubling of
-    the block width: for M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1), M^-1 = D - D E D with E = [[0, 0], [C,
-    0]] (block forward substitution written as two dots), here Y <- Y - (Y E^T) Y. Every dot takes operands
-    rounded to nearest at PREC (taken as the tensor cores truncate them, the final-state error of the
-    ill-conditioned `correlated_keys` inputs rose from 1.87e-3 to 1.98e-3 for 1.3% of the calls' time:
-    docs/performance.md). The series' terms stay small (entries of L are at most |beta| in magnitude, and a 4 x
-    4 block's square and cube have at most two and one terms per entry), so little is lost to cancellation
-    (forward substitution in fp32 on [NB, BC, BC] tiles gave the same accuracy, also with correlated keys and
-    beta up to 1.9, and took 2.4% longer at 1x16384 H=32: docs/performance.md)."""
+    with fp32 ones, which run on the FMA units and spill more as two more dots), then one merge per doubling of the
+    block width: for M = [[A, 0], [C, B]] and D = diag(A^-1, B^-1), M^-1 = D - D E D with E = [[0, 0], [C, 0]]
+    (block forward substitution written as two dots), here Y <- Y - (Y E^T) Y. Every dot takes operands rounded to
+    nearest at PREC (taken as the tensor cores truncate them, the final-state error of the ill-conditioned
+    `correlated_keys` inputs rose from 1.87e-3 to 1.98e-3 for 1.3% of the calls' time: docs/performance.md). The
+    series' terms stay small (entries of L are at most |beta| in magnitude, and a 4 x 4 block's square and cube have
+    at most two and one terms per entry), so little is lost to cancellation (forward substitution in fp32 on [NB,
+    BC, BC] tiles gave the same accuracy, also with correlated keys and beta up to 1.9, and took 2.4% longer at
+    1x16384 H=32: docs/performance.md)."""
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
     r = o_t[:, None]

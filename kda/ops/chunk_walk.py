@@ -82,6 +82,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     [0, n_slots); the walk goes on from the unrounded S. ck_every is a multiple of BT and t_begin - seq_start
     a multiple of BT, so every checkpoint offset is a chunk end. The next slot is loaded a checkpoint ahead,
     off the step's serial chain.
+    WAIT > 0: the prepare runs beside this walk, counting groups of WAIT chunks into `ready_h` (one counter a
+    group, HV apart); every chunk's loads wait on its group there (`_ready_zero`; SPIN as the kernel's).
     TMA: the workspaces are ragged tensor descriptors (`triton.tools.ragged_tma`) of `[tokens, HV, *]`, the
     tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K) read as zeros:
     no per-element addresses or masks, which the pointer loads spend most of their issue slots on. V comes
