@@ -82,7 +82,7 @@ def walk_case(walk_bv: int, wait: int = 0, in_loop: bool = False):
     consts = dict(HV=H_CHUNK, K=K, V=V, BT=CHUNK, BK=K, BV=walk_bv, IS_VARLEN=False, HAS_SRC=True, HAS_DST=True,
                   PAGED=False, HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC=plan.dot_prec, HAS_CHECKPOINTS=False,
                   HAS_ERRORS=False, SHORT=0, TMA=True, V_TMA=True, WAIT_CHUNKS=wait, WAIT_IN_LOOP=in_loop,
-                  SPIN=2 if wait else 0)
+                  SPIN=wait > 0)
     return chunk_walk._chunk_state_kernel, ptrs, consts, dict(N=1, n_slots=1), plan.walk_warps, plan.walk_stages
 
 

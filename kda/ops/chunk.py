@@ -220,7 +220,7 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
         HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
         WAIT_CHUNKS=0 if ready is None else plan.wait_chunks, WAIT_IN_LOOP=plan.wait_in_loop,
-        SPIN=0 if ready is None or interpreted() else 2 if plan.walk_tma else 1,
+        SPIN=ready is not None and not interpreted(),
         num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 

@@ -52,6 +52,7 @@ from .common import (
     locate_block,
     pow2_of,
     pow2_scale,
+    ready_counter,
     seq_bounds,
     tf32_round,
     tile_mask,
@@ -77,14 +78,6 @@ def _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.con
 
 
 @triton.jit
-def _counter(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
-    """The counter of the group of W chunks that holds the chunk at token t0 of dense sequence i_n, in
-    `ready` ([B, groups, HV] int32: the walk beside the prepare awaits it, `chunk_walk._await_count`)."""
-    c = (t0 - i_n * T) // BT
-    return ready + (i_n * tl.cdiv(NT, W) + c // W) * HV + i_hv
-
-
-@triton.jit
 def _chunk_and_head(HEAD_FASTEST: tl.constexpr):
     """(chunk program, value head) of a (chunk, head) grid, or with HEAD_FASTEST of a (head, chunk) one."""
     if HEAD_FASTEST:
@@ -101,7 +94,7 @@ def _count_chunk(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr
     """This program's chunk is stored: 1 added to its group's counter with release semantics, after a
     barrier, so that every thread's stores come before it."""
     tl.debug_barrier()
-    tl.atomic_add(_counter(ready, i_n, t0, T, NT, i_hv, HV, BT, W), 1, sem="release", scope="gpu")
+    tl.atomic_add(ready_counter(ready, i_n, t0, T, NT, i_hv, HV, BT, W), 1, sem="release", scope="gpu")
 
 
 @direct
@@ -376,7 +369,7 @@ def _chunk_gate_kernel(
         return
     if SIGNAL_CHUNKS > 0:
         if (i_k == 0) & (((t0 - i_n * T) // BT) % SIGNAL_CHUNKS == 0):
-            tl.store(_counter(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS), 0)
+            tl.store(ready_counter(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS), 0)
     o_t = tl.arange(0, BT)
     row_ok = o_t < eos - t0
     cols = i_k * BK + tl.arange(0, BK)

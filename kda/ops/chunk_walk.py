@@ -45,6 +45,7 @@ from .common import (
     locate_block,
     pow2_of,
     pow2_scale,
+    ready_counter,
     round_to,
     seq_bounds,
     slot_of,
@@ -62,7 +63,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
           EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
           ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
           HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False, TMA: tl.constexpr = False,
-          i_c0=0, V_TMA: tl.constexpr = False, ready_h=None, WAIT: tl.constexpr = 0, SPIN: tl.constexpr = 0):
+          i_c0=0, V_TMA: tl.constexpr = False, ready_h=None, WAIT: tl.constexpr = 0, SPIN: tl.constexpr = False):
     """S [BK, BC] (columns o_c of the state, or of the identity for a segment operator) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). D = V - Kd S (V: columns o_c of the input v of
@@ -242,9 +243,9 @@ def _spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
     fence for tiles read by TMA, the async proxy; the plan waits in the loop for TMA walks only), so that
     Triton's IR holds no loop: the pipeliner moves it with the prefetches whose coordinates depend on it. A
     pure op to the compiler (the pipeliner runs it for prefetches past the end too, where `_ready_zero` asks
-    for no spin). SPIN 0, the interpreter: one atomic read where `spin` is set (it runs the prepare to its end
-    first)."""
-    if SPIN > 0:
+    for no spin). Without SPIN, the interpreter: one atomic read where `spin` is set (it runs the prepare to its
+    end first)."""
+    if SPIN:
         return tl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .s32 v; setp.eq.s32 p, $3, 0; @p bra DONE; "
             "SPIN: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; @p bra SPIN; "
@@ -344,7 +345,7 @@ def _chunk_state_kernel(
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
     V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, WAIT_IN_LOOP: tl.constexpr = False,
-    SPIN: tl.constexpr = 0,
+    SPIN: tl.constexpr = False,
 ):
     """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
@@ -358,7 +359,7 @@ def _chunk_state_kernel(
     `ready` (`[B, groups, HV]` int32), and each group is walked once counted: by an outer loop over the groups
     (`_await_count`; each group's walk restarts its pipeline), or with WAIT_IN_LOOP (TMA walks) inside the
     walk's pipelined loop, a chunk's tiles and scales loaded once `_ready_zero` has seen its group counted (the
-    pipeliner prefetches behind the wait). SPIN: 0 under the interpreter, 1 for pointer loads, 2 for TMA ones."""
+    pipeliner prefetches behind the wait). SPIN: the waits in PTX (off under the interpreter)."""
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     if SHORT > 0:
@@ -381,12 +382,14 @@ def _chunk_state_kernel(
         else:
             v_h = v + i_hv * s_vh
         ck_row = checkpoint_indices + i_n.to(tl.int64) * s_ck
-        ready_h = ready + i_n * tl.cdiv(NT, tl.maximum(WAIT_CHUNKS, 1)) * HV + i_hv
+        ready_h = ready
+        if WAIT_CHUNKS > 0:  # the counter of this sequence's and head's first group
+            ready_h = ready_counter(ready, i_n, bos, T, NT, i_hv, HV, BT, WAIT_CHUNKS)
         if (WAIT_CHUNKS > 0) and not WAIT_IN_LOOP:
             SPAN: tl.constexpr = WAIT_CHUNKS * BT
             for g_lo in range(bos, eos, SPAN):
                 g_hi = tl.minimum(g_lo + SPAN, eos)
-                _await_count(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT), SPIN == 2)
+                _await_count(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT), SPIN and TMA)
                 S = _walk(S, g_lo, g_hi, p_first + (g_lo - bos) // BT, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt,
                           qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC,
                           K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
