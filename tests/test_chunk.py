@@ -174,6 +174,39 @@ def test_gate_pass_equals_the_in_kernel_cumsum(device):
     assert rel_err(o1, ro) <= kernel_bound(floor, torch.bfloat16) and rel_err(s1, rs) < NARROW_STATE_TOL
 
 
+@pytest.mark.parametrize("dtype,over", [(torch.float32, {}), (torch.bfloat16, {}),
+                                        (torch.bfloat16, dict(cumsum_fp64=False, gate_pass=True))])
+def test_one_token_chunks_against_float64(dtype, over, device):
+    """Chunks of one token (one-token sequences in a varlen batch without host bounds, so that none is routed to
+    the recurrent loop; 65-token sequences, whose last chunk holds one token) take the fused prepare's
+    dot-free form (`chunk_prepare._one_row_chunk`): every such sequence's output rows and final state
+    against the float64 oracle, each on its own (a wrong M, N, scale or decay there errs by O(1)), with fp32
+    workspaces (fp32 inputs), fp16 ones (bf16 inputs) and b2 from the gate pass."""
+    bounds = [0, 1, 2, 67, 68, 68, 133, 134]
+    T, H, HV, K, V, N = bounds[-1], 1, 2, 32, 16, len(bounds) - 1
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device,
+                                       seed=31, beta_sigmoid=True)
+    h0 = torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(5)).to(device)
+    kw.update(use_qk_l2norm_in_kernel=True, initial_state=h0, output_final_state=True,
+              cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device))
+    o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, over, **kw)
+    assert plan.prepare == "fused" and plan.gate_pass == bool(over)
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kw))
+    for n in range(N):
+        lo, hi = bounds[n], bounds[n + 1]
+        if dtype == torch.float32:
+            o_tol, s_tol = FP32_TOL, FP32_TOL
+        else:
+            o_tol = kernel_bound(rounding_floor(ro[:, lo:hi], dtype), dtype) if hi > lo else 0.0
+            s_tol = NARROW_STATE_TOL
+        assert rel_err(o[:, lo:hi], ro[:, lo:hi]) <= o_tol, n
+        assert rel_err(s[n], rs[n]) < s_tol, n
+    # the tokens alone in their chunk: the last of each 65-token sequence, and the one-token sequences
+    for t in (0, 1, 66, 67, 132, 133):
+        row_tol = FP32_TOL if dtype == torch.float32 else 8 * 2.0 ** -8
+        assert rel_err(o[:, t], ro[:, t]) < row_tol, t
+
+
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
 def test_paged_equals_dense_and_leaves_other_slots(v_first, storage, device):

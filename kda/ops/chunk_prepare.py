@@ -297,6 +297,54 @@ def _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, 
 
 
 @triton.jit
+def _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws, ws_base, n_base, i_p, i_hv, o_t,
+                   rk, rq, b_beta, v_max, a, dt_bias, lower_bound, HV: tl.constexpr, K: tl.constexpr,
+                   BK: tl.constexpr, HAS_DT_BIAS: tl.constexpr, B2_FROM_WS: tl.constexpr):
+    """What `_chunk_prepare_kernel` stores for a chunk of one token, without its dots: A_kk = 0, so X = I and
+    Xb = beta; b2 = b2_last, so Kr = k~; M's row is beta k~ and N's is [scale beta q~.k~, 0, ...]. Exact in
+    fp32 where the general path rounds its dot operands (a one-token chunk program costs as long as a full
+    one there: the same dots, masked). `rk`, `rq` (times scale), `b_beta`: the norms pass's vectors, row 0
+    the token's."""
+    F16: tl.constexpr = m_ws.dtype.element_ty == tl.float16
+    first = o_t == 0
+    rk0 = tl.sum(tl.where(first, rk, 0.0))
+    rq0 = tl.sum(tl.where(first, rq, 0.0))
+    beta0 = tl.sum(tl.where(first, b_beta, 0.0))
+    pm = 1.0
+    if F16:
+        pm = pow2_of(tl.abs(beta0))  # the largest column sum of |Xb|, as `_store_folded` scales M
+    aqk = 0.0
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        kn = tl.load(k_h + cols, mask=col_ok, other=0.0).to(tl.float32) * rk0
+        qn = tl.load(q_h + cols, mask=col_ok, other=0.0).to(tl.float32) * rq0
+        if B2_FROM_WS:  # b2 (and gt) written by `_chunk_gate_kernel`
+            b2 = tl.load(b2_ws + ws_base + cols, mask=col_ok, other=0.0)
+        else:
+            bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
+            gl = kda_gate_log2(tl.load(g_h + cols, mask=col_ok, other=0.0)[None, :], a, bias, lower_bound, True,
+                               True)
+            b2 = tl.sum(tl.where(col_ok[None, :], gl, 0.0), 0)
+            tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2), mask=col_ok)
+        d = tl.exp2(b2)
+        tl.store(qd_ws + ws_base + cols, qn * d, mask=col_ok)
+        tl.store(kd_ws + ws_base + cols, kn * d, mask=col_ok)
+        tl.store(m_ws + ws_base + cols, kn * (beta0 * pm), mask=col_ok)
+        aqk += tl.sum(qn * kn)
+    n00 = aqk * beta0
+    pn = 1.0
+    if F16:
+        pn = pow2_of(tl.abs(n00))
+    tl.store(n_ws + n_base + o_t, tl.where(first, n00 * pn, 0.0))
+    if F16:
+        sc = sc_ws + (i_p * HV + i_hv) * 4
+        tl.store(sc, 1.0 / pm)
+        tl.store(sc + 1, 1.0 / pn)
+        tl.store(sc + 2, v_max)
+
+
+@triton.jit
 def _unit_lower_inverse_t(L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """Y = X^T for X = (I + L)^-1 and a strictly lower [BT, BT] tile L (the oracle's `INV`), computed transposed: a
     tf32 dot takes its column operand K-major, so a tile from a dot's accumulator is staged in shared memory element
@@ -440,6 +488,13 @@ def _chunk_prepare_kernel(
     rq = rq * scale
     b_beta = _load_beta(beta + t0 * s_bt, o_t, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
+    if n_rows == 1:  # one token (a decode step inside a varlen batch, a sequence's last token alone in its chunk)
+        _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws, ws_base,
+                       (t0 * HV + i_hv) * BT, i_p, i_hv, o_t, rk, rq, b_beta, v_max, a, dt_bias, lower_bound, HV, K,
+                       BK, HAS_DT_BIAS, B2_FROM_WS)
+        if SIGNAL_CHUNKS > 0:
+            _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
+        return
     first_half = (o_t < HALF)[:, None]
 
     # the lower-left quadrant (bottom rows against top columns) has its own [BT, HALF] accumulators
