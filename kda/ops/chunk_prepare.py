@@ -26,7 +26,9 @@ Two forms write the same workspaces (token-major `[B*T, HV, *]`; gt per chunk):
   the `ChunkPlan.BC` x BC diagonal blocks (4 x 4), then one block merge as dots per doubling, all on the
   transpose X^T (`_unit_lower_inverse_t`: tf32 dots stage fewer operands transposed). Kr is parked
   in M's rows, and A_qk held in fp16 registers (parked in N's rows with fp32 workspaces), until Xb is known
-  (`_store_folded`).
+  (`_store_folded`). A chunk of one token (a decode step in a varlen batch whose lengths the host does not
+  know, a sequence's last token alone in its chunk) has A_kk = 0, X = I: it stores its rows without a dot
+  (`_one_row_chunk`) instead of running the masked 64-row program.
 - `_chunk_intra_kernel` + `_chunk_solve_kernel`, for any gate (a raw log-decay may be -1000 per token):
   the diagonal 16 x 16 blocks take 2^(b_i - b_j) pairwise (every exponent <= 0), the cumsum in fp64.
 
