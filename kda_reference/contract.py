@@ -87,7 +87,7 @@ def run_kda(
     dt_bias: Tensor | None,
     lower_bound: float | None,
     cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
+    cu_seqlens_cpu: Tensor | list[int] | None,
     state_v_first: bool,
     state_cache: Tensor | None,
     state_indices: Tensor | None,
@@ -254,8 +254,9 @@ def _check_gate_options(use_gate: bool, A_log, dt_bias, lower_bound, HV: int, K:
         raise ValueError(f"lower_bound must be negative (or None), got {lower_bound}")
 
 
-def _sequences(B: int, T: int, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None):
-    """[(batch row, start, end)] for each sequence: B dense rows, or the varlen spans of cu_seqlens."""
+def _sequences(B: int, T: int, cu_seqlens: Tensor | None, cu_seqlens_cpu):
+    """[(batch row, start, end)] for each sequence: B dense rows, or the varlen spans of cu_seqlens.
+    `cu_seqlens_cpu`, as `kda` takes it: a tensor or a list or tuple of ints, equal to cu_seqlens."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
@@ -267,10 +268,10 @@ def _sequences(B: int, T: int, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be [N + 1], got shape {tuple(cu_seqlens.shape)}")
     bounds = cu_seqlens.tolist()
-    if cu_seqlens_cpu is not None and (
-        not isinstance(cu_seqlens_cpu, Tensor) or cu_seqlens_cpu.tolist() != bounds
-    ):
-        raise ValueError("cu_seqlens_cpu must hold the same values as cu_seqlens")
+    if cu_seqlens_cpu is not None:
+        host = cu_seqlens_cpu.tolist() if isinstance(cu_seqlens_cpu, Tensor) else cu_seqlens_cpu
+        if not isinstance(host, (list, tuple)) or list(host) != bounds:
+            raise ValueError("cu_seqlens_cpu must hold the same values as cu_seqlens")
     if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {bounds}")
     return [(0, start, end) for start, end in zip(bounds, bounds[1:])]

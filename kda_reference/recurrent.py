@@ -45,7 +45,7 @@ def recurrent_kda(
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
     cu_seqlens: Tensor | None = None,
-    cu_seqlens_cpu: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | list[int] | None = None,
     state_v_first: bool = False,
     state_cache: Tensor | None = None,
     state_indices: Tensor | None = None,

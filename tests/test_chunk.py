@@ -174,14 +174,16 @@ def test_gate_pass_equals_the_in_kernel_cumsum(device):
     assert rel_err(o1, ro) <= kernel_bound(floor, torch.bfloat16) and rel_err(s1, rs) < NARROW_STATE_TOL
 
 
-@pytest.mark.parametrize("dtype,over", [(torch.float32, {}), (torch.bfloat16, {}),
-                                        (torch.bfloat16, dict(cumsum_fp64=False, gate_pass=True))])
-def test_one_token_chunks_against_float64(dtype, over, device):
+@pytest.mark.parametrize("dtype,over,host", [(torch.float32, {}, False), (torch.bfloat16, {}, False),
+                                             (torch.bfloat16, dict(cumsum_fp64=False, gate_pass=True), False),
+                                             (torch.bfloat16, {}, True)])
+def test_one_token_chunks_against_float64(dtype, over, host, device):
     """Chunks of one token (one-token sequences in a varlen batch without host bounds, so that none is routed to
     the recurrent loop; 65-token sequences, whose last chunk holds one token) take the fused prepare's
     dot-free form (`chunk_prepare._one_row_chunk`): every such sequence's output rows and final state
     against the float64 oracle, each on its own (a wrong M, N, scale or decay there errs by O(1)), with fp32
-    workspaces (fp32 inputs), fp16 ones (bf16 inputs) and b2 from the gate pass."""
+    workspaces (fp32 inputs), fp16 ones (bf16 inputs), b2 from the gate pass, and with host bounds (the
+    one-token sequences routed to the recurrent loop, the prepare's grid holding only the others' chunks)."""
     bounds = [0, 1, 2, 67, 68, 68, 133, 134]
     T, H, HV, K, V, N = bounds[-1], 1, 2, 32, 16, len(bounds) - 1
     q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=dtype, gate="lower_bound", device=device,
@@ -189,6 +191,8 @@ def test_one_token_chunks_against_float64(dtype, over, device):
     h0 = torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(5)).to(device)
     kw.update(use_qk_l2norm_in_kernel=True, initial_state=h0, output_final_state=True,
               cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device))
+    if host:
+        kw["cu_seqlens_cpu"] = bounds
     o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, over, **kw)
     assert plan.prepare == "fused" and (plan.gate_pass or not over)  # a GPU takes the gate pass for bf16 anyway
     ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kw))

@@ -174,6 +174,21 @@ def test_varlen_equals_separate_calls(kda, bounds, state_v_first):
     check_varlen_equals_separate_calls(kda, bounds, state_v_first)
 
 
+@PATHS
+def test_host_bounds_as_a_list(kda):
+    """`cu_seqlens_cpu` as `kda` takes it: a CPU tensor, a list or a tuple of ints, the same answer bit for bit;
+    other values than cu_seqlens' are rejected in any form."""
+    bounds = [0, 1, 4, 4, 9]
+    q, k, v, g, beta = oracle_inputs(1, bounds[-1], 1, 2, 3, 4, seed=3)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    runs = [kda(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=host)[0]
+            for host in (cu.clone(), list(bounds), tuple(bounds))]
+    assert all(torch.equal(runs[0], o) for o in runs[1:])
+    for host in ([0, 1, 4, 5, 9], (0, 1, 4, 4), torch.tensor([0, 1, 4, 4, 8])):
+        with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+            kda(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=host)
+
+
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=6), seed=st.integers(0, 2**16))
 def test_varlen_equals_separate_calls_random_splits(lengths, seed):
