@@ -292,10 +292,17 @@ def _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, 
             M = M * pm
         tl.store(m_ws + ws + cols[None, :], M, mask=m)
     if F16:
-        sc = sc_ws + (i_p * HV + i_hv) * 4
-        tl.store(sc, 1.0 / pm)
-        tl.store(sc + 1, 1.0 / pn)
-        tl.store(sc + 2, v_max)
+        _store_scales(sc_ws, i_p, i_hv, pm, pn, v_max, HV)
+
+
+@triton.jit
+def _store_scales(sc_ws, i_p, i_hv, pm, pn, v_max, HV: tl.constexpr):
+    """Row (i_p, i_hv) of `sc_ws` with fp16 workspaces: the inverse powers of two M and N were stored times
+    (exact) and max|V| of the chunk's rows, what the walk reads a chunk ahead."""
+    sc = sc_ws + (i_p * HV + i_hv) * 4
+    tl.store(sc, 1.0 / pm)
+    tl.store(sc + 1, 1.0 / pn)
+    tl.store(sc + 2, v_max)
 
 
 @triton.jit
@@ -325,9 +332,8 @@ def _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws,
             b2 = tl.load(b2_ws + ws_base + cols, mask=col_ok, other=0.0)
         else:
             bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
-            gl = kda_gate_log2(tl.load(g_h + cols, mask=col_ok, other=0.0)[None, :], a, bias, lower_bound, True,
-                               True)
-            b2 = tl.sum(tl.where(col_ok[None, :], gl, 0.0), 0)
+            b2 = tl.reshape(kda_gate_log2(tl.load(g_h + cols, mask=col_ok, other=0.0)[None, :], a, bias, lower_bound,
+                                          True, True), [BK])
             tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2), mask=col_ok)
         d = tl.exp2(b2)
         tl.store(qd_ws + ws_base + cols, qn * d, mask=col_ok)
@@ -340,10 +346,7 @@ def _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws,
         pn = pow2_of(tl.abs(n00))
     tl.store(n_ws + n_base + o_t, tl.where(first, n00 * pn, 0.0))
     if F16:
-        sc = sc_ws + (i_p * HV + i_hv) * 4
-        tl.store(sc, 1.0 / pm)
-        tl.store(sc + 1, 1.0 / pn)
-        tl.store(sc + 2, v_max)
+        _store_scales(sc_ws, i_p, i_hv, pm, pn, v_max, HV)
 
 
 @triton.jit
