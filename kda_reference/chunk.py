@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -89,7 +90,7 @@ def chunk_kda(
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
     cu_seqlens: Tensor | None = None,
-    cu_seqlens_cpu: Tensor | list[int] | None = None,
+    cu_seqlens_cpu: Tensor | Sequence[int] | None = None,
     state_v_first: bool = False,
     state_cache: Tensor | None = None,
     state_indices: Tensor | None = None,

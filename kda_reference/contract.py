@@ -58,7 +58,7 @@ Prefix-cache checkpoints (both functions here; in ``kda`` they are ``chunk_kda``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -87,7 +87,7 @@ def run_kda(
     dt_bias: Tensor | None,
     lower_bound: float | None,
     cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | list[int] | None,
+    cu_seqlens_cpu: Tensor | Sequence[int] | None,
     state_v_first: bool,
     state_cache: Tensor | None,
     state_indices: Tensor | None,

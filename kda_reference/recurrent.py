@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -45,7 +47,7 @@ def recurrent_kda(
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
     cu_seqlens: Tensor | None = None,
-    cu_seqlens_cpu: Tensor | list[int] | None = None,
+    cu_seqlens_cpu: Tensor | Sequence[int] | None = None,
     state_v_first: bool = False,
     state_cache: Tensor | None = None,
     state_indices: Tensor | None = None,

@@ -485,6 +485,7 @@ def _chunk_prepare_kernel(
     k_h = k + t0 * s_kt + i_h * s_kh
     g_h = g + t0 * s_gt + i_hv * s_gh
     ws_base = (t0 * HV + i_hv) * K
+    n_base = (t0 * HV + i_hv) * BT  # N's rows
     HALF: tl.constexpr = BT // 2
     # max|V| (fp16 workspaces) beside the norms: one wait for both loads (at the end it had its own)
     F16: tl.constexpr = m_ws.dtype.element_ty == tl.float16
@@ -494,9 +495,8 @@ def _chunk_prepare_kernel(
     b_beta = _load_beta(beta + t0 * s_bt, o_t, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID)
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
     if n_rows == 1:  # one token (a decode step inside a varlen batch, a sequence's last token alone in its chunk)
-        _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws, ws_base,
-                       (t0 * HV + i_hv) * BT, i_p, i_hv, o_t, rk, rq, b_beta, v_max, a, dt_bias, lower_bound, HV, K,
-                       BK, HAS_DT_BIAS, B2_FROM_WS)
+        _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws, ws_base, n_base, i_p, i_hv, o_t,
+                       rk, rq, b_beta, v_max, a, dt_bias, lower_bound, HV, K, BK, HAS_DT_BIAS, B2_FROM_WS)
         if SIGNAL_CHUNKS > 0:
             _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
         return
@@ -567,7 +567,6 @@ def _chunk_prepare_kernel(
     # A_qk through the inverse: held in fp16 registers with fp16 workspaces (the 11 bits its tf32 dot would
     # keep); parked in N's rows with fp32 ones, whose FMA-dot inverse spills already (more with it held)
     PARK: tl.constexpr = n_ws.dtype.element_ty == tl.float32
-    n_base = (t0 * HV + i_hv) * BT
     n_off = n_base + o_t[:, None] * (HV * BT) + o_t[None, :]
     if PARK:
         tl.store(n_ws + n_off, A_qk, mask=row_ok[:, None])
