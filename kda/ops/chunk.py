@@ -212,7 +212,7 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
     s_ot, s_oh = token_head_strides(o, T)
     has_errors = call.errors is not None
     errors = call.errors if has_errors else walk_ws[5]  # gt_ws: a stand-in never written (HAS_ERRORS off)
-    _chunk_state_kernel[(cdiv(V, BV), seqs, HV)](
+    _chunk_state_kernel[(cdiv(V, BV), HV, seqs)](
         o, cu, *walk_ws, *st.pointers(walk_ws[5]), s_ot, s_oh, *token_head_strides(call.v, T), st.src_stride,
         st.dst_stride, *ck_args, errors, walk_ws[5] if ready is None else ready,
         T, N, cdiv(T, BT),

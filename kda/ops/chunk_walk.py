@@ -277,7 +277,7 @@ def _plane_offsets(i_hv, o_k, o_v, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl
 
 
 @triton.jit
-def _sequence_tile(i_n, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T,
+def _sequence_tile(i_n, i_v, i_hv, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T,
                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HAS_SRC: tl.constexpr, PAGED: tl.constexpr,
                    HAS_INIT_FLAGS: tl.constexpr, V_FIRST: tl.constexpr):
@@ -285,9 +285,7 @@ def _sequence_tile(i_n, cu_seqlens, state_src, slot_of_seq, has_initial_state, s
     indices and their masks, the plane offsets, the slot (< 0: padding) and the initial state tile in
     fp32 (zeros when there is no source, the flag is false, or the sequence is padding: then the slot is
     never read). A slot at or past n_slots (the pool's), or bounds out of range (`seq_bounds`), is taken as
-    padding: never an access outside the tensors."""
-    i_v = tl.program_id(0)
-    i_hv = tl.program_id(2)
+    padding: never an access outside the tensors. i_v, i_hv: the program's V block and value head."""
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -307,13 +305,13 @@ def _sequence_tile(i_n, cu_seqlens, state_src, slot_of_seq, has_initial_state, s
 
 
 @triton.jit
-def _report(errors, code, slot, i_n, bos, eos, ck_row, n_ck, ck_every, n_slots, HAS_CHECKPOINTS: tl.constexpr,
+def _report(errors, code, slot, i_n, bos, eos, ck_row, n_ck, ck_every, n_slots, first, HAS_CHECKPOINTS: tl.constexpr,
             HAS_ERRORS: tl.constexpr):
     """The error word of sequence i_n (`flag_errors`), from one program of the sequence: `code` from
     `_sequence_tile`, and ERROR_KEPT_SLOT for a checkpoint a live sequence reaches whose slot is past the
     pool (the walk skips its store)."""
     if HAS_ERRORS:
-        if (tl.program_id(0) == 0) & (tl.program_id(2) == 0):
+        if first:
             if HAS_CHECKPOINTS:
                 if slot >= 0:
                     for j in range(0, tl.minimum(n_ck, (eos - bos) // ck_every)):
@@ -347,7 +345,7 @@ def _chunk_state_kernel(
     V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, WAIT_IN_LOOP: tl.constexpr = False,
     SPIN: tl.constexpr = False,
 ):
-    """The plain walk: one program per (V block, sequence, value head) over all chunks of the sequence.
+    """The plain walk: one program per (V block, value head, sequence) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
     by pointers (token stride s_vt, head stride s_vh).
     SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
@@ -359,18 +357,22 @@ def _chunk_state_kernel(
     `ready` (`[B, groups, HV]` int32), and each group is walked once counted: by an outer loop over the groups
     (`_await_count`; each group's walk restarts its pipeline), or with WAIT_IN_LOOP (TMA walks) inside the
     walk's pipelined loop, a chunk's tiles and scales loaded once `_ready_zero` has seen its group counted (the
-    pipeliner prefetches behind the wait). SPIN: the waits in PTX (off under the interpreter)."""
-    i_n = tl.program_id(1)
-    i_hv = tl.program_id(2)
+    pipeliner prefetches behind the wait). SPIN: the waits in PTX (off under the interpreter).
+    The grid is (V block, value head, sequence): a sequence's programs are dispatched together, sequence after
+    sequence, so that a batch's long sequences do not wait behind the programs of every head's short ones."""
+    i_hv = tl.program_id(1)
+    i_n = tl.program_id(2)
+    if IS_VARLEN:  # the last sequence first: serving batches put their decodes before their prefills
+        i_n = tl.num_programs(2) - 1 - i_n
     if SHORT > 0:
         i_n, _ = kept_item(cu_seqlens, i_n, N, SHORT, 0)
         if i_n < 0:  # fewer kept sequences than the host counted (bounds changed under a replayed graph)
             return
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
-        i_n, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
-        IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
+        i_n, tl.program_id(0), i_hv, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots,
+        T, HV, K, V, BK, BV, IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
     _report(errors, code, slot, i_n, bos, eos, checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every,
-            n_slots, HAS_CHECKPOINTS, HAS_ERRORS)
+            n_slots, (tl.program_id(0) == 0) & (i_hv == 0), HAS_CHECKPOINTS, HAS_ERRORS)
     kv_ok = k_ok[:, None] & v_ok[None, :]
     o_h = o + i_hv * s_oh
     if slot < 0:  # padding sequence: no state read or write, zero output rows
@@ -464,10 +466,10 @@ def _segment_scan_kernel(
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
-        i_n, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots, T, HV, K, V, BK, BV,
-        IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
+        i_n, tl.program_id(0), i_hv, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots,
+        T, HV, K, V, BK, BV, IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
     _report(errors, code, slot, i_n, bos, eos, checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every,
-            n_slots, HAS_CHECKPOINTS, HAS_ERRORS)
+            n_slots, (tl.program_id(0) == 0) & (i_hv == 0), HAS_CHECKPOINTS, HAS_ERRORS)
     kv_ok = k_ok[:, None] & v_ok[None, :]
     if slot >= 0:
         if IS_VARLEN:
