@@ -191,11 +191,8 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     beside_BV = _beside_bv(call, segmented, walk_BV)  # the walk's V block beside the prepare, or 0
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
                        beside_BV or walk_BV, _tma_capable(call))
-    if beside_BV == walk_BV:
-        plan = replace(plan, wait_chunks=WAIT_CHUNKS)
-    elif beside_BV:  # the wait inside the pipelined loop for TMA walks (pointer loads lose their pipelining)
-        plan = replace(plan, wait_chunks=WAIT_CHUNKS_BV64 if plan.walk_tma else WAIT_CHUNKS_BV64_OUTER,
-                       wait_in_loop=plan.walk_tma)
+    if beside_BV:
+        plan = _beside_plan(plan, beside_BV == walk_BV)
     if overrides:
         plan = replace(plan, **overrides)
     return plan, _route(call.N, plan.short_len if plan.walk == "plain" else 0, lengths)
@@ -323,6 +320,17 @@ def _tma_capable(call: KDACall) -> bool:
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _beside_plan(plan: ChunkPlan, same_bv: bool) -> ChunkPlan:
+    """`plan` with the waits of a walk beside the prepare, cached so that every call at a shape gets the
+    same frozen object (no dataclass rebuilt per call). Another V block than the plain walk's (64) waits
+    inside the pipelined loop for TMA walks (pointer loads lose their pipelining)."""
+    if same_bv:
+        return replace(plan, wait_chunks=WAIT_CHUNKS)
+    return replace(plan, wait_chunks=WAIT_CHUNKS_BV64 if plan.walk_tma else WAIT_CHUNKS_BV64_OUTER,
+                   wait_in_loop=plan.walk_tma)
 
 
 @functools.lru_cache(maxsize=1024)
