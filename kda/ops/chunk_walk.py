@@ -5,7 +5,7 @@
 
     D = V - Kd S          O = Qd S + N D          S <- gt * S + M^T D
 
-Plain walk (`_chunk_state_kernel`): one program per (V block, sequence, value head) walks all chunks of
+Plain walk (`_chunk_state_kernel`): one program per (V block, value head, sequence) walks all chunks of
 its sequence with S on chip: N * HV * V / BV programs and a serial depth of one step per chunk.
 
 Segmented walk, for few long sequences (too few programs to fill the GPU): each chunk is affine in its
