@@ -187,15 +187,19 @@ class Timer:
         reads its GPU time instead. Why not bursts between syncs: docs/performance.md, "Host cost per call"."""
         for _ in range(3):
             fn()
-        best = float("inf")
+        best = best_cpu = float("inf")
         for _ in range(rounds):
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             for _ in range(calls):
                 fn()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             best = min(best, (t1 - t0) * 1e6 / calls)
+            best_cpu = min(best_cpu, (c1 - c0) * 1e6 / calls)
         torch.cuda.synchronize()
+        # the same loops' CPU time of this thread: what the call costs the host without another tenant's
+        # preemption, which the wall time above counts (`run_case` reads it beside the host column)
+        self.last_host_cpu = best_cpu
         return best
 
     def steady(self, fns, repeat: int = 2) -> float:
@@ -311,6 +315,8 @@ class Row:
     fla_steady: float | str | None = None
     kda_host: float | str | None = None    # Timer.host: host time of one call issued back to back
     fla_host: float | str | None = None
+    kda_host_cpu: float | str | None = None  # the same loops' CPU time of the calling thread (Timer.host)
+    fla_host_cpu: float | str | None = None
     split_eager: float | str | None = None  # mixed row: the decode call + the prefill call
     split_graph: float | str | None = None
     split_host: float | str | None = None
@@ -504,6 +510,8 @@ def run_case(case: Case, timer: Timer, fla, fla_extra: dict, skip_fla: bool = Fa
             attr = f"{who}_{how}"
             try:
                 setattr(row, attr, getattr(timer, how)(fn))
+                if how == "host" and who != "split":
+                    setattr(row, f"{who}_host_cpu", timer.last_host_cpu)
             except HostSync as e:
                 setattr(row, attr, "sync")
                 row.notes.append(f"{who} graph: {e}")
@@ -590,6 +598,13 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
                  f"back to back ({HOST_CALLS} calls after warm-up, no sync inside the loop, time.perf_counter; "
                  f"the mean per call, the best of {HOST_ROUNDS} loops). The mixed row's kda columns are the single "
                  "varlen call.")
+    cpu = [r for r in rows if isinstance(r.kda_host_cpu, float)]
+    if cpu:
+        lines += ["", "Host CPU time per call: the calling thread's CPU time (`time.thread_time`) in the host "
+                  "column's loops, which another tenant's preemption of the shared host does not add to.", "",
+                  "| shape | kda host us | kda host CPU us | fla host us | fla host CPU us |", "|---|---|---|---|---|"]
+        lines += [f"| {r.case.name} | {_fmt_us(r.kda_host)} | {_fmt_us(r.kda_host_cpu)} | {_fmt_us(r.fla_host)} | "
+                  f"{_fmt_us(r.fla_host_cpu)} |" for r in cpu]
     mixed = [r for r in rows if r.case.group == "mixed"]
     if mixed:
         lines += ["", "Mixed step: one chunk_kda varlen call (unified) against the split pair (fused_recurrent_kda "
@@ -668,6 +683,7 @@ def row_json(r: Row, bw: float) -> dict:
          "fla_graph_us": _num(r.fla_graph), "fla_eager_us": _num(r.fla_eager),
          "hbm_floor_us": round(r.floor_b / bw * 1e6, 2),
          "ours_host_us": _num(r.kda_host), "fla_host_us": _num(r.fla_host),
+         "ours_host_cpu_us": _num(r.kda_host_cpu), "fla_host_cpu_us": _num(r.fla_host_cpu),
          "o_rel_diff": r.o_diff if isinstance(r.o_diff, float) else None,
          "state_rel_diff": r.s_diff if isinstance(r.s_diff, float) else None}
     if c.mode in ("paged", "decode", "mixed"):
