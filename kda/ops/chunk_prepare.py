@@ -194,6 +194,14 @@ def _gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, USE_GATE: tl.cons
 
 
 @triton.jit
+def _gate_row(g_row, cols, col_ok, a, bias, lower_bound):
+    """The log2 decay (fp32) of one token's channels `cols` with Kimi's lower-bound gate: a one-token chunk's
+    b2, which is its gate (no cumsum over the 63 masked rows)."""
+    x = tl.load(g_row + cols, mask=col_ok, other=0.0)
+    return tl.reshape(kda_gate_log2(x[None, :], a, bias, lower_bound, True, True), [cols.shape[0]])
+
+
+@triton.jit
 def _store_decayed(kd_ws, qd_ws, kr_ws, ws, cols, m, kx, qx, rk, rq, scale, b2, b2_last):
     """What the solve and the state walk read, for the rows of `b2` (log2 decay from the chunk start):
     Kd = 2^b2 k~, Qd = scale 2^b2 q~, Kr = 2^(b2_last - b2) k~, with k~ = rk k and q~ = rq q (l2norm), at row
@@ -331,9 +339,7 @@ def _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws,
         if B2_FROM_WS:  # b2 (and gt) written by `_chunk_gate_kernel`
             b2 = tl.load(b2_ws + ws_base + cols, mask=col_ok, other=0.0)
         else:
-            bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
-            b2 = tl.reshape(kda_gate_log2(tl.load(g_h + cols, mask=col_ok, other=0.0)[None, :], a, bias, lower_bound,
-                                          True, True), [BK])
+            b2 = _gate_row(g_h, cols, col_ok, a, dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS), lower_bound)
             tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b2), mask=col_ok)
         d = tl.exp2(b2)
         tl.store(qd_ws + ws_base + cols, qn * d, mask=col_ok)
@@ -431,9 +437,8 @@ def _chunk_gate_kernel(
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
     bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
     if IS_VARLEN:  # not compiled for dense calls: there the branch cost 1.2% (a last chunk alone takes it)
-        if eos - t0 == 1:  # a one-token sequence: b2 is its gate, without the scan over 63 masked rows
-            x = tl.load(g + t0 * s_gt + i_hv * s_gh + cols, mask=col_ok, other=0.0)
-            b1 = tl.sum(kda_gate_log2(x[None, :], a, bias, lower_bound, True, True), 0)
+        if eos - t0 == 1:  # a chunk of one token: b2 is its gate (`_gate_row`)
+            b1 = _gate_row(g + t0 * s_gt + i_hv * s_gh, cols, col_ok, a, bias, lower_bound)
             tl.store(b2_ws + (t0 * HV + i_hv) * K + cols, b1, mask=col_ok)
             tl.store(gt_ws + (i_p * HV + i_hv) * K + cols, tl.exp2(b1), mask=col_ok)
             return
