@@ -179,12 +179,14 @@ class Timer:
         torch.cuda.synchronize()
         return self.bench(fn)
 
-    def host(self, fn, calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> float:
+    def host(self, fn, calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> tuple[float, float]:
         """Host microseconds of one call issued back to back: `calls` calls after warm-up with no sync
         inside the loop (`time.perf_counter` around it), one sync after; the best of `rounds` such loops (the
         host is shared: another tenant only adds time). What a serving engine pays in Python per layer per
         step while the GPU runs behind; a call whose launches fill the device's launch queue within the loop
-        reads its GPU time instead. Why not bursts between syncs: docs/performance.md, "Host cost per call"."""
+        reads its GPU time instead. Why not bursts between syncs: docs/performance.md, "Host cost per call".
+        Returns (wall, cpu): cpu is the same loops' CPU time of this thread (`time.thread_time`), which
+        another tenant's preemption of the shared host does not add to."""
         for _ in range(3):
             fn()
         best = best_cpu = float("inf")
@@ -197,10 +199,7 @@ class Timer:
             best = min(best, (t1 - t0) * 1e6 / calls)
             best_cpu = min(best_cpu, (c1 - c0) * 1e6 / calls)
         torch.cuda.synchronize()
-        # the same loops' CPU time of this thread: what the call costs the host without another tenant's
-        # preemption, which the wall time above counts (`run_case` reads it beside the host column)
-        self.last_host_cpu = best_cpu
-        return best
+        return best, best_cpu
 
     def steady(self, fns, repeat: int = 2) -> float:
         """Per-call time of back-to-back calls: one graph holds `fns` `repeat` times in a row (decode: one
@@ -317,6 +316,7 @@ class Row:
     fla_host: float | str | None = None
     kda_host_cpu: float | str | None = None  # the same loops' CPU time of the calling thread (Timer.host)
     fla_host_cpu: float | str | None = None
+    split_host_cpu: float | str | None = None
     split_eager: float | str | None = None  # mixed row: the decode call + the prefill call
     split_graph: float | str | None = None
     split_host: float | str | None = None
@@ -509,9 +509,11 @@ def run_case(case: Case, timer: Timer, fla, fla_extra: dict, skip_fla: bool = Fa
         for how in ("eager", "graph", "host"):
             attr = f"{who}_{how}"
             try:
-                setattr(row, attr, getattr(timer, how)(fn))
-                if how == "host" and who != "split":
-                    setattr(row, f"{who}_host_cpu", timer.last_host_cpu)
+                value = getattr(timer, how)(fn)
+                if how == "host":
+                    value, cpu = value
+                    setattr(row, f"{who}_host_cpu", cpu)
+                setattr(row, attr, value)
             except HostSync as e:
                 setattr(row, attr, "sync")
                 row.notes.append(f"{who} graph: {e}")

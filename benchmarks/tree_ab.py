@@ -54,7 +54,7 @@ def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
         call = functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
 
         us = timer.graph(call)
-        eager_us, host_us = timer.eager(call), timer.host(call)
+        eager_us, host_us = timer.eager(call), timer.host(call)[0]
         call()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
