@@ -175,6 +175,9 @@ class ChunkPlan:
     short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
     wait_chunks: int = 0  # > 0: the walk runs beside the prepare, awaiting groups of this many chunks (`_beside_bv`)
     wait_in_loop: bool = False  # it awaits them inside its pipelined loop (`_chunk_state_kernel`'s WAIT_IN_LOOP)
+    # > 0: the fused prepare's last late_chunks chunk programs are a second launch, and the walk beside it starts
+    # after the first launch has finished (it then holds its SMs for the tail of the prepare only)
+    late_chunks: int = 0
 
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:
@@ -191,7 +194,11 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     beside_BV = _beside_bv(call, segmented, walk_BV)  # the walk's V block beside the prepare, or 0
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
                        beside_BV or walk_BV, _tma_capable(call))
-    if beside_BV:
+    tail = not beside_BV and _walk_at_tail(call, segmented, walk_BV, plan)
+    if tail:
+        free = 2 * _sm_count(call.q.device.index or 0) - call.HV * cdiv(call.V, 64)  # prepare slots beside it
+        plan = _beside_plan(plan, False, cdiv(cdiv(call.T, CHUNK) * free, LATE_PER_SLOT * call.HV))
+    elif beside_BV:
         plan = _beside_plan(plan, beside_BV == walk_BV)
     if overrides:
         plan = replace(plan, **overrides)
@@ -265,6 +272,12 @@ WAIT_CHUNKS = 16
 # 16 / 4 / 1: 1380 / 1338 / 1324 us; 1x8192 H=24, where the walk is the longer: 559 / 611 / 628 at 4 / 2 / 1).
 BESIDE_BV64_CHUNKS = 2048
 WAIT_CHUNKS_BV64 = 2
+# A walk too wide to run beside the whole prepare (`_walk_at_tail`) starts for its last NT * free /
+# (LATE_PER_SLOT * HV) chunks (free: the prepare slots, two an SM, its programs leave): the walk takes about 16
+# chunk steps (1.8 us each) in one prepare program's time (28 us), and 12 was the fastest of 24..8 (1x8192 H=48
+# 1081 -> 956 us, H=96 1924 -> 1823); the BV-64 walk beside all of it (H = 17..33) lost at every value tried
+# (1x16384 H=32 1250 -> 1267 at 8, 1391 at 16)
+LATE_PER_SLOT = 12
 WAIT_CHUNKS_BV64_OUTER = 4
 
 
@@ -286,6 +299,20 @@ def _beside_bv(call: KDACall, segmented: bool, walk_BV: int) -> int:
             and heads * cdiv(call.T, CHUNK) >= BESIDE_BV64_CHUNKS):
         return 64
     return 0
+
+
+def _walk_at_tail(call: KDACall, segmented: bool, walk_BV: int, plan: ChunkPlan) -> bool:
+    """Whether a walk too wide to run beside the whole prepare (`_beside_bv`) runs beside its last chunks
+    (`ChunkPlan.late_chunks`): one whole sequence, the fused prepare with its gate pass, a walk at V blocks of 64
+    (two programs an SM) whose programs leave at least a quarter of the prepare's slots. Live: with fewer
+    than two walk programs an SM some SM holds at most one, and a prepare program fits beside one."""
+    if (segmented or call.T == 0 or not call.q.is_cuda or interpreted() or walk_BV != 64 or call.K > 128
+            or plan.prepare != "fused" or not plan.gate_pass or call.N != 1):
+        return False
+    if call.cu_seqlens is not None and not one_whole_sequence(call):
+        return False
+    slots = 2 * _sm_count(call.q.device.index or 0)
+    return 4 * (slots - call.HV * cdiv(call.V, 64)) >= slots
 
 
 def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:
@@ -323,14 +350,14 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _beside_plan(plan: ChunkPlan, same_bv: bool) -> ChunkPlan:
+def _beside_plan(plan: ChunkPlan, same_bv: bool, late: int = 0) -> ChunkPlan:
     """`plan` with the waits of a walk beside the prepare, cached so that every call at a shape gets the
     same frozen object (no dataclass rebuilt per call). Another V block than the plain walk's (64) waits
     inside the pipelined loop for TMA walks (pointer loads lose their pipelining)."""
     if same_bv:
         return replace(plan, wait_chunks=WAIT_CHUNKS)
     return replace(plan, wait_chunks=WAIT_CHUNKS_BV64 if plan.walk_tma else WAIT_CHUNKS_BV64_OUTER,
-                   wait_in_loop=plan.walk_tma)
+                   wait_in_loop=plan.walk_tma, late_chunks=late)
 
 
 @functools.lru_cache(maxsize=1024)

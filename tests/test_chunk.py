@@ -174,6 +174,26 @@ def test_gate_pass_equals_the_in_kernel_cumsum(device):
     assert rel_err(o1, ro) <= kernel_bound(floor, torch.bfloat16) and rel_err(s1, rs) < NARROW_STATE_TOL
 
 
+@pytest.mark.parametrize("late", [1, 3, 5])
+def test_prepare_in_two_launches_equals_one(late, device):
+    """The fused prepare launched as two grids (`ChunkPlan.late_chunks`: the last `late` chunk programs second,
+    so that the walk beside it can start after the first) stores the same workspaces: the call's output and
+    final state bit for bit those of one launch, dense (B = 1, a partial last chunk) and over varlen chunks
+    with an empty sequence; late >= the chunk count leaves one chunk in the first launch."""
+    for bounds in (None, [0, 70, 70, 200, 300]):
+        T = 300 if bounds is None else bounds[-1]
+        q, k, v, g, beta, kw = make_inputs(1, T, 2, 2, 32, 16, dtype=torch.bfloat16, gate="lower_bound",
+                                           device=device, seed=13)
+        kw.update(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
+        if bounds is not None:
+            kw["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=device)
+        base = dict(cumsum_fp64=False, gate_pass=True, short_len=0)
+        o1, s1, p1 = run_planned(kda.chunk_kda, q, k, v, g, beta, base, **kw)
+        o2, s2, p2 = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(base, late_chunks=late), **kw)
+        assert p1.prepare == p2.prepare == "fused" and p1.late_chunks == 0 and p2.late_chunks == late
+        assert torch.equal(bits(o1), bits(o2)) and torch.equal(bits(s1), bits(s2))
+
+
 @pytest.mark.parametrize("dtype,over,host", [(torch.float32, {}, False), (torch.bfloat16, {}, False),
                                              (torch.bfloat16, dict(cumsum_fp64=False, gate_pass=True), False),
                                              (torch.bfloat16, {}, True)])
@@ -830,3 +850,38 @@ def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
                         assert not varlen or call.N == 1
                         assert bv == walk_BV or K <= 128
     assert beside_seen == {True, False}  # both forms planned somewhere on the grid
+
+
+@pytest.mark.parametrize("sms", [132, 78, 16])
+def test_walk_at_the_prepares_tail_leaves_prepare_slots(monkeypatch, sms):
+    """Liveness of the walk beside the prepare's last chunks (`ChunkPlan.late_chunks`, for walks too wide to run
+    beside all of it): its programs spin until those chunks are stored, so the plan may put it there only where
+    they run two an SM at V blocks of 64 and leave at least a quarter of the prepare's slots (then some SM holds
+    at most one walk program, and a prepare program fits beside it), for one whole sequence with the fused
+    prepare's gate pass, never beside the whole prepare as well; the late chunks are fewer than the chunks."""
+    from types import SimpleNamespace
+
+    from kda import plan as P
+
+    monkeypatch.setattr(P, "interpreted", lambda: False)
+    monkeypatch.setattr(P, "_sm_count", lambda index: sms)
+    monkeypatch.setattr(P, "_capability", lambda index: (9, 0))
+    dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16)
+    seen = 0
+    for B in (1, 2):
+        for HV in (1, 8, 16, 24, 32, 48, 64, 96, 128):
+            for K, V in ((128, 128), (64, 64), (256, 128), (128, 256)):
+                for T in (0, 64, 4096, 16384):
+                    call = SimpleNamespace(q=dev, B=B, T=T, HV=HV, H=HV, K=K, V=V, N=B, cu_seqlens=None,
+                                           host_bounds=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                           lower_bound=-5.0, A_log=None, g=None)
+                    plan, _ = P.chunk_plan_and_route(call)
+                    if not plan.late_chunks:
+                        continue
+                    seen += 1
+                    programs = HV * P.cdiv(V, 64)
+                    assert plan.wait_chunks > 0 and B == 1 and T > 0 and K <= 128 and plan.gate_pass
+                    assert not P._beside_bv(call, False, P._walk_bv(call, None))  # beside all of it: from the start
+                    assert 4 * (2 * sms - programs) >= 2 * sms and P._walk_bv(call, None) == 64
+                    assert 0 < plan.late_chunks < P.cdiv(T, P.CHUNK) or P.cdiv(T, P.CHUNK) == 1
+    assert seen

@@ -184,9 +184,11 @@ def test_cached_plans_are_frozen_and_overrides_leave_them_alone():
         p.walk = "segmented"
     assert plan.chunk_plan(call, prepare="split").prepare == "split"
     assert plan.chunk_plan(call) is p and p.prepare == "fused"
-    beside = plan._beside_plan(p, True)  # the GPU's walk beside the prepare: one cached object a shape too
-    assert beside is plan._beside_plan(p, True) and beside.wait_chunks == plan.WAIT_CHUNKS
-    assert dataclasses.replace(beside, wait_chunks=p.wait_chunks) == p and p.wait_chunks != plan.WAIT_CHUNKS
+    # the GPU's walk beside the prepare: one cached object a shape too (p is already one on a GPU)
+    alone = dataclasses.replace(p, wait_chunks=0, wait_in_loop=False, late_chunks=0)
+    beside = plan._beside_plan(alone, True)
+    assert beside is plan._beside_plan(alone, True) and beside.wait_chunks == plan.WAIT_CHUNKS
+    assert dataclasses.replace(beside, wait_chunks=0) == alone and alone.wait_chunks == 0
     unbounded = checked_call(kda.chunk_kda, q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                              **{**kw, "lower_bound": -6.0})
     assert plan.chunk_plan(unbounded).prepare == "split"  # the bound is part of the key

@@ -275,15 +275,18 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
                 HV=HV, K=K, BT=BT, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short, **gate,
                 SIGNAL_CHUNKS=signal, num_warps=4, num_stages=1,
             )
-        if signal and plan.gate_pass:
-            after_gate()
-        _chunk_prepare_kernel[(HV, grid_chunks) if signal else (grid_chunks, HV)](
-            q, k, v, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws, ready,
-            *strides, *v_strides, *g_beta, T, N, NT, call.scale, lower_bound,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, **gate,
-            CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
-            SIGNAL_CHUNKS=signal, num_warps=plan.prepare_warps, num_stages=1, **common,
-        )
+        late = min(plan.late_chunks, grid_chunks - 1)  # grid_chunks >= 1 here
+        parts = ((0, grid_chunks - late), (grid_chunks - late, late)) if late else ((0, grid_chunks),)
+        for i, (p0, n_p) in enumerate(parts):
+            if signal and plan.gate_pass and i == len(parts) - 1:
+                after_gate()  # the walk forks before the last launch: it starts once the chunks before are stored
+            _chunk_prepare_kernel[(HV, n_p) if signal else (n_p, HV)](
+                q, k, v, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws, ready,
+                *strides, *v_strides, *g_beta, T, N, NT, p0, call.scale, lower_bound,
+                H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, **gate,
+                CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
+                SIGNAL_CHUNKS=signal, num_warps=plan.prepare_warps, num_stages=1, **common,
+            )
     else:
         akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)
         # A_qk and Kr parked in N's and M's workspaces until the solve folds the inverse into them

@@ -460,7 +460,7 @@ def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
     kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws, ready,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
-    T, N, NT, scale, lower_bound,
+    T, N, NT, p0, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -483,6 +483,7 @@ def _chunk_prepare_kernel(
     is (value head, chunk), so that chunks finish in order, and each program adds 1 to its group's counter in
     `ready` once its stores are done."""
     i_p, i_hv = _chunk_and_head(SIGNAL_CHUNKS > 0)
+    i_p += p0  # the grid's first chunk program (a prepare in two launches, `ChunkPlan.late_chunks`)
     i_h = i_hv // (HV // H)
     i_n, t0, eos, i_p = _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
     if t0 >= eos:
