@@ -88,7 +88,9 @@ DECODE_H = 12
 DECODE_NS = (1, 64, 256, 1024)
 K_FIRST_NS = (64, 256, 1024)
 HOST_CALLS = 200
-HOST_ROUNDS = 3  # Timer.host: the best of this many loops of HOST_CALLS calls
+# Timer.host: the best of this many loops of HOST_CALLS calls (the H200 host's speed moves by up to 1.6x between
+# consecutive loops of one process: benchmarks/results/2026-12-02-b1a4e00-h200-late-walk-tail-suite.md)
+HOST_ROUNDS = 8
 NARROW_POOL_N = 256
 NARROW_POOL_TARGET = 0.6
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -603,7 +605,8 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
     cpu = [r for r in rows if isinstance(r.kda_host_cpu, float)]
     if cpu:
         lines += ["", "Host CPU time per call: the calling thread's CPU time (`time.thread_time`) in the host "
-                  "column's loops, which another tenant's preemption of the shared host does not add to.", "",
+                  "column's loops, which another tenant's preemption of the shared host does not add to (a slower "
+                  "host, sharing its cores' caches or clocks, still does).", "",
                   "| shape | kda host us | kda host CPU us | fla host us | fla host CPU us |", "|---|---|---|---|---|"]
         lines += [f"| {r.case.name} | {_fmt_us(r.kda_host)} | {_fmt_us(r.kda_host_cpu)} | {_fmt_us(r.fla_host)} | "
                   f"{_fmt_us(r.fla_host_cpu)} |" for r in cpu]
