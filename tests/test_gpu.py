@@ -169,20 +169,22 @@ def test_decode_replays_in_a_cuda_graph_bitwise():
     assert torch.equal(bits(pool), bits(eager_pool))
 
 
-@pytest.mark.parametrize("form", ["dense", "varlen", "fp32", "wide"])
+@pytest.mark.parametrize("form", ["dense", "varlen", "fp32", "wide", "tail"])
 def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     """A one-sequence call with few heads runs its walk beside the prepare (on a side stream, each group of
     chunks awaited: `kda.plan._beside_bv`): eager calls, the replayed graph and a plan of one prepare then one
     walk give the same bits, call after call (an ordering fault would show as a stale tile now and then).
     Varlen with host bounds [0, T] (an engine's lone prefill) runs as the dense form; fp32 inputs have no gate
     pass, so their counters are zeroed by their own launch; a long call with 32 heads (one wave of walk
-    programs at V blocks of 32) runs beside it at V blocks of 64."""
+    programs at V blocks of 32) runs beside it at V blocks of 64; with 48 heads (too many walk programs to run
+    beside all of it) the walk runs beside the prepare's last chunks, the prepare in two launches
+    (`ChunkPlan.late_chunks`)."""
     from kda.ops.chunk import chunk_kda_fwd
     from kda.plan import BESIDE_BV64_CHUNKS, chunk_plan
 
     # a short last group; 48 walk programs at H = 12: the plain walk (fewer take the segmented one)
-    H = 32 if form == "wide" else 12
-    T = (BESIDE_BV64_CHUNKS // H * 64 if form == "wide" else 8192) + 320
+    H = {"wide": 32, "tail": 48}.get(form, 12)
+    T = {"wide": BESIDE_BV64_CHUNKS // H * 64, "tail": 2048}.get(form, 8192) + 320
     args, h0, kw = _inputs(T, H=H)
     if form == "varlen":
         kw.update(cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device="cuda"),
@@ -192,12 +194,13 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     full = dict(output_final_state=True, initial_state=h0, **kw)
     call = checked_call(kda.chunk_kda, *args, **full)
     plan = chunk_plan(call)
-    assert plan.wait_chunks > 0 and plan.walk_BV == (64 if form == "wide" else 32)
+    assert plan.wait_chunks > 0 and plan.walk_BV == (64 if form in ("wide", "tail") else 32)
+    assert (plan.late_chunks > 0) == (form == "tail")
     # 128 walk programs (H = 32) would leave a prepare program fewer than half the SMs, and at V blocks of 64
     # a short prepare ends before their walk would pay for its slower programs: not beside it
     wide, wide_h0, wide_kw = _inputs(128, H=32)
     assert chunk_plan(checked_call(kda.chunk_kda, *wide, initial_state=wide_h0, **wide_kw)).wait_chunks == 0
-    one_o, one_s = chunk_kda_fwd(call, chunk_plan(call, wait_chunks=0))
+    one_o, one_s = chunk_kda_fwd(call, chunk_plan(call, wait_chunks=0, wait_in_loop=False, late_chunks=0))
     out = torch.empty_like(one_o)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
