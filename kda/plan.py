@@ -273,10 +273,8 @@ WAIT_CHUNKS = 16
 BESIDE_BV64_CHUNKS = 2048
 WAIT_CHUNKS_BV64 = 2
 # A walk too wide to run beside the whole prepare (`_walk_at_tail`) starts for its last NT * free /
-# (LATE_PER_SLOT * HV) chunks (free: the prepare slots, two an SM, its programs leave): the walk takes about 16
-# chunk steps (1.8 us each) in one prepare program's time (28 us), and 12 was the fastest of 24..8 (1x8192 H=48
-# 1081 -> 956 us, H=96 1924 -> 1823); the BV-64 walk beside all of it (H = 17..33) lost at every value tried
-# (1x16384 H=32 1250 -> 1267 at 8, 1391 at 16)
+# (LATE_PER_SLOT * HV) chunks (free: the prepare slots, two an SM, its programs leave): about the walk's chunk
+# steps in one prepare program's time, the fastest of 24..8 on the H200 (docs/performance.md)
 LATE_PER_SLOT = 12
 WAIT_CHUNKS_BV64_OUTER = 4
 
