@@ -57,3 +57,46 @@ def test_no_benchmark_script_shadows_a_standard_module():
 
     names = {p.stem for p in (Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py")}
     assert not names & set(sys.stdlib_module_names)
+
+
+def test_host_second_pass_keeps_the_faster_pass_and_every_failure_as_it_was():
+    """`remeasure_host`: each row's calls rebuilt and timed once more, the faster of the two passes kept for wall
+    and CPU time alike; a cell whose first pass failed or was not run keeps its text, and a rebuild or a timing
+    that raises leaves the row's first values."""
+    bench = _bench()
+    case = bench.Case("p", "prefill", "dense", 1, 64, 2)
+
+    def row(**kw):
+        return bench.Row(case, 0, **kw)
+
+    rows = [row(kda_host=50.0, kda_host_cpu=49.0, fla_host=900.0, fla_host_cpu=890.0),
+            row(kda_host=40.0, kda_host_cpu=40.0, fla_host="n/a"),
+            row(kda_host="err", fla_host=800.0, fla_host_cpu=800.0),
+            row(kda_host=60.0, kda_host_cpu=60.0),
+            row(kda_host=70.0, kda_host_cpu=70.0, split_host=100.0, split_host_cpu=100.0)]
+    second = {id(rows[0]): {"kda": (45.0, 46.0), "fla": (950.0, 880.0)},
+              id(rows[1]): {"kda": (41.0, 39.0), "fla": (1.0, 1.0)},
+              id(rows[2]): {"kda": (1.0, 1.0), "fla": (700.0, 700.0)},
+              id(rows[4]): {"kda": ValueError("timing"), "split": (90.0, 95.0)}}
+    current, order = {}, iter(rows)
+
+    def make(c, fla, extra):  # called once a row, in order
+        r = current["row"] = next(order)
+        if r is rows[3]:
+            raise RuntimeError("rebuild")
+        return {who: (lambda who=who: who) for who in second[id(r)]}, None
+
+    class Timer:
+        def host(self, fn):
+            value = second[id(current["row"])][fn()]
+            if isinstance(value, Exception):
+                raise value
+            return value
+
+    bench.remeasure_host(rows, Timer(), None, {}, make=make)
+    first = rows[0]
+    assert (first.kda_host, first.kda_host_cpu, first.fla_host, first.fla_host_cpu) == (45.0, 46.0, 900.0, 880.0)
+    assert (rows[1].kda_host, rows[1].kda_host_cpu, rows[1].fla_host) == (40.0, 39.0, "n/a")
+    assert (rows[2].kda_host, rows[2].fla_host) == ("err", 700.0)
+    assert (rows[3].kda_host, rows[3].kda_host_cpu) == (60.0, 60.0)
+    assert (rows[4].kda_host, rows[4].split_host, rows[4].split_host_cpu) == (70.0, 90.0, 95.0)
