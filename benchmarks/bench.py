@@ -112,6 +112,7 @@ class Case:
     seqlens: tuple[int, ...] | None = None
     pool_dtype: str = "float32"
     v_first: bool = True    # the pool's layout (paged, decode and mixed rows)
+    host_bounds: bool = True  # decode varlen rows: cu_seqlens_cpu passed too (engines' usual call)
 
     @property
     def N(self) -> int:
@@ -135,6 +136,10 @@ def all_cases() -> list[Case]:
         cases.append(Case(label, "decode", "decode", n, 1, DECODE_H, pool_dtype=dt, v_first=False))
         cases.append(Case(label + " varlen", "decode", "decode", 1, n, DECODE_H, seqlens=(1,) * n, pool_dtype=dt,
                           v_first=False))
+    # the contract without host bounds (the loop kernel: the lengths are on the device only)
+    cases.append(Case(f"decode N={NARROW_POOL_N} H={DECODE_H} fp32 K-first pool varlen no host bounds", "decode",
+                      "decode", 1, NARROW_POOL_N, DECODE_H, seqlens=(1,) * NARROW_POOL_N, v_first=False,
+                      host_bounds=False))
     long = [n for n in MIXED_LENS if n != 1]
     cases.append(Case(f"mixed {MIXED_LENS.count(1)}x1 + {len(long)}x{long[0]} H={MIXED_H}", "mixed", "mixed", 1,
                       sum(MIXED_LENS), MIXED_H, seqlens=MIXED_LENS))
@@ -453,7 +458,7 @@ def build(case: Case, fla, fla_extra: dict, dev: str = "cuda"):
         return {"kda": kda_call, "split": split_call, "fla": fla_call if fla_chunk else None}, compare
 
     else:  # decode: a dense [N, 1] batch, or varlen (B == 1, T == N) with the host copy of the bounds
-        extra = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu_host)
+        extra = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu_host if case.host_bounds else None)
         fla_cu = {} if cu is None else dict(cu_seqlens=cu)
 
         def kda_on(ix):
