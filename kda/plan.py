@@ -194,10 +194,9 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     beside_BV = _beside_bv(call, segmented, walk_BV)  # the walk's V block beside the prepare, or 0
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
                        beside_BV or walk_BV, _tma_capable(call))
-    tail = not beside_BV and _walk_at_tail(call, segmented, walk_BV, plan)
-    if tail:
-        free = 2 * _sm_count(call.q.device.index or 0) - call.HV * cdiv(call.V, 64)  # prepare slots beside it
-        plan = _beside_plan(plan, False, cdiv(cdiv(call.T, CHUNK) * free, LATE_PER_SLOT * call.HV))
+    late = 0 if beside_BV else _tail_chunks(call, segmented, walk_BV, plan)
+    if late:
+        plan = _beside_plan(plan, False, late)
     elif beside_BV:
         plan = _beside_plan(plan, beside_BV == walk_BV)
     if overrides:
@@ -272,7 +271,7 @@ WAIT_CHUNKS = 16
 # 16 / 4 / 1: 1380 / 1338 / 1324 us; 1x8192 H=24, where the walk is the longer: 559 / 611 / 628 at 4 / 2 / 1).
 BESIDE_BV64_CHUNKS = 2048
 WAIT_CHUNKS_BV64 = 2
-# A walk too wide to run beside the whole prepare (`_walk_at_tail`) starts for its last NT * free /
+# A walk too wide to run beside the whole prepare (`_tail_chunks`) starts for its last NT * free /
 # (LATE_PER_SLOT * HV) chunks (free: the prepare slots, two an SM, its programs leave): about the walk's chunk
 # steps in one prepare program's time, the fastest of 24..8 on the H200 (docs/performance.md)
 LATE_PER_SLOT = 12
@@ -285,9 +284,7 @@ def _beside_bv(call: KDACall, segmented: bool, walk_BV: int) -> int:
     least half the SMs to the prepare, so the prepare's programs always find SMs while the walk's await them;
     `walk_BV`, or 64 for a long one-wave walk at 32 (`BESIDE_BV64_CHUNKS`). On a GPU only (the interpreter
     runs the launches one after another)."""
-    if segmented or call.T == 0 or not call.q.is_cuda or interpreted():  # T = 0: no prepare to fork after
-        return 0
-    if call.cu_seqlens is not None and not one_whole_sequence(call):
+    if not _may_wait(call, segmented):
         return 0
     sms = _sm_count(call.q.device.index or 0)
     heads = call.N * call.HV
@@ -299,18 +296,27 @@ def _beside_bv(call: KDACall, segmented: bool, walk_BV: int) -> int:
     return 0
 
 
-def _walk_at_tail(call: KDACall, segmented: bool, walk_BV: int, plan: ChunkPlan) -> bool:
-    """Whether a walk too wide to run beside the whole prepare (`_beside_bv`) runs beside its last chunks
-    (`ChunkPlan.late_chunks`): one whole sequence, the fused prepare with its gate pass, a walk at V blocks of 64
-    (two programs an SM) whose programs leave at least a quarter of the prepare's slots. Live: with fewer
-    than two walk programs an SM some SM holds at most one, and a prepare program fits beside one."""
-    if (segmented or call.T == 0 or not call.q.is_cuda or interpreted() or walk_BV != 64 or call.K > 128
-            or plan.prepare != "fused" or not plan.gate_pass or call.N != 1):
+def _may_wait(call: KDACall, segmented: bool) -> bool:
+    """Whether a walk may await the prepare's chunks at all: on a GPU (the interpreter runs the launches one
+    after another), a plain walk, a prepare to fork after (T > 0), dense rows or one whole varlen sequence."""
+    if segmented or call.T == 0 or not call.q.is_cuda or interpreted():
         return False
-    if call.cu_seqlens is not None and not one_whole_sequence(call):
-        return False
+    return call.cu_seqlens is None or one_whole_sequence(call)
+
+
+def _tail_chunks(call: KDACall, segmented: bool, walk_BV: int, plan: ChunkPlan) -> int:
+    """The chunks beside which a walk too wide to run beside the whole prepare (`_beside_bv`) runs
+    (`ChunkPlan.late_chunks`; `LATE_PER_SLOT`), or 0: one sequence, the fused prepare with its gate pass, a walk
+    at V blocks of 64 (two programs an SM) whose programs leave at least a quarter of the prepare's slots. Live:
+    with fewer than two walk programs an SM some SM holds at most one, and a prepare program fits beside one."""
+    if (not _may_wait(call, segmented) or walk_BV != 64 or call.K > 128 or plan.prepare != "fused"
+            or not plan.gate_pass or call.N != 1):
+        return 0
     slots = 2 * _sm_count(call.q.device.index or 0)
-    return 4 * (slots - call.HV * cdiv(call.V, 64)) >= slots
+    free = slots - call.HV * cdiv(call.V, 64)  # the prepare slots beside the walk's programs
+    if 4 * free < slots:
+        return 0
+    return cdiv(cdiv(call.T, CHUNK) * free, LATE_PER_SLOT * call.HV)
 
 
 def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:

@@ -18,7 +18,7 @@ launched chunk by chunk across the heads, so groups complete in order). Three la
 one call; on the GPU the prepare's SMs and the walk's overlap from the first group on. The prepare is
 launched before the walk, always: the walk spins on it, and a kernel's first launch loads its module lazily,
 a load that waits on the device (a walk launched first hung there). The walk's programs keep at most half
-the SMs (`kda.plan._beside_bv`), so the prepare's always find room. A walk too wide for that (`kda.plan._walk_at_tail`)
+the SMs (`kda.plan._beside_bv`), so the prepare's always find room. A walk too wide for that (`kda.plan._tail_chunks`)
 runs beside the prepare's last chunks only: the prepare is then two launches, the walk forked between them
 (`ChunkPlan.late_chunks`).
 """
