@@ -1,6 +1,7 @@
 """Where one `kda` call spends its GPU time: the profiling tool beside the benchmark (needs a CUDA device).
 
     python benchmarks/kernel_profile.py times [--op chunk|decode] [shapes] [--plan K=V,..]  per-kernel CUDA time
+    python benchmarks/kernel_profile.py timeline [...] [--plan K=V,..]   when each kernel of one call starts and ends
     python benchmarks/kernel_profile.py regs  [--op chunk|decode|both] [...]   registers, spills, shared memory
     python benchmarks/kernel_profile.py ncu   [--op ...] [--kernel REGEX] [--run]   the Nsight Compute command line
     python benchmarks/kernel_profile.py call  [--op ...] [...]   warm up, then one call (what ncu profiles)
@@ -9,9 +10,11 @@ The tool calls the public functions (`kda.chunk_kda`, `kda.fused_recurrent_kda`)
 inputs (bf16 q/k/v, Kimi's in-kernel lower-bound gate, q/k l2norm, beta sigmoid, K = V = 128) and reads
 what ran: it never selects a kernel variant by rewriting module globals. `times --plan k=v,k=v`
 (repeatable) also times `chunk_kda` under `kda.plan.chunk_plan(call, k=v, ...)`, one variant per `--plan`,
-in the same process. Shapes: `--op chunk` is a dense prefill `--B x --T` at `--H` heads with an fp32
-initial state; `--op decode` is one token for each of `--N` sequences through a paged pool of 4N slots
-(`--pool fp32|bf16|fp16`, `--layout v_first|k_first`, `--varlen` for the `cu_seqlens` + `cu_seqlens_cpu`
+in the same process; `timeline` takes the same variants and prints, for the last of `--reps` calls, each kernel's
+stream, start and end from the call's first kernel (the walk beside the prepare: when it starts, how long a
+chunk step takes beside the prepare's programs). Shapes: `--op chunk` is a dense prefill `--B x --T` at `--H`
+heads with an fp32 initial state; `--op decode` is one token for each of `--N` sequences through a paged pool of
+4N slots (`--pool fp32|bf16|fp16`, `--layout v_first|k_first`, `--varlen` for the `cu_seqlens` + `cu_seqlens_cpu`
 form).
 """
 
@@ -127,6 +130,55 @@ def cmd_times(args) -> int:
     return 0
 
 
+def kernel_spans(trace: dict) -> list[tuple[float, float, int, str]]:
+    """(start us, end us, stream, name) of every GPU kernel in a chrome trace (`torch.profiler` export), by start."""
+    spans = [(e["ts"], e["ts"] + e.get("dur", 0.0), e.get("args", {}).get("stream", -1), e["name"])
+             for e in trace.get("traceEvents", [])
+             if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel"]
+    return sorted(spans)
+
+
+def last_call(spans: list, first: str) -> list:
+    """The kernels from the last launch of kernel `first` (a call's first kernel) on."""
+    starts = [i for i, sp in enumerate(spans) if sp[3] == first]
+    return spans[starts[-1]:] if starts else spans
+
+
+def cmd_timeline(args) -> int:
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    variants = [(op, None) for op in ops_for(args)]
+    variants += [("chunk", parse_plan(spec)) for spec in args.plan]
+    for op, plan in variants:
+        fn = make_call(op, args, plan)
+        warm(fn)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.reps):
+                fn()
+                torch.cuda.synchronize()
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            spans = kernel_spans(json.load(open(f.name)))
+        if not spans:
+            print("no kernel events in the trace")
+            continue
+        call = last_call(spans, spans[0][3])
+        t0 = call[0][0]
+        label = describe(op, args) + (f", plan {plan}" if plan else "")
+        print(f"## {label}: the last of {args.reps} calls, us from its first kernel's start (torch.profiler)")
+        print("| kernel | stream | start | end | us |\n|---|---|---|---|---|")
+        for start, end, stream, name in call:
+            print(f"| {name} | {stream} | {start - t0:.1f} | {end - t0:.1f} | {end - start:.1f} |")
+        chunks = -(-args.T // 64) if op == "chunk" else 0
+        walk = [sp for sp in call if "state_kernel" in sp[3]]
+        tail = f"; walk {(walk[0][1] - walk[0][0]) / chunks:.3f} us a chunk step" if walk and chunks else ""
+        print(f"call: {max(sp[1] for sp in call) - t0:.1f} us{tail}\n")
+    return 0
+
+
 def jit_kernels():
     """(name, JITFunction) of every Triton kernel defined in the modules of `kda.ops`."""
     from triton.runtime.jit import JITFunction
@@ -209,6 +261,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("times", "per-kernel CUDA time of one call (torch.profiler)"),
                         ("regs", "registers, spills and shared memory of the kernels one call compiled"),
+                        ("timeline", "each kernel's start and end in one call (torch.profiler trace)"),
                         ("ncu", "print (--run: run) the Nsight Compute command line for one call"),
                         ("call", "warm up, then one call (the workload ncu profiles)")):
         s = sub.add_parser(name, help=help_)
@@ -220,7 +273,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         s.add_argument("--pool", choices=tuple(POOL_DTYPES), default="fp32", help="decode: pool dtype")
         s.add_argument("--layout", choices=("v_first", "k_first"), default="v_first", help="decode: pool layout")
         s.add_argument("--varlen", action="store_true", help="decode: cu_seqlens + cu_seqlens_cpu instead of [N, 1]")
-        if name == "times":
+        if name in ("times", "timeline"):
             s.add_argument("--reps", type=int, default=3, help="calls profiled (default 3)")
             s.add_argument("--plan", action="append", default=[], metavar="K=V,...",
                            help="also time chunk_kda under chunk_plan(call, K=V, ...) (repeatable)")
@@ -238,7 +291,7 @@ def main(argv=None) -> int:
         print("benchmarks/kernel_profile.py needs a CUDA device", file=sys.stderr)
         return 2
     torch.set_grad_enabled(False)
-    return {"times": cmd_times, "regs": cmd_regs, "call": cmd_call}[args.command](args)
+    return {"times": cmd_times, "timeline": cmd_timeline, "regs": cmd_regs, "call": cmd_call}[args.command](args)
 
 
 if __name__ == "__main__":

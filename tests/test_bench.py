@@ -102,3 +102,27 @@ def test_host_second_pass_keeps_the_faster_pass_and_every_failure_as_it_was():
     assert (rows[2].kda_host, rows[2].fla_host) == ("err", 700.0)
     assert (rows[3].kda_host, rows[3].kda_host_cpu) == (60.0, 60.0)
     assert (rows[4].kda_host, rows[4].split_host, rows[4].split_host_cpu) == (70.0, 90.0, 95.0)
+
+
+def test_timeline_reads_the_last_call_of_a_trace():
+    spec = importlib.util.spec_from_file_location("kernel_profile", BENCH.parent / "kernel_profile.py")
+    kp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kp)
+
+    def kernel(ts, dur, name, stream=7, cat="kernel"):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "args": {"stream": stream}}
+
+    trace = {"traceEvents": [
+        kernel(100.0, 5.0, "gate"), kernel(106.0, 50.0, "prepare"), kernel(120.0, 60.0, "walk", stream=9),
+        kernel(10.0, 5.0, "gate"), kernel(16.0, 50.0, "prepare"), kernel(20.0, 55.0, "walk", stream=9),
+        kernel(101.0, 1.0, "a host op", cat="cpu_op"), {"ph": "i", "cat": "kernel", "ts": 0.0, "name": "marker"},
+        kernel(200.0, 4.0, "gate", cat="Kernel"), kernel(205.0, 40.0, "prepare", cat="Kernel"),
+    ]}
+    spans = kp.kernel_spans(trace)
+    assert [s[3] for s in spans] == ["gate", "prepare", "walk", "gate", "prepare", "walk", "gate", "prepare"]
+    assert spans[2] == (20.0, 75.0, 9, "walk")
+    assert kp.last_call(spans, "gate") == [(200.0, 204.0, 7, "gate"), (205.0, 245.0, 7, "prepare")]
+    assert kp.last_call(spans, "absent") == spans
+    args = kp.parse_args(["timeline", "--T", "8192", "--plan", "late_chunks=40", "--reps", "2"])
+    assert (args.command, args.T, args.reps, [kp.parse_plan(p) for p in args.plan]) == (
+        "timeline", 8192, 2, [{"late_chunks": 40}])
