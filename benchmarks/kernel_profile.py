@@ -101,7 +101,9 @@ def warm(fn, n: int = 3) -> None:
     torch.cuda.synchronize()
 
 
-def cmd_times(args) -> int:
+def profiled(args):
+    """(op, plan overrides or None, the profiler) of `args.reps` calls of each variant (each call synced, so that
+    calls do not overlap in the trace), after a warm-up."""
     from torch.profiler import ProfilerActivity, profile
 
     variants = [(op, None) for op in ops_for(args)]
@@ -112,7 +114,12 @@ def cmd_times(args) -> int:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.reps):
                 fn()
-            torch.cuda.synchronize()
+                torch.cuda.synchronize()
+        yield op, plan, prof
+
+
+def cmd_times(args) -> int:
+    for op, plan, prof in profiled(args):
         rows = []
         for e in prof.key_averages():
             dev_us = getattr(e, "device_time_total", None)
@@ -148,17 +155,7 @@ def cmd_timeline(args) -> int:
     import json
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile
-
-    variants = [(op, None) for op in ops_for(args)]
-    variants += [("chunk", parse_plan(spec)) for spec in args.plan]
-    for op, plan in variants:
-        fn = make_call(op, args, plan)
-        warm(fn)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.reps):
-                fn()
-                torch.cuda.synchronize()
+    for op, plan, prof in profiled(args):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
             spans = kernel_spans(json.load(open(f.name)))
