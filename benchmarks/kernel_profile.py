@@ -155,10 +155,12 @@ def cmd_timeline(args) -> int:
     import json
     import tempfile
 
+    from kda.plan import CHUNK, cdiv
+
     for op, plan, prof in profiled(args):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
-            spans = kernel_spans(json.load(open(f.name)))
+            spans = kernel_spans(json.loads(Path(f.name).read_text()))
         if not spans:
             print("no kernel events in the trace")
             continue
@@ -169,7 +171,7 @@ def cmd_timeline(args) -> int:
         print("| kernel | stream | start | end | us |\n|---|---|---|---|---|")
         for start, end, stream, name in call:
             print(f"| {name} | {stream} | {start - t0:.1f} | {end - t0:.1f} | {end - start:.1f} |")
-        chunks = -(-args.T // 64) if op == "chunk" else 0
+        chunks = cdiv(args.T, CHUNK) if op == "chunk" else 0
         walk = [sp for sp in call if "state_kernel" in sp[3]]
         tail = f"; walk {(walk[0][1] - walk[0][0]) / chunks:.3f} us a chunk step" if walk and chunks else ""
         print(f"call: {max(sp[1] for sp in call) - t0:.1f} us{tail}\n")
