@@ -55,19 +55,19 @@ def gate_case(signal: int = 0):
     return chunk_prepare._chunk_gate_kernel, ptrs, consts, dict(N=1), 4, 1
 
 
-def prepare_case(signal: int = 0):
+def prepare_case(signal: int = 0, fold: bool = True):
     plan = _chunk()
     ws = "fp16" if plan.ws_dtype == torch.float16 else "fp32"
     ptrs = dict(q="bf16", k="bf16", v="bf16", g="fp32", beta="bf16", A_log="fp32", dt_bias="fp32", cu_seqlens="i32",
-                kd_ws=ws, qd_ws=ws, m_ws=ws, n_ws=ws, gt_ws="fp32", b2_ws="fp32", sc_ws="fp32", ready="i32")
+                kd_ws=ws, qd_ws=ws, m_ws=ws, n_ws=ws, gt_ws="fp32", b2_ws="fp32", sc_ws="fp32", ready="i32", x_ws=ws)
     consts = dict(H=H_CHUNK, HV=H_CHUNK, K=K, V=V, BT=CHUNK, BC=FUSED_SUB, BK=plan.prepare_BK,
                   IS_VARLEN=False, HAS_A_LOG=True, HAS_DT_BIAS=True, SHORT=0, USE_BETA_SIGMOID=True,
                   DOT_PREC=plan.dot_prec, CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32,
-                  B2_FROM_WS=plan.gate_pass, SIGNAL_CHUNKS=signal)
+                  B2_FROM_WS=plan.gate_pass, SIGNAL_CHUNKS=signal, FOLD=fold)
     return chunk_prepare._chunk_prepare_kernel, ptrs, consts, dict(N=1, s_bh=1), plan.prepare_warps, 1
 
 
-def walk_case(walk_bv: int, wait: int = 0, in_loop: bool = False):
+def walk_case(walk_bv: int, wait: int = 0, in_loop: bool = False, fold: bool = True):
     plan = _chunk(walk_bv)
     assert plan.walk_tma
     ws = "fp16" if plan.ws_dtype == torch.float16 else "fp32"
@@ -78,11 +78,12 @@ def walk_case(walk_bv: int, wait: int = 0, in_loop: bool = False):
     # v: the input's ragged descriptor (`chunk._v_tiles`), [BT, 1, BV] tiles
     ptrs = dict(o="bf16", cu_seqlens="i32", n_ws=desc(ws, CHUNK), kd_ws=desc(ws, K), v=desc("bf16", walk_bv),
                 qd_ws=desc(ws, K), m_ws=desc(ws, K), gt_ws="fp32", sc_ws="fp32", state_src="fp32", state_dst="fp32",
-                slot_of_seq="i32", has_initial_state="i1", checkpoint_indices="i32", errors="i32", ready="i32")
+                slot_of_seq="i32", has_initial_state="i1", checkpoint_indices="i32", errors="i32", ready="i32",
+                x_ws=desc(ws, CHUNK))
     consts = dict(HV=H_CHUNK, K=K, V=V, BT=CHUNK, BK=K, BV=walk_bv, IS_VARLEN=False, HAS_SRC=True, HAS_DST=True,
                   PAGED=False, HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC=plan.dot_prec, HAS_CHECKPOINTS=False,
                   HAS_ERRORS=False, SHORT=0, TMA=True, V_TMA=True, WAIT_CHUNKS=wait, WAIT_IN_LOOP=in_loop,
-                  SPIN=wait > 0)
+                  SPIN=wait > 0, FOLD=fold)
     return chunk_walk._chunk_state_kernel, ptrs, consts, dict(N=1, n_slots=1), plan.walk_warps, plan.walk_stages
 
 
@@ -110,6 +111,11 @@ CASES = {
     "prepare-signal": lambda: prepare_case(WAIT_CHUNKS),
     "walk-beside": lambda: walk_case(32, WAIT_CHUNKS),
     "walk-bv64-beside": lambda: walk_case(64, WAIT_CHUNKS_BV64, True),
+    # `ChunkPlan.fold` off: the walk applies the inverse
+    "prepare-signal-unfolded": lambda: prepare_case(WAIT_CHUNKS, False),
+    "walk-bv64-beside-unfolded": lambda: walk_case(64, WAIT_CHUNKS_BV64, True, False),
+    "walk-bv64-unfolded": lambda: walk_case(64, fold=False),
+    "walk-unfolded": lambda: walk_case(32, fold=False),
     "decode-vfirst-fp32": lambda: decode_case(True, torch.float32),
     "decode-vfirst-bf16": lambda: decode_case(True, torch.bfloat16),
     "decode-kfirst-fp32": lambda: decode_case(False, torch.float32),

@@ -178,6 +178,9 @@ class ChunkPlan:
     # > 0: the fused prepare's last late_chunks chunk programs are a second launch, and the walk beside it starts
     # after the first launch has finished (it then holds its SMs for the tail of the prepare only)
     late_chunks: int = 0
+    # False (fused prepare, fp16 workspaces, plain walk): the prepare stores Xb, A_qk and Kr instead of folding the
+    # inverse into M and N, and the walk forms U = Xb D itself (a dot more a step, the prepare's fold dots fewer)
+    fold: bool = True
 
 
 def chunk_plan(call: KDACall, **overrides) -> ChunkPlan:

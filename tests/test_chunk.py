@@ -231,6 +231,46 @@ def test_one_token_chunks_against_float64(dtype, over, host, device):
         assert rel_err(o[:, t], ro[:, t]) < row_tol, t
 
 
+@pytest.mark.parametrize("wait,in_loop", [(0, False), (2, True)])
+def test_walk_applying_the_inverse_against_float64(wait, in_loop, device):
+    """`ChunkPlan.fold` off (the prepare stores Xb, A_qk and Kr; the walk forms U = Xb D): bf16 inputs with Kimi's
+    gate against the float64 oracle at the bf16 bound, a dense call whose last chunk holds one token (the prepare's
+    dot-free form) and a paged call with checkpoints, by the walk after the prepare and beside it (the counters
+    awaited inside the walk's loop), against the folded form to the same bound."""
+    T, H, HV, K, V = 193, 1, 2, 32, 32
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16, gate="lower_bound", device=device,
+                                       seed=41, beta_sigmoid=True)
+    kw.update(use_qk_l2norm_in_kernel=True)
+    h0 = 0.1 * torch.randn(1, HV, K, V, generator=torch.Generator().manual_seed(3)).to(device)
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=h0.cpu(),
+                               output_final_state=True, **on_cpu(kw))
+    o_tol = kernel_bound(rounding_floor(ro, torch.bfloat16), torch.bfloat16)
+    runs = {}
+    for fold in (True, False):
+        over = dict(fold=fold, wait_chunks=wait, wait_in_loop=in_loop, gate_pass=True)
+        o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, over, initial_state=h0, output_final_state=True,
+                                 **kw)
+        assert plan.fold == fold and plan.ws_dtype == torch.float16
+        assert rel_err(o, ro) <= o_tol and rel_err(s, rs) < NARROW_STATE_TOL, fold
+        pool = poison_pool(5, (HV, K, V), torch.float32, device)
+        pool[1] = h0[0]
+        before = pool.clone()
+        o_p, _, _ = run_planned(kda.chunk_kda, q, k, v, g, beta, over, state_cache=pool,
+                                state_indices=torch.tensor([1], dtype=torch.int32, device=device),
+                                has_initial_state=torch.tensor([True], device=device), state_v_first=False,
+                                checkpoint_every=128, checkpoint_indices=torch.tensor([[3]], dtype=torch.int32,
+                                                                                      device=device), **kw)
+        assert torch.equal(bits(o_p), bits(o)) and torch.equal(bits(pool[1]), bits(s[0]))
+        for other in (0, 2, 4):
+            assert torch.equal(bits(pool[other]), bits(before[other]))
+        _, cs = ref.recurrent_kda(q[:, :128].cpu(), k[:, :128].cpu(), v[:, :128].cpu(), g[:, :128].cpu(),
+                                  beta[:, :128].cpu(), initial_state=h0.cpu(), output_final_state=True, **on_cpu(kw))
+        assert rel_err(pool[3], cs[0]) < NARROW_STATE_TOL
+        runs[fold] = (o, s)
+    assert rel_err(runs[False][0], runs[True][0]) <= o_tol
+    assert rel_err(runs[False][1], runs[True][1]) < NARROW_STATE_TOL
+
+
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
 def test_paged_equals_dense_and_leaves_other_slots(v_first, storage, device):

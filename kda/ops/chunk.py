@@ -101,6 +101,11 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     sc_ws = (torch.empty((max(n_chunks, 1), HV, 4), dtype=torch.float32, device=dev) if ws_dtype == torch.float16
              else gt_ws)
 
+    # Xb per chunk where the walk applies the inverse itself (`ChunkPlan.fold` off: fused prepare, fp16, plain walk)
+    if not plan.fold and (plan.prepare != "fused" or ws_dtype != torch.float16 or plan.walk != "plain"):
+        raise ValueError("ChunkPlan.fold=False needs the fused prepare, fp16 workspaces and the plain walk")
+    x_ws = n_ws if plan.fold else torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
+
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     # the walk beside the prepare (`ChunkPlan.wait_chunks`, dense): the counters it awaits, and its side stream
     ready = (torch.empty((B * cdiv(NT, plan.wait_chunks) * HV,), dtype=torch.int32, device=dev)
@@ -113,8 +118,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             wait_stream(side, main)
 
     if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
-        _prepare(call, plan, (q, k, v, g, beta), (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws), T, grid_chunks, short,
-                 varlen, ready, fork)
+        _prepare(call, plan, (q, k, v, g, beta), (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws, x_ws), T, grid_chunks,
+                 short, varlen, ready, fork)
     # the walk reads v (the input) itself
     walk_ws = (n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws)
     ckpt = call.checkpoint_indices
@@ -124,11 +129,12 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
                else (gt_ws, 0, 0, BT, st.slot_count))
     if plan.walk == "plain":  # with short sequences routed, only the kept ones have programs
         tiles = _walk_tiles(plan, walk_ws, BK)
+        x_tiles = _ragged(x_ws, BT, BT) if plan.walk_tma else x_ws
         if side is None:
-            _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready)
+            _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles)
         else:  # launched after the prepare, always (module docstring)
             with torch.cuda.stream(side):
-                _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready)
+                _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles)
             wait_stream(main, side)  # the caller's stream owns o, the state and every workspace again
         return o, st.final_state
     BV = plan.walk_BV
@@ -207,9 +213,10 @@ def _v_tiles(v: torch.Tensor, rows: int, cols: int):
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
                 N: int, varlen: bool, short: int, ck_args: tuple, has_ckpt: bool,
-                ready: torch.Tensor | None = None) -> None:
+                ready: torch.Tensor | None = None, x_ws=None) -> None:
     """`_chunk_state_kernel` over `seqs` sequences. `ready`: the walk beside the prepare
-    (module docstring), each group of chunks awaited."""
+    (module docstring), each group of chunks awaited. `x_ws`: Xb's workspace (or its descriptor) where the walk
+    applies the inverse (`ChunkPlan.fold` off)."""
     T, HV, K, V, BT, BV = call.T, call.HV, call.K, call.V, plan.BT, plan.walk_BV
     s_ot, s_oh = token_head_strides(o, T)
     has_errors = call.errors is not None
@@ -217,12 +224,12 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
     _chunk_state_kernel[(cdiv(V, BV), HV, seqs)](
         o, cu, *walk_ws, *st.pointers(walk_ws[5]), s_ot, s_oh, *token_head_strides(call.v, T), st.src_stride,
         st.dst_stride, *ck_args, errors, walk_ws[5] if ready is None else ready,
-        T, N, cdiv(T, BT),
+        walk_ws[1] if x_ws is None else x_ws, T, N, cdiv(T, BT),
         HV=HV, K=K, V=V, BT=BT, BK=max(16, next_power_of_2(K)), BV=BV, IS_VARLEN=varlen, DOT_PREC=plan.dot_prec,
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
         HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
         WAIT_CHUNKS=0 if ready is None else plan.wait_chunks, WAIT_IN_LOOP=plan.wait_in_loop,
-        SPIN=ready is not None and not interpreted(),
+        SPIN=ready is not None and not interpreted(), FOLD=plan.fold,
         num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 
@@ -247,7 +254,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
     (by `_zero_counters_kernel` where there is none) and counted up by the prepare; `after_gate` is called once
     they are zeroed, before the prepare's launches."""
     q, k, v, g, beta = inputs
-    kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws = ws
+    kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws, x_ws = ws
     H, HV, K, V, N = call.H, call.HV, call.K, call.V, call.N
     BT, dev = plan.BT, q.device
     NT = cdiv(T, BT)
@@ -283,11 +290,11 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
             if signal and plan.gate_pass and i == len(parts) - 1:
                 after_gate()  # the walk forks before the last launch: it starts once the chunks before are stored
             _chunk_prepare_kernel[(HV, n_p) if signal else (n_p, HV)](
-                q, k, v, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws, ready,
+                q, k, v, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws, ready, x_ws,
                 *strides, *v_strides, *g_beta, T, N, NT, p0, call.scale, lower_bound,
                 H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, **gate,
                 CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
-                SIGNAL_CHUNKS=signal, num_warps=plan.prepare_warps, num_stages=1, **common,
+                SIGNAL_CHUNKS=signal, FOLD=plan.fold, num_warps=plan.prepare_warps, num_stages=1, **common,
             )
     else:
         akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)

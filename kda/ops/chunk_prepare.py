@@ -314,9 +314,27 @@ def _store_scales(sc_ws, i_p, i_hv, pm, pn, v_max, HV: tl.constexpr):
 
 
 @triton.jit
+def _store_unfolded(A_qk, XbT, n_ws, x_ws, sc_ws, n_base, i_p, i_hv, o_t, row_ok, v_max, HV: tl.constexpr,
+                    BT: tl.constexpr):
+    """`ChunkPlan.fold` off (fp16 workspaces): A_qk (fp16; |entries| <= scale) into N's rows and Xb = XbT^T times a
+    power of two px into x_ws's rows, both with whole rows (zeros above the diagonal, past the sequence), and in
+    row (i_p, i_hv) of `sc_ws`: 1 / px, R = the largest row sum of |Xb| (the walk's bound on U = Xb D, |U_i| <= R
+    max|D|), max|V|. Kr stays in M's rows, where the K loop parked it."""
+    off = n_base + o_t[:, None] * (HV * BT) + o_t[None, :]
+    tl.store(n_ws + off, A_qk.to(n_ws.dtype.element_ty), mask=row_ok[:, None])
+    px = pow2_scale(XbT)
+    tl.store(x_ws + off, tl.trans(XbT * px).to(x_ws.dtype.element_ty), mask=row_ok[:, None])
+    sc = sc_ws + (i_p * HV + i_hv) * 4
+    tl.store(sc, 1.0 / px)
+    tl.store(sc + 1, tl.max(tl.sum(tl.abs(XbT), 0)))  # Xb's row sums: XbT's column sums
+    tl.store(sc + 2, v_max)
+
+
+@triton.jit
 def _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws, ws_base, n_base, i_p, i_hv, o_t,
                    rk, rq, b_beta, v_max, a, dt_bias, lower_bound, HV: tl.constexpr, K: tl.constexpr,
-                   BK: tl.constexpr, HAS_DT_BIAS: tl.constexpr, B2_FROM_WS: tl.constexpr):
+                   BK: tl.constexpr, HAS_DT_BIAS: tl.constexpr, B2_FROM_WS: tl.constexpr, x_ws=None,
+                   FOLD: tl.constexpr = True):
     """What `_chunk_prepare_kernel` stores for a chunk of one token, without its dots: A_kk = 0, so X = I and
     Xb = beta; b2 = b2_last, so Kr = k~; M's row is beta k~ and N's is [scale beta q~.k~, 0, ...]. Exact in
     fp32 where the general path rounds its dot operands (a one-token chunk program costs as long as a full
@@ -330,6 +348,9 @@ def _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws,
     pm = 1.0
     if F16:
         pm = pow2_of(tl.abs(beta0))  # the largest column sum of |Xb|, as `_store_folded` scales M
+    m_row = beta0 * pm
+    if not FOLD:
+        m_row = 1.0  # M's rows hold Kr: k~
     aqk = 0.0
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -344,15 +365,23 @@ def _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws,
         d = tl.exp2(b2)
         tl.store(qd_ws + ws_base + cols, qn * d, mask=col_ok)
         tl.store(kd_ws + ws_base + cols, kn * d, mask=col_ok)
-        tl.store(m_ws + ws_base + cols, kn * (beta0 * pm), mask=col_ok)
+        tl.store(m_ws + ws_base + cols, kn * m_row, mask=col_ok)
         aqk += tl.sum(qn * kn)
-    n00 = aqk * beta0
-    pn = 1.0
-    if F16:
-        pn = pow2_of(tl.abs(n00))
-    tl.store(n_ws + n_base + o_t, tl.where(first, n00 * pn, 0.0))
-    if F16:
-        _store_scales(sc_ws, i_p, i_hv, pm, pn, v_max, HV)
+    if FOLD:
+        n00 = aqk * beta0
+        pn = 1.0
+        if F16:
+            pn = pow2_of(tl.abs(n00))
+        tl.store(n_ws + n_base + o_t, tl.where(first, n00 * pn, 0.0))
+        if F16:
+            _store_scales(sc_ws, i_p, i_hv, pm, pn, v_max, HV)
+    else:  # A_qk's row [scale q~.k~, 0, ...], Xb = [[beta]] times px = pm
+        tl.store(n_ws + n_base + o_t, tl.where(first, aqk, 0.0))
+        tl.store(x_ws + n_base + o_t, tl.where(first, beta0 * pm, 0.0))
+        sc = sc_ws + (i_p * HV + i_hv) * 4
+        tl.store(sc, 1.0 / pm)
+        tl.store(sc + 1, tl.abs(beta0))
+        tl.store(sc + 2, v_max)
 
 
 @triton.jit
@@ -458,7 +487,7 @@ def _b2_row(b2_ws, ws_base, r, n_rows, cols, HV: tl.constexpr, K: tl.constexpr):
 @triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws, ready,
+    kd_ws, qd_ws, m_ws, n_ws, gt_ws, b2_ws, sc_ws, ready, x_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     T, N, NT, p0, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -466,7 +495,7 @@ def _chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     SHORT: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, CUMSUM_DTYPE: tl.constexpr,
-    B2_FROM_WS: tl.constexpr, SIGNAL_CHUNKS: tl.constexpr = 0,
+    B2_FROM_WS: tl.constexpr, SIGNAL_CHUNKS: tl.constexpr = 0, FOLD: tl.constexpr = True,
 ):
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
@@ -481,7 +510,9 @@ def _chunk_prepare_kernel(
     inputs' rounding and fp64 tiles doubled the registers and spills).
     SIGNAL_CHUNKS > 0 (dense): the walk runs beside this kernel (`_chunk_state_kernel`'s WAIT_CHUNKS); the grid
     is (value head, chunk), so that chunks finish in order, and each program adds 1 to its group's counter in
-    `ready` once its stores are done."""
+    `ready` once its stores are done.
+    FOLD off (`ChunkPlan.fold`, fp16 workspaces): no M or N; A_qk into N's rows, Xb into `x_ws`, Kr left in M's
+    rows (`_store_unfolded`), for a walk that forms U = Xb D itself."""
     i_p, i_hv = _chunk_and_head(SIGNAL_CHUNKS > 0)
     i_p += p0  # the grid's first chunk program (a prepare in two launches, `ChunkPlan.late_chunks`)
     i_h = i_hv // (HV // H)
@@ -509,7 +540,7 @@ def _chunk_prepare_kernel(
     a = decay_rate(A_log, i_hv, HAS_A_LOG)
     if n_rows == 1:  # one token (a decode step inside a varlen batch, a sequence's last token alone in its chunk)
         _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws, ws_base, n_base, i_p, i_hv, o_t,
-                       rk, rq, b_beta, v_max, a, dt_bias, lower_bound, HV, K, BK, HAS_DT_BIAS, B2_FROM_WS)
+                       rk, rq, b_beta, v_max, a, dt_bias, lower_bound, HV, K, BK, HAS_DT_BIAS, B2_FROM_WS, x_ws, FOLD)
         if SIGNAL_CHUNKS > 0:
             _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
         return
@@ -591,8 +622,11 @@ def _chunk_prepare_kernel(
         tl.debug_barrier()  # parked by every thread before it is read back
         A_qk = tl.load(n_ws + n_off, mask=row_ok[:, None], other=0.0)
         tl.debug_barrier()  # read by every thread before N overwrites it
-    _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v_max, HV, K, BT, BK,
-                  EVEN_K, DOT_PREC)
+    if FOLD:
+        _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v_max, HV, K, BT, BK,
+                      EVEN_K, DOT_PREC)
+    else:
+        _store_unfolded(A_qk, XbT, n_ws, x_ws, sc_ws, n_base, i_p, i_hv, o_t, row_ok, v_max, HV, BT)
     if SIGNAL_CHUNKS > 0:
         _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
 

@@ -63,7 +63,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
           EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
           ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
           HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False, TMA: tl.constexpr = False,
-          i_c0=0, V_TMA: tl.constexpr = False, ready_h=None, WAIT: tl.constexpr = 0, SPIN: tl.constexpr = False):
+          i_c0=0, V_TMA: tl.constexpr = False, ready_h=None, WAIT: tl.constexpr = 0, SPIN: tl.constexpr = False,
+          x_ws=None, FOLD: tl.constexpr = True):
     """S [BK, BC] (columns o_c of the state, or of the identity for a segment operator) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). D = V - Kd S (V: columns o_c of the input v of
@@ -89,7 +90,11 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K) read as zeros:
     no per-element addresses or masks, which the pointer loads spend most of their issue slots on. V comes
     from the caller's input: with V_TMA `v_h` is its ragged descriptor (columns o_c from i_c0), else a pointer
-    to this head's columns (its strides need not suit a descriptor)."""
+    to this head's columns (its strides need not suit a descriptor).
+    FOLD off (`ChunkPlan.fold`, fp16 workspaces): the prepare stored A_qk in N's place, Kr in M's and Xb (times a
+    power of two, `x_ws`), and the scales' row holds 1 / px and R, Xb's largest row sum, where M's and N's
+    inverse scales were: the walk forms U = Xb D (scaled by pu from |U| <= R max|D|, no reduction on the chain) and
+    takes O = Qd S + A_qk U, S <- gt * S + Kr^T U."""
     F16: tl.constexpr = (kd_ws.dtype if TMA else kd_ws.dtype.element_ty) == tl.float16
     BK: tl.constexpr = o_k.shape[0]
     BC: tl.constexpr = o_c.shape[0]
@@ -168,6 +173,17 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                 Dd += vt.to(tl.float32) * pd
             Dr = Dd.to(tl.float16)
             inv_pd = 1.0 / pd  # one division for both products' factors
+            if not FOLD:  # U = Xb D, scaled by pu into fp16: what A_qk and Kr^T multiply below
+                if TMA:
+                    xt = tl.reshape(load_ragged(x_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BT])
+                else:
+                    xt = tl.load(x_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
+                                 mask=row_ok[:, None], other=0.0)
+                pu = pow2_of(s_n * (v_max + (K ** 0.5) * (32768.0 * inv_ps)))  # s_n: R here, s_m: 1 / px
+                Dr = (tl.dot(xt, Dr) * ((pu * s_m) * inv_pd)).to(tl.float16)
+                inv_pd = 1.0 / pu
+                s_m = 1.0
+                s_n = 1.0
         else:
             Sr = tf32_round(S, DOT_PREC)
             D = -tl.dot(tf32_round(kd, DOT_PREC), Sr, input_precision=DOT_PREC)
@@ -334,7 +350,7 @@ def _chunk_state_kernel(
     o, cu_seqlens, n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_ot, s_oh, s_vt, s_vh, src_stride, dst_stride,
-    checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors, ready,
+    checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors, ready, x_ws,
     T, N, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -343,7 +359,7 @@ def _chunk_state_kernel(
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
     V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, WAIT_IN_LOOP: tl.constexpr = False,
-    SPIN: tl.constexpr = False,
+    SPIN: tl.constexpr = False, FOLD: tl.constexpr = True,
 ):
     """The plain walk: one program per (V block, value head, sequence) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
@@ -395,12 +411,12 @@ def _chunk_state_kernel(
                 S = _walk(S, g_lo, g_hi, p_first + (g_lo - bos) // BT, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt,
                           qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC,
                           K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
-                          HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA)
+                          HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA, x_ws=x_ws, FOLD=FOLD)
         else:
             S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
                       sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
                       ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA,
-                      tl.program_id(0) * BV, V_TMA, ready_h, WAIT_CHUNKS, SPIN)
+                      tl.program_id(0) * BV, V_TMA, ready_h, WAIT_CHUNKS, SPIN, x_ws, FOLD)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
 
