@@ -363,8 +363,10 @@ def _beside_plan(plan: ChunkPlan, same_bv: bool, late: int = 0) -> ChunkPlan:
     inside the pipelined loop for TMA walks (pointer loads lose their pipelining)."""
     if same_bv:
         return replace(plan, wait_chunks=WAIT_CHUNKS)
+    # these walks are hidden inside the prepare, which then bounds the call: the walk applies the inverse
+    fold = plan.ws_dtype != torch.float16 or plan.prepare != "fused"
     return replace(plan, wait_chunks=WAIT_CHUNKS_BV64 if plan.walk_tma else WAIT_CHUNKS_BV64_OUTER,
-                   wait_in_loop=plan.walk_tma, late_chunks=late)
+                   wait_in_loop=plan.walk_tma, late_chunks=late, fold=fold)
 
 
 @functools.lru_cache(maxsize=1024)
