@@ -79,7 +79,7 @@ def walk_case(walk_bv: int, wait: int = 0, in_loop: bool = False, fold: bool = T
     ptrs = dict(o="bf16", cu_seqlens="i32", n_ws=desc(ws, CHUNK), kd_ws=desc(ws, K), v=desc("bf16", walk_bv),
                 qd_ws=desc(ws, K), m_ws=desc(ws, K), gt_ws="fp32", sc_ws="fp32", state_src="fp32", state_dst="fp32",
                 slot_of_seq="i32", has_initial_state="i1", checkpoint_indices="i32", errors="i32", ready="i32",
-                x_ws=desc(ws, CHUNK))
+                x_ws=ws if fold else desc(ws, CHUNK))
     consts = dict(HV=H_CHUNK, K=K, V=V, BT=CHUNK, BK=K, BV=walk_bv, IS_VARLEN=False, HAS_SRC=True, HAS_DST=True,
                   PAGED=False, HAS_INIT_FLAGS=False, V_FIRST=False, DOT_PREC=plan.dot_prec, HAS_CHECKPOINTS=False,
                   HAS_ERRORS=False, SHORT=0, TMA=True, V_TMA=True, WAIT_CHUNKS=wait, WAIT_IN_LOOP=in_loop,

@@ -129,7 +129,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
                else (gt_ws, 0, 0, BT, st.slot_count))
     if plan.walk == "plain":  # with short sequences routed, only the kept ones have programs
         tiles = _walk_tiles(plan, walk_ws, BK)
-        x_tiles = _ragged(x_ws, BT, BT) if plan.walk_tma else x_ws
+        x_tiles = _ragged(x_ws, BT, BT) if plan.walk_tma and not plan.fold else x_ws  # folded: a stand-in
         if side is None:
             _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles)
         else:  # launched after the prepare, always (module docstring)
