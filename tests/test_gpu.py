@@ -219,6 +219,26 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
         assert torch.equal(bits(out), bits(one_o)) and torch.equal(bits(graph_s), bits(one_s))
 
 
+@pytest.mark.parametrize("form", ["wide", "tail"])
+def test_walk_applying_the_inverse_bf16_accuracy(form):
+    """The forms whose walk applies the inverse by default (`ChunkPlan.fold` off: the BV-64 walk beside the
+    prepare, the walk beside the prepare's tail) within the issue's bf16-input bounds against the float64
+    oracle."""
+    from kda.plan import BESIDE_BV64_CHUNKS, chunk_plan
+
+    H = {"wide": 32, "tail": 48}[form]
+    T = {"wide": BESIDE_BV64_CHUNKS // H * 64, "tail": 2048}[form] + 320
+    args, h0, kw = _inputs(T, H=H)
+    plan = chunk_plan(checked_call(kda.chunk_kda, *args, initial_state=h0, output_final_state=True, **kw))
+    assert not plan.fold and plan.wait_chunks > 0 and (plan.late_chunks > 0) == (form == "tail")
+    o, s = kda.chunk_kda(*args, initial_state=h0, output_final_state=True, **kw)
+    ro, rs = ref.chunk_kda(*args, initial_state=h0.double(), output_final_state=True, **kw)
+    e_o, e_s = rel_err(o, ro), rel_err(s, rs)
+    print(f"\n[fold off] {form}: output rel L2 {e_o:.3e} (bf16 floor {rounding_floor(ro, torch.bfloat16):.3e}), "
+          f"final state {e_s:.3e}")
+    assert e_o <= 2.5e-3 and e_s <= 1.5e-3
+
+
 def test_prefill_graph_replays_with_new_bounds_bitwise():
     """One captured varlen paged `chunk_kda` call, replayed after writing three different `cu_seqlens` of the
     same total into its bounds tensor (empty sequences, a padding slot), gives the eager call's bits for
