@@ -204,6 +204,8 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
         plan = _beside_plan(plan, beside_BV == walk_BV)
     if overrides:
         plan = replace(plan, **overrides)
+        if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16 or plan.walk != "plain"):
+            raise ValueError("ChunkPlan.fold=False needs the fused prepare, fp16 workspaces and the plain walk")
     return plan, _route(call.N, plan.short_len if plan.walk == "plain" else 0, lengths)
 
 

@@ -102,8 +102,6 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
              else gt_ws)
 
     # Xb per chunk where the walk applies the inverse itself (`ChunkPlan.fold` off: fused prepare, fp16, plain walk)
-    if not plan.fold and (plan.prepare != "fused" or ws_dtype != torch.float16 or plan.walk != "plain"):
-        raise ValueError("ChunkPlan.fold=False needs the fused prepare, fp16 workspaces and the plain walk")
     x_ws = n_ws if plan.fold else torch.empty((total, HV, BT), dtype=ws_dtype, device=dev)
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
@@ -213,7 +211,7 @@ def _v_tiles(v: torch.Tensor, rows: int, cols: int):
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
                 N: int, varlen: bool, short: int, ck_args: tuple, has_ckpt: bool,
-                ready: torch.Tensor | None = None, x_ws=None) -> None:
+                ready: torch.Tensor | None, x_ws) -> None:
     """`_chunk_state_kernel` over `seqs` sequences. `ready`: the walk beside the prepare
     (module docstring), each group of chunks awaited. `x_ws`: Xb's workspace (or its descriptor) where the walk
     applies the inverse (`ChunkPlan.fold` off)."""
@@ -224,7 +222,7 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
     _chunk_state_kernel[(cdiv(V, BV), HV, seqs)](
         o, cu, *walk_ws, *st.pointers(walk_ws[5]), s_ot, s_oh, *token_head_strides(call.v, T), st.src_stride,
         st.dst_stride, *ck_args, errors, walk_ws[5] if ready is None else ready,
-        walk_ws[1] if x_ws is None else x_ws, T, N, cdiv(T, BT),
+        x_ws, T, N, cdiv(T, BT),
         HV=HV, K=K, V=V, BT=BT, BK=max(16, next_power_of_2(K)), BV=BV, IS_VARLEN=varlen, DOT_PREC=plan.dot_prec,
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
         HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),

@@ -300,16 +300,17 @@ def _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, 
             M = M * pm
         tl.store(m_ws + ws + cols[None, :], M, mask=m)
     if F16:
-        _store_scales(sc_ws, i_p, i_hv, pm, pn, v_max, HV)
+        _store_scales(sc_ws, i_p, i_hv, 1.0 / pm, 1.0 / pn, v_max, HV)
 
 
 @triton.jit
-def _store_scales(sc_ws, i_p, i_hv, pm, pn, v_max, HV: tl.constexpr):
-    """Row (i_p, i_hv) of `sc_ws` with fp16 workspaces: the inverse powers of two M and N were stored times
-    (exact) and max|V| of the chunk's rows, what the walk reads a chunk ahead."""
+def _store_scales(sc_ws, i_p, i_hv, s0, s1, v_max, HV: tl.constexpr):
+    """Row (i_p, i_hv) of `sc_ws` with fp16 workspaces, what the walk reads a chunk ahead: s0, s1 (folded: the
+    inverse powers of two M and N were stored times, exact; unfolded: Xb's inverse power and its largest row
+    sum) and max|V| of the chunk's rows."""
     sc = sc_ws + (i_p * HV + i_hv) * 4
-    tl.store(sc, 1.0 / pm)
-    tl.store(sc + 1, 1.0 / pn)
+    tl.store(sc, s0)
+    tl.store(sc + 1, s1)
     tl.store(sc + 2, v_max)
 
 
@@ -324,10 +325,8 @@ def _store_unfolded(A_qk, XbT, n_ws, x_ws, sc_ws, n_base, i_p, i_hv, o_t, row_ok
     tl.store(n_ws + off, A_qk.to(n_ws.dtype.element_ty), mask=row_ok[:, None])
     px = pow2_scale(XbT)
     tl.store(x_ws + off, tl.trans(XbT * px).to(x_ws.dtype.element_ty), mask=row_ok[:, None])
-    sc = sc_ws + (i_p * HV + i_hv) * 4
-    tl.store(sc, 1.0 / px)
-    tl.store(sc + 1, tl.max(tl.sum(tl.abs(XbT), 0)))  # Xb's row sums: XbT's column sums
-    tl.store(sc + 2, v_max)
+    # Xb's row sums: XbT's column sums
+    _store_scales(sc_ws, i_p, i_hv, 1.0 / px, tl.max(tl.sum(tl.abs(XbT), 0)), v_max, HV)
 
 
 @triton.jit
@@ -374,14 +373,11 @@ def _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws,
             pn = pow2_of(tl.abs(n00))
         tl.store(n_ws + n_base + o_t, tl.where(first, n00 * pn, 0.0))
         if F16:
-            _store_scales(sc_ws, i_p, i_hv, pm, pn, v_max, HV)
+            _store_scales(sc_ws, i_p, i_hv, 1.0 / pm, 1.0 / pn, v_max, HV)
     else:  # A_qk's row [scale q~.k~, 0, ...], Xb = [[beta]] times px = pm
         tl.store(n_ws + n_base + o_t, tl.where(first, aqk, 0.0))
         tl.store(x_ws + n_base + o_t, tl.where(first, beta0 * pm, 0.0))
-        sc = sc_ws + (i_p * HV + i_hv) * 4
-        tl.store(sc, 1.0 / pm)
-        tl.store(sc + 1, tl.abs(beta0))
-        tl.store(sc + 2, v_max)
+        _store_scales(sc_ws, i_p, i_hv, 1.0 / pm, tl.abs(beta0), v_max, HV)
 
 
 @triton.jit

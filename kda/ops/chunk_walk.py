@@ -160,7 +160,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             ps = pow2_scale(S)
             Sr = (S * ps).to(tl.float16)
             inv_ps = 1.0 / ps
-            pd = pow2_of(v_max + (K ** 0.5) * (32768.0 * inv_ps))
+            d_bound = v_max + (K ** 0.5) * (32768.0 * inv_ps)  # |D| <= d_bound (and |U| <= R d_bound)
+            pd = pow2_of(d_bound)
             # D pd formed scaled, V pd - (Kd Sr) pd / ps: one rounding as in V - Kd S, every factor a power of two
             if KQ:
                 qd = _k_tile(qd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
@@ -179,7 +180,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                 else:
                     xt = tl.load(x_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
                                  mask=row_ok[:, None], other=0.0)
-                pu = pow2_of(s_n * (v_max + (K ** 0.5) * (32768.0 * inv_ps)))  # s_n: R here, s_m: 1 / px
+                pu = pow2_of(s_n * d_bound)  # s_n: R here, s_m: 1 / px
                 Dr = (tl.dot(xt, Dr) * ((pu * s_m) * inv_pd)).to(tl.float16)
                 inv_pd = 1.0 / pu
                 s_m = 1.0
