@@ -50,9 +50,9 @@ def _decode(v_first: bool, dtype: torch.dtype):
 def gate_case(signal: int = 0):
     plan = _chunk()
     ptrs = dict(g="fp32", A_log="fp32", dt_bias="fp32", cu_seqlens="i32", b2_ws="fp32", gt_ws="fp32", ready="i32")
-    consts = dict(HV=H_CHUNK, K=K, BT=CHUNK, BK=plan.prepare_BK, IS_VARLEN=False, HAS_A_LOG=True, HAS_DT_BIAS=True,
+    consts = dict(HV=H_CHUNK, K=K, BT=CHUNK, BK=plan.gate_BK, IS_VARLEN=False, HAS_A_LOG=True, HAS_DT_BIAS=True,
                   SHORT=0, SIGNAL_CHUNKS=signal)
-    return chunk_prepare._chunk_gate_kernel, ptrs, consts, dict(N=1), 4, 1
+    return chunk_prepare._chunk_gate_kernel, ptrs, consts, dict(N=1), plan.gate_warps, 1
 
 
 def prepare_case(signal: int = 0, fold: bool = True):

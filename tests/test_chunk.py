@@ -159,7 +159,8 @@ def test_bounded_gate_prepare_forms(lower_bound, keys, K, device):
 def test_gate_pass_equals_the_in_kernel_cumsum(device):
     """16-bit inputs: the fused prepare reading b2 from `_chunk_gate_kernel` (anchor rows clamped to the last
     row of a short chunk) against the same prepare taking the fp32 cumsum itself, over varlen sequences with
-    partial chunks and an empty one. The two differ only in rounding order: within the output's own rounding."""
+    partial chunks and an empty one, and the gate pass at two K slicings. They differ only in rounding order:
+    within the output's own rounding."""
     bounds = [0, 70, 70, 117, 200]
     q, k, v, g, beta, kw = make_inputs(1, bounds[-1], 2, 2, 64, 32, dtype=torch.bfloat16, gate="lower_bound",
                                        device=device, seed=12)
@@ -168,9 +169,14 @@ def test_gate_pass_equals_the_in_kernel_cumsum(device):
     ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kw))
     o1, s1, p1 = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(cumsum_fp64=False, gate_pass=True), **kw)
     o2, s2, p2 = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(cumsum_fp64=False, gate_pass=False), **kw)
+    # the gate pass over narrower K slices on more warps (its cumsum order may differ on a GPU)
+    o3, s3, p3 = run_planned(kda.chunk_kda, q, k, v, g, beta,
+                             dict(cumsum_fp64=False, gate_pass=True, gate_BK=16, gate_warps=4), **kw)
     assert p1.prepare == p2.prepare == "fused" and p1.gate_pass and not p2.gate_pass
+    assert p1.gate_BK == 64 and p3.gate_BK == 16
     floor = rounding_floor(ro, torch.bfloat16)
     assert rel_err(o1, o2) <= floor and rel_err(s1, s2) < NARROW_STATE_TOL / 10
+    assert rel_err(o1, o3) <= floor and rel_err(s1, s3) < NARROW_STATE_TOL / 10
     assert rel_err(o1, ro) <= kernel_bound(floor, torch.bfloat16) and rel_err(s1, rs) < NARROW_STATE_TOL
 
 
