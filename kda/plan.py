@@ -167,8 +167,7 @@ class ChunkPlan:
     prepare_warps: int = 4
     cumsum_fp64: bool = True  # the fused prepare's cumulative decay in fp64 (fp32 inputs) or fp32
     gate_pass: bool = False  # the fp32 cumsum in `_chunk_gate_kernel` before the fused prepare (fp32 only)
-    # the gate pass's K slice and warps: 64 columns on 2 warps keep more loads in flight a thread than 32 on 4
-    # (H200, 1.13x its HBM floor against 1.28x at 1x16384 H=32; docs/performance.md)
+    # the gate pass's K slice and warps (`GATE_WIDE_MIN`)
     gate_BK: int = 64
     gate_warps: int = 2
     walk_BV: int = 32
@@ -206,6 +205,8 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
         plan = _beside_plan(plan, False, late)
     elif beside_BV:
         plan = _beside_plan(plan, beside_BV == walk_BV)
+    if plan.gate_pass and cdiv(call.B * call.T, CHUNK) * call.HV < GATE_WIDE_MIN:
+        plan = _narrow_gate(plan)
     if overrides:
         plan = replace(plan, **overrides)
         if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16 or plan.walk != "plain"):
@@ -267,6 +268,19 @@ def one_whole_sequence(call: KDACall) -> bool:
 # The walk beside the prepare awaits groups of this many chunks: each group's walk starts afresh (its
 # pipeline's first loads exposed), and the last group's walk follows the prepare's end.
 WAIT_CHUNKS = 16
+
+
+# The gate pass (`_chunk_gate_kernel`) at K slices of 64 on 2 warps from this many (chunk, value head) pairs, at
+# slices of 32 on 4 warps below: alone on the H200, 64 / 2 runs at 1.11-1.13x its HBM floor on the long rows
+# (1x16384 H=32 143 against 163 us, 1x65536 H=12 214 against 243) and 1x4096 H=32 (2048 pairs) 42.8 against
+# 44.6, but 1x4096 H=12 (768 pairs) 21.3 against 20.1 (docs/performance.md)
+GATE_WIDE_MIN = 2048
+
+
+@functools.lru_cache(maxsize=64)
+def _narrow_gate(plan: ChunkPlan) -> ChunkPlan:
+    """`plan` with the gate pass at K slices of 32 on 4 warps (`GATE_WIDE_MIN`), one cached object a plan."""
+    return replace(plan, gate_BK=min(32, plan.gate_BK), gate_warps=4)
 
 
 # A walk of one wave at V blocks of 32 (its programs more than half the SMs) runs beside the prepare at V blocks

@@ -167,13 +167,13 @@ def test_gate_pass_equals_the_in_kernel_cumsum(device):
     kw.update(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True,
               cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device))
     ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kw))
-    o1, s1, p1 = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(cumsum_fp64=False, gate_pass=True), **kw)
+    o1, s1, p1 = run_planned(kda.chunk_kda, q, k, v, g, beta,
+                             dict(cumsum_fp64=False, gate_pass=True, gate_BK=64, gate_warps=2), **kw)
     o2, s2, p2 = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(cumsum_fp64=False, gate_pass=False), **kw)
     # the gate pass over narrower K slices on more warps (its cumsum order may differ on a GPU)
     o3, s3, p3 = run_planned(kda.chunk_kda, q, k, v, g, beta,
                              dict(cumsum_fp64=False, gate_pass=True, gate_BK=16, gate_warps=4), **kw)
     assert p1.prepare == p2.prepare == "fused" and p1.gate_pass and not p2.gate_pass
-    assert p1.gate_BK == 64 and p3.gate_BK == 16
     floor = rounding_floor(ro, torch.bfloat16)
     assert rel_err(o1, o2) <= floor and rel_err(s1, s2) < NARROW_STATE_TOL / 10
     assert rel_err(o1, o3) <= floor and rel_err(s1, s3) < NARROW_STATE_TOL / 10
@@ -896,6 +896,36 @@ def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
                         assert not varlen or call.N == 1
                         assert bv == walk_BV or K <= 128
     assert beside_seen == {True, False}  # both forms planned somewhere on the grid
+
+
+def test_gate_pass_tile_follows_the_chunk_head_pairs(monkeypatch):
+    """The gate pass's tile (`kda.plan.GATE_WIDE_MIN`): K slices of 64 on 2 warps from GATE_WIDE_MIN (chunk, value
+    head) pairs of the call's tokens on, 32 on 4 below, as a GPU's planner sees the calls; every plan of a form
+    one cached object (no dataclass rebuilt per call), and the tile only ever changes those two fields."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from kda import plan as P
+
+    monkeypatch.setattr(P, "interpreted", lambda: False)
+    monkeypatch.setattr(P, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(P, "_capability", lambda index: (9, 0))
+    dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16)
+    seen = set()
+    for B, T, HV in ((1, 4096, 12), (1, 4096, 32), (1, 16384, 12), (4, 4096, 32), (1, 100, 4), (2, 64 * 1024, 1),
+                     (1, 64 * 1023 + 1, 2)):
+        call = SimpleNamespace(q=dev, B=B, T=T, HV=HV, H=HV, K=128, V=128, N=B, cu_seqlens=None, host_bounds=None,
+                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, A_log=None,
+                               g=None)
+        plan, _ = P.chunk_plan_and_route(call)
+        assert plan.gate_pass
+        wide = P.cdiv(B * T, P.CHUNK) * HV >= P.GATE_WIDE_MIN
+        assert (plan.gate_BK, plan.gate_warps) == ((64, 2) if wide else (32, 4))
+        assert P.chunk_plan_and_route(call)[0] is plan
+        seen.add(wide)
+        other = P._narrow_gate(plan) if wide else replace(plan, gate_BK=64, gate_warps=2)
+        assert replace(other, gate_BK=plan.gate_BK, gate_warps=plan.gate_warps) == plan
+    assert seen == {True, False}
 
 
 @pytest.mark.parametrize("sms", [132, 78, 16])
