@@ -912,14 +912,15 @@ def test_gate_pass_tile_follows_the_chunk_head_pairs(monkeypatch):
     monkeypatch.setattr(P, "_capability", lambda index: (9, 0))
     dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16)
     seen = set()
-    for B, T, HV in ((1, 4096, 12), (1, 4096, 32), (1, 16384, 12), (4, 4096, 32), (1, 100, 4), (2, 64 * 1024, 1),
-                     (1, 64 * 1023 + 1, 2)):
+    # (B, T, HV, wide): pairs 768, 2048, 3072, 8192, 8, 2048, 2046, 2048 (a partial last chunk counts)
+    for B, T, HV, wide in ((1, 4096, 12, False), (1, 4096, 32, True), (1, 16384, 12, True), (4, 4096, 32, True),
+                           (1, 100, 4, False), (2, 64 * 1024, 1, True), (1, 64 * 1023, 2, False),
+                           (1, 64 * 1023 + 1, 2, True)):
         call = SimpleNamespace(q=dev, B=B, T=T, HV=HV, H=HV, K=128, V=128, N=B, cu_seqlens=None, host_bounds=None,
                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, A_log=None,
                                g=None)
         plan, _ = P.chunk_plan_and_route(call)
         assert plan.gate_pass
-        wide = P.cdiv(B * T, P.CHUNK) * HV >= P.GATE_WIDE_MIN
         assert (plan.gate_BK, plan.gate_warps) == ((64, 2) if wide else (32, 4))
         assert P.chunk_plan_and_route(call)[0] is plan
         seen.add(wide)
