@@ -40,7 +40,7 @@ H_DECODE = 12
 
 
 def _chunk(walk_bv: int = 32):
-    return _chunk_plan(torch.bfloat16, True, True, K, V, False, walk_bv, True)
+    return _chunk_plan(torch.bfloat16, True, True, K, V, False, walk_bv, True, True)  # 1x16384 H=32: the wide gate
 
 
 def _decode(v_first: bool, dtype: torch.dtype):

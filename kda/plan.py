@@ -199,14 +199,13 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
     beside_BV = _beside_bv(call, segmented, walk_BV)  # the walk's V block beside the prepare, or 0
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
-                       beside_BV or walk_BV, _tma_capable(call))
+                       beside_BV or walk_BV, _tma_capable(call),
+                       cdiv(call.B * call.T, CHUNK) * call.HV >= GATE_WIDE_MIN)
     late = 0 if beside_BV else _tail_chunks(call, segmented, walk_BV, plan)
     if late:
         plan = _beside_plan(plan, False, late)
     elif beside_BV:
         plan = _beside_plan(plan, beside_BV == walk_BV)
-    if plan.gate_pass and cdiv(call.B * call.T, CHUNK) * call.HV < GATE_WIDE_MIN:
-        plan = _narrow_gate(plan)
     if overrides:
         plan = replace(plan, **overrides)
         if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16 or plan.walk != "plain"):
@@ -275,12 +274,6 @@ WAIT_CHUNKS = 16
 # (1x16384 H=32 143 against 163 us, 1x65536 H=12 214 against 243) and 1x4096 H=32 (2048 pairs) 42.8 against
 # 44.6, but 1x4096 H=12 (768 pairs) 21.3 against 20.1 (docs/performance.md)
 GATE_WIDE_MIN = 2048
-
-
-@functools.lru_cache(maxsize=64)
-def _narrow_gate(plan: ChunkPlan) -> ChunkPlan:
-    """`plan` with the gate pass at K slices of 32 on 4 warps (`GATE_WIDE_MIN`), one cached object a plan."""
-    return replace(plan, gate_BK=min(32, plan.gate_BK), gate_warps=4)
 
 
 # A walk of one wave at V blocks of 32 (its programs more than half the SMs) runs beside the prepare at V blocks
@@ -391,7 +384,7 @@ def _beside_plan(plan: ChunkPlan, same_bv: bool, late: int = 0) -> ChunkPlan:
 
 @functools.lru_cache(maxsize=1024)
 def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool, K: int, V: int,
-                segmented: bool, walk_BV: int, tma: bool) -> ChunkPlan:
+                segmented: bool, walk_BV: int, tma: bool, wide_gate: bool) -> ChunkPlan:
     """`chunk_plan` from what determines it, cached: one frozen plan shared by every call that agrees."""
     prec = dot_precision(input_dtype)
     ws_dtype = workspace_dtype(input_dtype, qk_l2norm_in_kernel)
@@ -406,7 +399,8 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     return ChunkPlan(
         prepare="fused" if fused else "split",
         walk="segmented" if segmented else "plain",
-        dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), gate_BK=min(64, BK), cumsum_fp64=prec == "ieee",
+        dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
+        gate_BK=min(64 if wide_gate else 32, BK), gate_warps=2 if wide_gate else 4,  # `GATE_WIDE_MIN`
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
         walk_BV=walk_BV, walk_stages=stages, walk_tma=walk_tma,
     )

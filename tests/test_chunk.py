@@ -901,7 +901,8 @@ def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
 def test_gate_pass_tile_follows_the_chunk_head_pairs(monkeypatch):
     """The gate pass's tile (`kda.plan.GATE_WIDE_MIN`): K slices of 64 on 2 warps from GATE_WIDE_MIN (chunk, value
     head) pairs of the call's tokens on, 32 on 4 below, as a GPU's planner sees the calls; every plan of a form
-    one cached object (no dataclass rebuilt per call), and the tile only ever changes those two fields."""
+    one cached object (no dataclass rebuilt per call), and the tile only ever changes those two fields (the two
+    calls on either side of the threshold, at one shape otherwise)."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -911,7 +912,7 @@ def test_gate_pass_tile_follows_the_chunk_head_pairs(monkeypatch):
     monkeypatch.setattr(P, "_sm_count", lambda index: 132)
     monkeypatch.setattr(P, "_capability", lambda index: (9, 0))
     dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16)
-    seen = set()
+    seen = {}
     # (B, T, HV, wide): pairs 768, 2048, 3072, 8192, 8, 2048, 2046, 2048 (a partial last chunk counts)
     for B, T, HV, wide in ((1, 4096, 12, False), (1, 4096, 32, True), (1, 16384, 12, True), (4, 4096, 32, True),
                            (1, 100, 4, False), (2, 64 * 1024, 1, True), (1, 64 * 1023, 2, False),
@@ -923,10 +924,10 @@ def test_gate_pass_tile_follows_the_chunk_head_pairs(monkeypatch):
         assert plan.gate_pass
         assert (plan.gate_BK, plan.gate_warps) == ((64, 2) if wide else (32, 4))
         assert P.chunk_plan_and_route(call)[0] is plan
-        seen.add(wide)
-        other = P._narrow_gate(plan) if wide else replace(plan, gate_BK=64, gate_warps=2)
-        assert replace(other, gate_BK=plan.gate_BK, gate_warps=plan.gate_warps) == plan
-    assert seen == {True, False}
+        seen[B, T, HV] = plan
+    assert {p.gate_BK for p in seen.values()} == {32, 64}
+    below, above = seen[1, 64 * 1023, 2], seen[1, 64 * 1023 + 1, 2]
+    assert replace(below, gate_BK=above.gate_BK, gate_warps=above.gate_warps) == above
 
 
 @pytest.mark.parametrize("sms", [132, 78, 16])
