@@ -104,6 +104,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     o_t = tl.arange(0, BT)
     # int32 offsets inside a chunk from int64 chunk bases: 64-bit per-element addresses cost registers
     ws_k = o_t[:, None] * (HV * K) + o_k[None, :]
+    ws_n = o_t[:, None] * (HV * BT) + o_t[None, :]  # the [BT, BT] workspaces (N, or A_qk and Xb unfolded)
     if not V_TMA:
         v_off = o_t[:, None] * s_vt + o_c[None, :]
     # gt one chunk ahead: a plain load, so its latency would otherwise sit on the step's serial chain
@@ -175,11 +176,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             Dr = Dd.to(tl.float16)
             inv_pd = 1.0 / pd  # one division for both products' factors
             if not FOLD:  # U = Xb D, scaled by pu into fp16: what A_qk and Kr^T multiply below
-                if TMA:
-                    xt = tl.reshape(load_ragged(x_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BT])
-                else:
-                    xt = tl.load(x_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
-                                 mask=row_ok[:, None], other=0.0)
+                xt = _k_tile(x_ws, t0_32, n_in, i_hv, (t0 * HV + i_hv) * BT + ws_n, row_ok[:, None], TMA)
                 pu = pow2_of(s_n * d_bound)  # s_n: R here, s_m: 1 / px
                 Dr = (tl.dot(xt, Dr) * ((pu * s_m) * inv_pd)).to(tl.float16)
                 inv_pd = 1.0 / pu
@@ -194,12 +191,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         if WRITE_O:
             if not KQ:
                 qd = _k_tile(qd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
-            if TMA:
-                nt = tl.reshape(load_ragged(n_ws, t0_32, n_in, [0, i_hv, 0]), [BT, BT])
-            else:
-                # the prepare stored N's rows whole, zeros above the diagonal
-                nt = tl.load(n_ws + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :],
-                             mask=row_ok[:, None], other=0.0)
+            # the prepare stored N's rows whole, zeros above the diagonal: masked by rows only
+            nt = _k_tile(n_ws, t0_32, n_in, i_hv, (t0 * HV + i_hv) * BT + ws_n, row_ok[:, None], TMA)
             if F16:
                 if not KQ:
                     qd_s = tl.dot(qd, Sr)
@@ -276,8 +269,8 @@ def _spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
 
 @triton.jit
 def _k_tile(ws, t0_32, n_in, i_hv, offs, mask, TMA: tl.constexpr):
-    """A chunk's [BT, BK] tile of a K-wide workspace (Kd, Qd, M): by TMA from its ragged descriptor `ws`
-    (rows past the sequence read 0), or at pointer offsets `offs` under `mask`."""
+    """A chunk's tile of a token-major workspace ([BT, BK] of Kd, Qd, M; [BT, BT] of N, Xb): by TMA from its ragged
+    descriptor `ws` (rows past the sequence read 0), or at pointer offsets `offs` under `mask`."""
     if TMA:
         return tl.reshape(load_ragged(ws, t0_32, n_in, [0, i_hv, 0]), offs.shape)
     else:
