@@ -315,16 +315,14 @@ def _store_scales(sc_ws, i_p, i_hv, s0, s1, v_max, HV: tl.constexpr):
 
 
 @triton.jit
-def _store_unfolded(A_qk, XbT, n_ws, x_ws, sc_ws, n_base, i_p, i_hv, o_t, row_ok, v_max, HV: tl.constexpr,
-                    BT: tl.constexpr):
+def _store_unfolded(A_qk, XbT, n_ws, x_ws, sc_ws, n_off, i_p, i_hv, row_ok, v_max, HV: tl.constexpr):
     """`ChunkPlan.fold` off (fp16 workspaces): A_qk (fp16; |entries| <= scale) into N's rows and Xb = XbT^T times a
     power of two px into x_ws's rows, both with whole rows (zeros above the diagonal, past the sequence), and in
     row (i_p, i_hv) of `sc_ws`: 1 / px, R = the largest row sum of |Xb| (the walk's bound on U = Xb D, |U_i| <= R
-    max|D|), max|V|. Kr stays in M's rows, where the K loop parked it."""
-    off = n_base + o_t[:, None] * (HV * BT) + o_t[None, :]
-    tl.store(n_ws + off, A_qk.to(n_ws.dtype.element_ty), mask=row_ok[:, None])
+    max|D|), max|V|. Kr stays in M's rows, where the K loop parked it. `n_off`: the chunk's [BT, BT] offsets."""
+    tl.store(n_ws + n_off, A_qk.to(n_ws.dtype.element_ty), mask=row_ok[:, None])
     px = pow2_scale(XbT)
-    tl.store(x_ws + off, tl.trans(XbT * px).to(x_ws.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(x_ws + n_off, tl.trans(XbT * px).to(x_ws.dtype.element_ty), mask=row_ok[:, None])
     # Xb's row sums: XbT's column sums
     _store_scales(sc_ws, i_p, i_hv, 1.0 / px, tl.max(tl.sum(tl.abs(XbT), 0)), v_max, HV)
 
@@ -622,7 +620,7 @@ def _chunk_prepare_kernel(
         _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, ws_base, i_p, i_hv, o_t, row_ok, v_max, HV, K, BT, BK,
                       EVEN_K, DOT_PREC)
     else:
-        _store_unfolded(A_qk, XbT, n_ws, x_ws, sc_ws, n_base, i_p, i_hv, o_t, row_ok, v_max, HV, BT)
+        _store_unfolded(A_qk, XbT, n_ws, x_ws, sc_ws, n_off, i_p, i_hv, row_ok, v_max, HV)
     if SIGNAL_CHUNKS > 0:
         _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
 

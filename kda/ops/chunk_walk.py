@@ -149,6 +149,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             t0 = t0 + z_t
             t0_32 = t0_32 + z_t
             base_k = base_k + z_t
+        base_n = (t0 * HV + i_hv) * BT  # the [BT, BT] workspaces' chunk base
         if HAS_V:  # V's tile first: it does not wait on S
             if V_TMA:  # v as a ragged descriptor of the input (`chunk._v_tiles`): rows past the sequence read 0
                 vt = tl.reshape(load_ragged(v_h, t0_32, n_in, [0, i_hv, i_c0]), [BT, BC])
@@ -176,7 +177,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             Dr = Dd.to(tl.float16)
             inv_pd = 1.0 / pd  # one division for both products' factors
             if not FOLD:  # U = Xb D, scaled by pu into fp16: what A_qk and Kr^T multiply below
-                xt = _k_tile(x_ws, t0_32, n_in, i_hv, (t0 * HV + i_hv) * BT + ws_n, row_ok[:, None], TMA)
+                xt = _k_tile(x_ws, t0_32, n_in, i_hv, base_n + ws_n, row_ok[:, None], TMA)
                 pu = pow2_of(s_n * d_bound)  # s_n: R here, s_m: 1 / px
                 Dr = (tl.dot(xt, Dr) * ((pu * s_m) * inv_pd)).to(tl.float16)
                 inv_pd = 1.0 / pu
@@ -192,7 +193,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             if not KQ:
                 qd = _k_tile(qd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
             # the prepare stored N's rows whole, zeros above the diagonal: masked by rows only
-            nt = _k_tile(n_ws, t0_32, n_in, i_hv, (t0 * HV + i_hv) * BT + ws_n, row_ok[:, None], TMA)
+            nt = _k_tile(n_ws, t0_32, n_in, i_hv, base_n + ws_n, row_ok[:, None], TMA)
             if F16:
                 if not KQ:
                     qd_s = tl.dot(qd, Sr)
