@@ -32,16 +32,15 @@ def kda_gate_log2(g_raw, a, dt_bias_row, lower_bound, USE_GATE: tl.constexpr, US
     """The per-token log-decay in log2 units. With USE_GATE (`kda_reference.kda_gate`):
     lower bound lb: g = lb * sigmoid(a * (x + dt_bias)); else g = -a * softplus(x + dt_bias); a = exp(A_log).
     FAST (the chunk kernels): the lower-bound gate as lb log2(e) / (1 + 2^(-a x log2(e))) with the approximate
-    exp2 and division, a few ulp of fp32 (tl.sigmoid's IEEE division and range fixes: 22% more instructions in
-    the gate pass). The decode kernels keep tl.sigmoid: there the short form changed the K-first kernels'
-    register allocation (more spills) and cost them 3-19% (docs/performance.md)."""
+    exp2 and division (a few ulp; fewer instructions than tl.sigmoid's IEEE division). The decode kernels keep
+    tl.sigmoid, which measured faster there (docs/performance.md)."""
     g = g_raw.to(tl.float32)
     if USE_GATE:
         x = g + dt_bias_row[None, :]
         if USE_LOWER_BOUND:
             if FAST:
                 e = tl.exp2(x * (a * -1.4426950408889634))
-                return tl.fdiv(tl.zeros_like(x) + lower_bound * 1.4426950408889634, 1.0 + e, ieee_rounding=False)
+                return tl.fdiv(lower_bound * 1.4426950408889634, 1.0 + e, ieee_rounding=False)
             g = lower_bound * tl.sigmoid(a * x)
         else:
             g = -a * softplus(x)
