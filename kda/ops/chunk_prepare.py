@@ -189,7 +189,7 @@ def _gate_tile(g_h, rows, cols, m, s_gt, a, bias, lower_bound, USE_GATE: tl.cons
                USE_LOWER_BOUND: tl.constexpr):
     """The log2 decay of the [rows, cols] tile in fp64 (the cumsums are taken in fp64), 0 outside `m`."""
     gl = kda_gate_log2(tl.load(g_h + rows[:, None] * s_gt + cols[None, :], mask=m, other=0.0),
-                       a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND, True)
+                       a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND, FAST=True)
     return tl.where(m, gl, 0.0).to(tl.float64)
 
 
@@ -198,7 +198,7 @@ def _gate_row(g_row, cols, col_ok, a, bias, lower_bound):
     """The log2 decay (fp32) of one token's channels `cols` with Kimi's lower-bound gate: a one-token chunk's
     b2, which is its gate (no cumsum over the 63 masked rows)."""
     x = tl.load(g_row + cols, mask=col_ok, other=0.0)
-    return tl.reshape(kda_gate_log2(x[None, :], a, bias, lower_bound, True, True, True), [cols.shape[0]])
+    return tl.reshape(kda_gate_log2(x[None, :], a, bias, lower_bound, True, True, FAST=True), [cols.shape[0]])
 
 
 @triton.jit

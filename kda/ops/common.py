@@ -26,6 +26,9 @@ def softplus(x):
     return tl.where(x > 20.0, x, y)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): the kernels' decays are powers of two
+
+
 @triton.jit
 def kda_gate_log2(g_raw, a, dt_bias_row, lower_bound, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                   FAST: tl.constexpr = False):
@@ -39,12 +42,12 @@ def kda_gate_log2(g_raw, a, dt_bias_row, lower_bound, USE_GATE: tl.constexpr, US
         x = g + dt_bias_row[None, :]
         if USE_LOWER_BOUND:
             if FAST:
-                e = tl.exp2(x * (a * -1.4426950408889634))
-                return tl.fdiv(lower_bound * 1.4426950408889634, 1.0 + e, ieee_rounding=False)
+                e = tl.exp2(x * (a * -LOG2E))
+                return tl.fdiv(lower_bound * LOG2E, 1.0 + e, ieee_rounding=False)
             g = lower_bound * tl.sigmoid(a * x)
         else:
             g = -a * softplus(x)
-    return g * 1.4426950408889634
+    return g * LOG2E
 
 
 # The interpreter's fp32 -> bf16 cast truncates; a GPU's cast (cvt.rn.bf16.f32) rounds to nearest even.
