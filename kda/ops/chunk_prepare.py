@@ -138,7 +138,7 @@ def _qk_inv_norms(k_ptr, q_ptr, v_ptr, rows, row_mask, s_kt, s_qt, s_vt, K: tl.c
     ssk = tl.zeros([rows.shape[0]], dtype=tl.float32)
     ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
     v_abs = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.static_range(0, K, BK):  # unrolled: every slice's loads in flight at once
         ssk += _row_ssq(k_ptr, rows, row_mask, s_kt, k0, K, BK)
         ssq += _row_ssq(q_ptr, rows, row_mask, s_qt, k0, K, BK)
         if VMAX:  # columns past V masked (V narrower than K)
