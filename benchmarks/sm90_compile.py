@@ -63,7 +63,7 @@ def prepare_case(signal: int = 0, fold: bool = True):
     consts = dict(H=H_CHUNK, HV=H_CHUNK, K=K, V=V, BT=CHUNK, BC=FUSED_SUB, BK=plan.prepare_BK,
                   IS_VARLEN=False, HAS_A_LOG=True, HAS_DT_BIAS=True, SHORT=0, USE_BETA_SIGMOID=True,
                   DOT_PREC=plan.dot_prec, CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32,
-                  B2_FROM_WS=plan.gate_pass, SIGNAL_CHUNKS=signal, FOLD=fold)
+                  B2_FROM_WS=plan.gate_pass, SIGNAL_CHUNKS=signal, FOLD=fold, LAST_WAITS=signal > 0)
     return chunk_prepare._chunk_prepare_kernel, ptrs, consts, dict(N=1, s_bh=1), plan.prepare_warps, 1
 
 

@@ -33,6 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .contract import _byte_span, debug_enabled
 from .ops import launch as _launch
 from .ops.launch import DirectKernel, _int_class
+from .plan import _capability
 
 CAPACITY = 256
 _SCALARS = (type(None), bool, int, float)
@@ -409,6 +410,8 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
                          tuple(desc_at)))
         order.append((0, i, None if st == main else sides[st]))
     uses = tuple((r, tuple(p)) for r, p in places.items())
+    if _capability(device) >= (9, 0):  # programmatic dependent launch: Hopper and later
+        order = _programmatic(order, launches)
     entry = Replay(
         launches=tuple(launches), order=tuple(order), uses=uses,
         residues=tuple(roles[r].data_ptr() & 15 for r, _ in uses), workspaces=size,
@@ -420,6 +423,32 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
     while key not in CACHE and len(CACHE) >= CAPACITY:  # a kind recorded again (new host bounds) evicts none
         del CACHE[next(iter(CACHE))]
     CACHE[key] = entry
+
+
+def _programmatic(order: list, launches: list) -> list:
+    """The walk beside the prepare on the caller's stream alone. Recorded, that call forks a side stream after
+    the gate pass (or the counters' zeroing, or the prepare's first launch), launches the prepare on the caller's
+    stream and the walk on the side stream, then joins them: two event waits a call. Replayed, the walk is launched
+    on the caller's stream where the fork was, and the prepare after it as its programmatic dependent (CUDA's
+    programmatic dependent launch): each walk program first lets it start (`_chunk_state_kernel`), and the
+    prepare's program of the last chunk waits for the walk (`chunk_prepare._finish`), so the stream's next work
+    still follows both. The kernels are loaded by then (the recording launched them), so the
+    walk spinning first cannot hold up a module load. Any other shape of order (the split prepare's two launches,
+    another launcher than Triton 3.6's) is kept as recorded. `launches` is updated in place."""
+    waits = [i for i, op in enumerate(order) if op[0]]
+    sides = [i for i, op in enumerate(order) if not op[0] and op[2] is not None]
+    if len(waits) != 2 or len(sides) != 1:
+        return order
+    fork, join = waits
+    (side,) = sides
+    if not (fork + 2 == side and side + 1 == join and order[fork][1][1] is None and order[join][1][0] is None):
+        return order
+    dep = order[fork + 1][1]  # the prepare's (last) launch, between the fork and the walk
+    run, prefix, *rest = launches[dep]
+    if len(prefix) != 4 or prefix[1]:  # not `launch.launcher_entry`'s (cooperative, pdl, scratch, scratch)
+        return order
+    launches[dep] = (run, (prefix[0], 1, *prefix[2:]), *rest)
+    return order[:fork] + [(0, order[side][1], None), (0, dep, None)] + order[join + 1:]
 
 
 def recording() -> list:

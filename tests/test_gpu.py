@@ -212,10 +212,14 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
         _, graph_s = kda.chunk_kda(*args, out=out, **full)
     for _ in range(5):
         eager_o, eager_s = kda.chunk_kda(*args, **full)
+        # copies queued right behind the call on its stream, no sync between: they must see the finished walk
+        # (a replayed call ends with the prepare, launched as the walk's programmatic dependent: `kda.replay`)
+        next_o, next_s = eager_o.clone(), eager_s.clone()
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(bits(eager_o), bits(one_o)) and torch.equal(bits(eager_s), bits(one_s))
+        assert torch.equal(bits(next_o), bits(one_o)) and torch.equal(bits(next_s), bits(one_s))
         assert torch.equal(bits(out), bits(one_o)) and torch.equal(bits(graph_s), bits(one_s))
 
 

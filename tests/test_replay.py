@@ -30,6 +30,35 @@ def test_keys_name_every_parameter():
     assert sorted(public) == sorted(inspect.signature(replay.chunk_key).parameters)
 
 
+def test_walk_beside_prepare_replays_on_one_stream():
+    """`replay._programmatic`: a recorded walk beside the prepare (fork, the prepare's launch, the walk on the side
+    stream, join) replays as the walk then the prepare on the caller's stream, the prepare launched as the walk's
+    programmatic dependent (its launcher's pdl flag set, nothing else of its launch changed); the tail form (the
+    prepare's first launch before the fork) the same; any other order, or a launcher without that flag, as
+    recorded."""
+    side = object()
+
+    def entry(pdl=0):
+        return ("run", (0, pdl, None, None), 1, 1, 1, "fn", "packed", ("args",), None, (), ())
+
+    def walked(*main_launches):  # gate (0), [prepare part 1 (3)], fork, prepare (1), walk (2) on the side, join
+        return [*((0, i, None) for i in main_launches), (1, (side, None), 0), (0, 1, None), (0, 2, side),
+                (1, (None, side), 1)]
+
+    for first in ((0,), (0, 3)):
+        launches = [entry(), entry(), entry(), entry()]
+        order = replay._programmatic(walked(*first), launches)
+        assert order == [*((0, i, None) for i in first), (0, 2, None), (0, 1, None)]
+        assert launches[1] == entry(pdl=1) and launches[0] == launches[2] == launches[3] == entry()
+    # the split prepare (two launches between the fork and the walk), a decode (no wait), another launcher
+    split = [(0, 0, None), (1, (side, None), 0), (0, 1, None), (0, 3, None), (0, 2, side), (1, (None, side), 1)]
+    launches = [entry(), entry(), entry(), entry()]
+    assert replay._programmatic(list(split), launches) == split and launches == [entry()] * 4
+    assert replay._programmatic([(0, 0, None)], [entry()]) == [(0, 0, None)]
+    other = [("run", (), 1, 1, 1, "fn", "packed", (), None, (), ())] * 3
+    assert replay._programmatic(walked(0), other) == walked(0)
+
+
 def test_key_is_none_off_the_gpu_and_for_uncovered_types():
     q = torch.zeros(1, 1, 1, 16)
     args = dict(q=q, k=q, v=q, g=q, beta=q[..., 0], scale=None, initial_state=None, output_final_state=False,

@@ -292,7 +292,8 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
                 *strides, *v_strides, *g_beta, T, N, NT, p0, call.scale, lower_bound,
                 H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, **gate,
                 CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
-                SIGNAL_CHUNKS=signal, FOLD=plan.fold, num_warps=plan.prepare_warps, num_stages=1, **common,
+                SIGNAL_CHUNKS=signal, FOLD=plan.fold, LAST_WAITS=signal > 0 and not interpreted(),
+                num_warps=plan.prepare_warps, num_stages=1, **common,
             )
     else:
         akk_ws = torch.empty((total, HV, BT), dtype=torch.float32, device=dev)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .common import (
     bad_bounds,
@@ -97,6 +98,17 @@ def _count_chunk(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr
     barrier, so that every thread's stores come before it."""
     tl.debug_barrier()
     tl.atomic_add(ready_counter(ready, i_n, t0, T, NT, i_hv, HV, BT, W), 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _finish(t0, i_n, i_hv, N, T, NT, HV: tl.constexpr, BT: tl.constexpr):
+    """After this program's chunk is counted: the program of the last sequence's last chunk and last value head
+    waits for the grid it was launched after (the walk, when a recorded call launches the prepare as the walk's
+    programmatic dependent: `kda.replay`), so that the prepare ends after the walk and the stream's next work
+    sees the walk's outputs. One waiting program holds one slot, so every chunk the walk awaits still finds one.
+    Without such a launch the wait returns at once."""
+    if (i_n == N - 1) & (i_hv == HV - 1) & ((t0 - i_n * T) // BT == NT - 1):
+        gdc_wait()
 
 
 @direct
@@ -490,6 +502,7 @@ def _chunk_prepare_kernel(
     SHORT: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, CUMSUM_DTYPE: tl.constexpr,
     B2_FROM_WS: tl.constexpr, SIGNAL_CHUNKS: tl.constexpr = 0, FOLD: tl.constexpr = True,
+    LAST_WAITS: tl.constexpr = False,
 ):
     """The whole prepare stage for a bounded gate (module docstring), one program per (chunk, value head).
     Pass 1 over K slices: gate, fp64 cumsum, A_kk and A_qk accumulated (the diagonal halves as one batched
@@ -537,6 +550,8 @@ def _chunk_prepare_kernel(
                        rk, rq, b_beta, v_max, a, dt_bias, lower_bound, HV, K, BK, HAS_DT_BIAS, B2_FROM_WS, x_ws, FOLD)
         if SIGNAL_CHUNKS > 0:
             _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
+            if LAST_WAITS:
+                _finish(t0, i_n, i_hv, N, T, NT, HV, BT)
         return
     first_half = (o_t < HALF)[:, None]
 
@@ -623,6 +638,8 @@ def _chunk_prepare_kernel(
         _store_unfolded(A_qk, XbT, n_ws, x_ws, sc_ws, n_off, i_p, i_hv, row_ok, v_max, HV)
     if SIGNAL_CHUNKS > 0:
         _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
+        if LAST_WAITS:
+            _finish(t0, i_n, i_hv, N, T, NT, HV, BT)
 
 
 @direct

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.ragged_tma import load_ragged
 
 from .common import (
@@ -370,7 +371,11 @@ def _chunk_state_kernel(
     walk's pipelined loop, a chunk's tiles and scales loaded once `_ready_zero` has seen its group counted (the
     pipeliner prefetches behind the wait). SPIN: the waits in PTX (off under the interpreter).
     The grid is (V block, value head, sequence): a sequence's programs are dispatched together, sequence after
-    sequence, so that a batch's long sequences do not wait behind the programs of every head's short ones."""
+    sequence, so that a batch's long sequences do not wait behind the programs of every head's short ones.
+    With SPIN each program first lets a prepare launched after it as a programmatic dependent start
+    (`kda.replay`: a recorded call runs the walk and then the prepare on one stream)."""
+    if SPIN:
+        gdc_launch_dependents()
     i_hv = tl.program_id(1)
     i_n = tl.program_id(2)
     if IS_VARLEN:  # the last sequence first: serving batches put their decodes before their prefills
