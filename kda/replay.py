@@ -24,6 +24,7 @@ kinds are kept, the oldest dropped first.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -410,7 +411,7 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
                          tuple(desc_at)))
         order.append((0, i, None if st == main else sides[st]))
     uses = tuple((r, tuple(p)) for r, p in places.items())
-    if _capability(device) >= (9, 0):  # programmatic dependent launch: Hopper and later
+    if _capability(device) >= (9, 0) and not _serialising():  # programmatic dependent launch: Hopper and later
         order = _programmatic(order, launches)
     entry = Replay(
         launches=tuple(launches), order=tuple(order), uses=uses,
@@ -423,6 +424,15 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
     while key not in CACHE and len(CACHE) >= CAPACITY:  # a kind recorded again (new host bounds) evicts none
         del CACHE[next(iter(CACHE))]
     CACHE[key] = entry
+
+
+def _serialising() -> bool:
+    """Whether kernels may run one at a time here: `CUDA_LAUNCH_BLOCKING` set, or a CUDA tool injected
+    (`CUDA_INJECTION64_PATH`: Nsight Compute's kernel replay, compute-sanitizer). Run one at a time, a walk launched
+    before its prepare (`_programmatic`) would wait for it forever; the recorded order (the prepare launched first)
+    finishes either way."""
+    blocking = os.environ.get("CUDA_LAUNCH_BLOCKING", "").strip().lower() not in ("", "0", "false", "no", "off")
+    return blocking or bool(os.environ.get("CUDA_INJECTION64_PATH"))
 
 
 def _programmatic(order: list, launches: list) -> list:

@@ -169,6 +169,37 @@ def test_decode_replays_in_a_cuda_graph_bitwise():
     assert torch.equal(bits(pool), bits(eager_pool))
 
 
+def test_walk_beside_prepare_finishes_under_launch_blocking():
+    """Under CUDA_LAUNCH_BLOCKING=1 every launch waits for its kernel: a repeated walk-beside call (the replayed
+    path) must keep the prepare launched before the walk it feeds (`kda.replay._serialising`), or it never
+    returns. A subprocess, so that the setting reaches the driver; its results equal the one-walk plan's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch, kda, test_gpu as t\n"
+        "from helpers import checked_call, bits\n"
+        "from kda.ops.chunk import chunk_kda_fwd\n"
+        "from kda.plan import chunk_plan\n"
+        "args, h0, kw = t._inputs(8192 + 320, H=12)\n"
+        "full = dict(output_final_state=True, initial_state=h0, **kw)\n"
+        "call = checked_call(kda.chunk_kda, *args, **full)\n"
+        "assert chunk_plan(call).wait_chunks > 0\n"
+        "one_o, one_s = chunk_kda_fwd(call, chunk_plan(call, wait_chunks=0, wait_in_loop=False, late_chunks=0))\n"
+        "for _ in range(3):\n"
+        "    o, s = kda.chunk_kda(*args, **full)\n"
+        "    assert torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s))\n"
+        "print('ok')\n"
+    )
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONPATH=f"{tests}{os.pathsep}{tests.parent}")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("form", ["dense", "varlen", "fp32", "wide", "tail"])
 def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     """A one-sequence call with few heads runs its walk beside the prepare (on a side stream, each group of

@@ -59,6 +59,19 @@ def test_walk_beside_prepare_replays_on_one_stream():
     assert replay._programmatic(walked(0), other) == walked(0)
 
 
+@pytest.mark.parametrize("env,serial", [({}, False), ({"CUDA_LAUNCH_BLOCKING": "0"}, False),
+                                        ({"CUDA_LAUNCH_BLOCKING": "1"}, True), ({"CUDA_LAUNCH_BLOCKING": "TRUE"}, True),
+                                        ({"CUDA_INJECTION64_PATH": "/opt/tool/libinject.so"}, True)])
+def test_serialising_environments_keep_the_recorded_order(env, serial, monkeypatch):
+    """Where kernels may run one at a time (launch blocking, an injected CUDA tool) the walk must not be launched
+    before the prepare it waits on: `_serialising` says so, and `remember` then keeps the recorded order."""
+    for name in ("CUDA_LAUNCH_BLOCKING", "CUDA_INJECTION64_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert replay._serialising() == serial
+
+
 def test_key_is_none_off_the_gpu_and_for_uncovered_types():
     q = torch.zeros(1, 1, 1, 16)
     args = dict(q=q, k=q, v=q, g=q, beta=q[..., 0], scale=None, initial_state=None, output_final_state=False,
