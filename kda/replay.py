@@ -428,11 +428,12 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
 
 def _serialising() -> bool:
     """Whether kernels may run one at a time here: `CUDA_LAUNCH_BLOCKING` set, or a CUDA tool injected
-    (`CUDA_INJECTION64_PATH`: Nsight Compute's kernel replay, compute-sanitizer). Run one at a time, a walk launched
-    before its prepare (`_programmatic`) would wait for it forever; the recorded order (the prepare launched first)
-    finishes either way."""
-    blocking = os.environ.get("CUDA_LAUNCH_BLOCKING", "").strip().lower() not in ("", "0", "false", "no", "off")
-    return blocking or bool(os.environ.get("CUDA_INJECTION64_PATH"))
+    (`CUDA_INJECTION64_PATH`, or the tools' launcher preloaded: Nsight Compute's kernel replay, compute-sanitizer).
+    Run one at a time, a walk launched before its prepare (`_programmatic`) would wait for it forever; the recorded
+    order (the prepare launched first) finishes either way."""
+    env = os.environ
+    blocking = env.get("CUDA_LAUNCH_BLOCKING", "").strip().lower() not in ("", "0", "false", "no", "off")
+    return blocking or bool(env.get("CUDA_INJECTION64_PATH")) or "TreeLauncher" in env.get("LD_PRELOAD", "")
 
 
 def _programmatic(order: list, launches: list) -> list:
