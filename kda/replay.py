@@ -456,9 +456,10 @@ def _programmatic(order: list, launches: list) -> list:
         return order
     dep = order[fork + 1][1]  # the prepare's (last) launch, between the fork and the walk
     run, prefix, *rest = launches[dep]
-    if len(prefix) != 4 or prefix[1]:  # not `launch.launcher_entry`'s (cooperative, pdl, scratch, scratch)
+    prefix = _launch.with_pdl(prefix)
+    if prefix is None:
         return order
-    launches[dep] = (run, (prefix[0], 1, *prefix[2:]), *rest)
+    launches[dep] = (run, prefix, *rest)
     return order[:fork] + [(0, order[side][1], None), (0, dep, None)] + order[join + 1:]
 
 

@@ -101,13 +101,13 @@ def _count_chunk(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit
-def _finish(t0, i_n, i_hv, N, T, NT, HV: tl.constexpr, BT: tl.constexpr):
-    """After this program's chunk is counted: the program of the last sequence's last chunk and last value head
-    waits for the grid it was launched after (the walk, when a recorded call launches the prepare as the walk's
+def _finish(i_p, i_hv, N, NT, HV: tl.constexpr):
+    """After this program's chunk is counted: the dense grid's last program (the last sequence's last chunk, the
+    last value head) waits for the grid it was launched after (the walk, when a recorded call launches the prepare as the walk's
     programmatic dependent: `kda.replay`), so that the prepare ends after the walk and the stream's next work
     sees the walk's outputs. One waiting program holds one slot, so every chunk the walk awaits still finds one.
     Without such a launch the wait returns at once."""
-    if (i_n == N - 1) & (i_hv == HV - 1) & ((t0 - i_n * T) // BT == NT - 1):
+    if (i_p == N * NT - 1) & (i_hv == HV - 1):
         gdc_wait()
 
 
@@ -551,7 +551,7 @@ def _chunk_prepare_kernel(
         if SIGNAL_CHUNKS > 0:
             _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
             if LAST_WAITS:
-                _finish(t0, i_n, i_hv, N, T, NT, HV, BT)
+                _finish(i_p, i_hv, N, NT, HV)
         return
     first_half = (o_t < HALF)[:, None]
 
@@ -639,7 +639,7 @@ def _chunk_prepare_kernel(
     if SIGNAL_CHUNKS > 0:
         _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
         if LAST_WAITS:
-            _finish(t0, i_n, i_hv, N, T, NT, HV, BT)
+            _finish(i_p, i_hv, N, NT, HV)
 
 
 @direct

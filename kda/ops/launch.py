@@ -150,6 +150,14 @@ def launcher_entry(run) -> tuple:
     return run, ()
 
 
+def with_pdl(prefix: tuple) -> tuple | None:
+    """`launcher_entry`'s prefix with the PDL flag set (the launch becomes the programmatic dependent of the grid
+    launched before it on its stream), or None where the launcher takes no such flag or already sets it."""
+    if len(prefix) != 4 or prefix[1]:
+        return None
+    return (prefix[0], 1, *prefix[2:])
+
+
 def tma_encoder(run):
     """(raw launcher, encode, metadata per descriptor) where `run` (`launcher_entry`) is Triton 3.6's
     wrapper that encodes each host TMA descriptor on every launch (`make_tensordesc_arg`: a Python frame and a
@@ -181,4 +189,4 @@ def direct(fn) -> DirectKernel:
     return DirectKernel(fn)
 
 
-__all__ = ["DirectKernel", "direct", "launcher_entry", "specialization", "tma_encoder", "wait_stream"]
+__all__ = ["DirectKernel", "direct", "launcher_entry", "specialization", "tma_encoder", "wait_stream", "with_pdl"]
