@@ -38,6 +38,8 @@ from .plan import _capability
 
 CAPACITY = 256
 _SCALARS = (type(None), bool, int, float)
+# set by a CUDA tool in the environment of the program it runs (`_serialising`)
+TOOL_VARIABLES = ("CUDA_INJECTION64_PATH", "NV_SANITIZER_INJECTION_PORT_BASE", "NV_NSIGHT_INJECTION_PORT_BASE")
 _ALIGN = 256  # workspace offsets in the one buffer: every workspace as aligned as its own allocation's TMA needs
 
 # a call's tensors in the order `Replay` reads them: the caller's (both functions' in one list), then o and
@@ -428,12 +430,13 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
 
 def _serialising() -> bool:
     """Whether kernels may run one at a time here: `CUDA_LAUNCH_BLOCKING` set, or a CUDA tool injected
-    (`CUDA_INJECTION64_PATH`, or the tools' launcher preloaded: Nsight Compute's kernel replay, compute-sanitizer).
-    Run one at a time, a walk launched before its prepare (`_programmatic`) would wait for it forever; the recorded
-    order (the prepare launched first) finishes either way."""
+    (`CUDA_INJECTION64_PATH`, the tools' launcher preloaded, or the injection ports compute-sanitizer and Nsight
+    Compute set in the environment of the program they run: both seen on the H200 machine). Run one at a time, a
+    walk launched before its prepare (`_programmatic`) would wait for it forever; the recorded order (the prepare
+    launched first) finishes either way."""
     env = os.environ
     blocking = env.get("CUDA_LAUNCH_BLOCKING", "").strip().lower() not in ("", "0", "false", "no", "off")
-    return blocking or bool(env.get("CUDA_INJECTION64_PATH")) or "TreeLauncher" in env.get("LD_PRELOAD", "")
+    return blocking or "TreeLauncher" in env.get("LD_PRELOAD", "") or any(env.get(name) for name in TOOL_VARIABLES)
 
 
 def _programmatic(order: list, launches: list) -> list:

@@ -66,11 +66,13 @@ SANITIZER_PRELOAD = "/opt/cuda/compute-sanitizer/TreeLauncherTargetLdPreloadHelp
     ({}, False), ({"CUDA_LAUNCH_BLOCKING": "0"}, False), ({"CUDA_LAUNCH_BLOCKING": "1"}, True),
     ({"CUDA_LAUNCH_BLOCKING": "TRUE"}, True), ({"CUDA_INJECTION64_PATH": "/opt/tool/libinject.so"}, True),
     ({"LD_PRELOAD": SANITIZER_PRELOAD}, True), ({"LD_PRELOAD": "/usr/lib/libjemalloc.so"}, False),
+    ({"NV_SANITIZER_INJECTION_PORT_BASE": "49152"}, True), ({"NV_NSIGHT_INJECTION_PORT_BASE": "49152"}, True),
+    ({"NV_SANITIZER_INJECTION_PORT_BASE": ""}, False),
 ])
 def test_serialising_environments_keep_the_recorded_order(env, serial, monkeypatch):
     """Where kernels may run one at a time (launch blocking, an injected CUDA tool) the walk must not be launched
     before the prepare it waits on: `_serialising` says so, and `remember` then keeps the recorded order."""
-    for name in ("CUDA_LAUNCH_BLOCKING", "CUDA_INJECTION64_PATH", "LD_PRELOAD"):
+    for name in ("CUDA_LAUNCH_BLOCKING", "LD_PRELOAD", *replay.TOOL_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
