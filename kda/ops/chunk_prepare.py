@@ -300,7 +300,7 @@ def _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, m_base, i_p, i_hv, o_t, 
     tl.store(n_ws + n_base + o_t[:, None] * (HV * BT) + o_t[None, :], N, mask=row_ok[:, None])
     tl.debug_barrier()  # Kr parked by every thread before it is read back
     ws = m_base + o_t[:, None] * (HV * K)
-    for k0 in range(0, K, BK):
+    for k0 in tl.static_range(0, K, BK):  # unrolled: later slices' loads issued early
         cols = k0 + tl.arange(0, BK)
         m = tile_mask(row_ok, cols < K, EVEN_K)
         kr = tl.load(m_ws + ws + cols[None, :], mask=m, other=0.0).to(tl.float32)
