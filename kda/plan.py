@@ -438,6 +438,7 @@ class DecodePlan:
     nsub: int = 0  # 0: `_fused_recurrent_kda_kernel` (the loop); 1, 2, 4: `_fused_recurrent_one_token_kernel`
     sr: int = 0  # store rounding: 0 nearest even, 1 stochastic bf16, 2 stochastic fp16
     kc: int = 0  # K-first one-token kernel: rows of K per chunk, the plane read twice (0: the whole tile once)
+    heads_fastest: bool = False  # one-token kernel: grid (V block, value head, sequence), not (.., sequence, head)
 
 
 SR_MODES = {torch.bfloat16: 1, torch.float16: 2}
@@ -451,7 +452,8 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -
     - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (the K reduction stays in a warp).
     - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
-      one block of BV 64 (fp32, 2 warps; 2-byte: 1 warp, read in row chunks of 32, twice).
+      one block of BV 64 (fp32, 2 warps; 2-byte: 1 warp, read in row chunks of 32, twice), the grid's value
+      heads before its sequences (a slot's planes read one after another; V-first pools lose with it at N = 1024).
     `overrides` replace any field (tests)."""
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
                         bool(stochastic_rounding))
@@ -478,4 +480,4 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     per_warp = 4096 if (nsub and not v_first) else 2048
     num_warps = 1 if (interpreted() or kc) else max(1, min(8, BK * BV // per_warp))
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
-    return DecodePlan(BK, BV, num_warps, nsub, sr, kc)
+    return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first)

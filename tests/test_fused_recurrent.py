@@ -394,6 +394,32 @@ def test_stochastic_rounding_needs_narrow_state():
         kda.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, stochastic_rounding=True)
 
 
+@pytest.mark.parametrize("v_first,kc", [(True, 0), (False, 0), (False, 8)])
+def test_one_token_heads_fastest_same_bits(v_first, kc):
+    """The one-token kernel's grid with value heads fastest (`DecodePlan.heads_fastest`) computes every
+    program's work as before: outputs and written slots bit for bit the default grid's; the padding
+    sequence's row zeros, the slots not named keep their poison."""
+    N, H, HV, K, V = 5, 1, 3, 24, 40
+    q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=4)
+    idx = torch.tensor([7, -1, 2, 9, 4], dtype=torch.int32, device=DEVICE)
+    kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, state_indices=idx, **opts)
+    runs = []
+    for hf in (False, True):
+        wide, pool = poisoned_pool(11, state_plane(HV, K, V, v_first), torch.bfloat16, DEVICE, pad=3)
+        for slot in (7, 2, 9, 4):
+            pool[slot] = random_planes(1, HV, K, V, v_first, seed=50 + slot)[0].to(torch.bfloat16)
+        before = wide.clone()
+        o, _, plan = run_planned(kda.fused_recurrent_kda, q, k, v, g, beta,
+                                 dict(nsub=1, kc=kc, heads_fastest=hf), state_cache=pool, **kw)
+        assert plan.heads_fastest == hf
+        runs.append((o, wide, before))
+    (o0, w0, b0), (o1, w1, b1) = runs
+    assert same_bits(o0, o1) and same_bits(w0, w1)
+    assert torch.equal(o1[1], torch.zeros_like(o1[1]))
+    for slot in (0, 1, 3, 5, 6, 8, 10):  # slots not named: untouched
+        assert same_bits(w1[slot], b1[slot])
+
+
 @pytest.mark.parametrize("nsub,v_first,kc", [(n, vf, 0) for n in (1, 2, 4) for vf in (True, False)] + [(1, False, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_token_kernel(nsub, dtype, v_first, kc):

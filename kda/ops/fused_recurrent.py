@@ -416,7 +416,7 @@ def _fused_recurrent_one_token_kernel(
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, HAS_ERRORS: tl.constexpr = False,
-    KC: tl.constexpr = 0,
+    KC: tl.constexpr = 0, HEADS_FASTEST: tl.constexpr = False,
 ):
     """Exactly one token per sequence, token n for sequence n (`KDACall.one_token_per_seq`: dense q of shape
     [N, 1, H, K], or varlen [1, N, H, K] with host bounds 0, 1, ..., N; the flattened token axis is the
@@ -431,8 +431,12 @@ def _fused_recurrent_one_token_kernel(
     differently, and the compiler's mul+add contractions with it (the H200 showed their final states
     differing in the last bits)."""
     i_v = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_hv = tl.program_id(2)
+    if HEADS_FASTEST:  # a slot's planes one after another: the call streams the pool's slots in address order
+        i_hv = tl.program_id(1)
+        i_n = tl.program_id(2)
+    else:
+        i_n = tl.program_id(1)
+        i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)
     t = i_n  # dense, T = 1: token n is sequence n's only token
     i_vb = i_v * NSUB
@@ -540,10 +544,12 @@ def fused_recurrent_kda_fwd(
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
-        _fused_recurrent_one_token_kernel[(cdiv(V, rows), N, HV)](
+        grid = (cdiv(V, rows), HV, N) if plan.heads_fastest else (cdiv(V, rows), N, HV)
+        _fused_recurrent_one_token_kernel[grid](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
             lower_bound, seed,
-            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc, **flags,
+            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc,
+            HEADS_FASTEST=plan.heads_fastest, **flags,
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
