@@ -1,6 +1,6 @@
 """Decode plans on K-first pools: steady per-call time (`bench.Timer.steady`: one graph of 8 calls over 4
-disjoint slot sets of a pool of 4N slots, read-only L2 flush between replays) of `fused_recurrent_kda`
-under the loop kernel and the one-token kernel at several BV, warps and NSUB, fp32 and bf16 pools, dense
+disjoint slot sets of a pool of 4N slots, a random permutation as in `bench.py`, read-only L2 flush between
+replays) of `fused_recurrent_kda` under the loop kernel and the one-token kernel at several BV, warps and NSUB, fp32 and bf16 pools, dense
 `[N, 1]` and varlen with host bounds; H = 12, K = V = 128, bf16 inputs, Kimi's gate. The floor: the
 state read and written once plus the inputs and outputs, over the measured copy bandwidth. This is how
 `kda.plan.decode_plan`'s K-first one-token choice was made (docs/performance.md). Recorded calls
@@ -28,6 +28,7 @@ from kda import replay  # noqa: E402
 H, K, V = 12, 128, 128
 PLANS = {
     "default": {},
+    "default sequences first": dict(heads_fastest=False),
     "loop BV32 nw2": dict(nsub=0, BV=32, num_warps=2),
     "loop BV32 nw4": dict(nsub=0, BV=32, num_warps=4),
     "loop BV64 nw4": dict(nsub=0, BV=64, num_warps=4),
@@ -64,6 +65,7 @@ def main() -> None:
         for varlen in (False, True):
             torch.manual_seed(0)
             pool = torch.randn(4 * N, H, K, V, device=dev).mul_(0.1).to(pool_dtype)
+            slots = torch.randperm(4 * N, device=dev).to(torch.int32).view(4, N)  # as the benchmark's decode rows
             q, k, v = (torch.randn(N, 1, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
             g = torch.randn(N, 1, H, K, device=dev)
             beta = torch.randn(N, 1, H, device=dev, dtype=torch.bfloat16)
@@ -85,7 +87,7 @@ def main() -> None:
                 replay.CACHE.clear()  # a recorded kind would replay the plan it was recorded with
                 calls = [functools.partial(
                     kda.fused_recurrent_kda, q, k, v, g, beta, state_cache=pool,
-                    state_indices=s * N + torch.arange(N, device=dev, dtype=torch.int32), state_v_first=False,
+                    state_indices=slots[s].clone(), state_v_first=False,
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                     A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, out=out, **kw) for s in range(4)]
                 us = timer.steady(calls)
