@@ -396,9 +396,9 @@ def test_stochastic_rounding_needs_narrow_state():
 
 @pytest.mark.parametrize("v_first,kc", [(True, 0), (False, 0), (False, 8)])
 def test_one_token_heads_fastest_same_bits(v_first, kc):
-    """The one-token kernel's grid with value heads fastest (`DecodePlan.heads_fastest`) computes every
-    program's work as before: outputs and written slots bit for bit the default grid's; the padding
-    sequence's row zeros, the slots not named keep their poison."""
+    """The one-token kernel's grid with value heads before sequences (`DecodePlan.heads_fastest`, K-first
+    pools' default) computes every program's work as the (sequence, head) grid does: outputs and written slots
+    bit for bit equal; the padding sequence's row zeros, the slots not named keep their poison."""
     N, H, HV, K, V = 5, 1, 3, 24, 40
     q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=4)
     idx = torch.tensor([7, -1, 2, 9, 4], dtype=torch.int32, device=DEVICE)

@@ -431,7 +431,7 @@ def _fused_recurrent_one_token_kernel(
     differently, and the compiler's mul+add contractions with it (the H200 showed their final states
     differing in the last bits)."""
     i_v = tl.program_id(0)
-    if HEADS_FASTEST:  # a slot's planes one after another: the call streams the pool's slots in address order
+    if HEADS_FASTEST:  # the programs in flight read a slot's planes one after another (K-first pools: faster)
         i_hv = tl.program_id(1)
         i_n = tl.program_id(2)
     else:
