@@ -1,8 +1,8 @@
 """Decode plans on K-first pools: steady per-call time (`bench.Timer.steady`: one graph of 8 calls over 4
 disjoint slot sets of a pool of 4N slots, a random permutation as in `bench.py`, read-only L2 flush between
-replays) of `fused_recurrent_kda` under the loop kernel and the one-token kernel at several BV, warps and NSUB, fp32 and bf16 pools, dense
-`[N, 1]` and varlen with host bounds; H = 12, K = V = 128, bf16 inputs, Kimi's gate. The floor: the
-state read and written once plus the inputs and outputs, over the measured copy bandwidth. This is how
+replays) of `fused_recurrent_kda` under the loop kernel and the one-token kernel at several BV, warps and NSUB,
+fp32 and bf16 pools, dense `[N, 1]` and varlen with host bounds; H = 12, K = V = 128, bf16 inputs, Kimi's gate.
+The floor: the state read and written once plus the inputs and outputs, over the measured copy bandwidth. This is how
 `kda.plan.decode_plan`'s K-first one-token choice was made (docs/performance.md). Recorded calls
 (`kda.replay`) are cleared per plan.
 

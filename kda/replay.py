@@ -31,7 +31,7 @@ import torch
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .contract import _byte_span, debug_enabled
+from .contract import DEBUG_OFF, _byte_span, debug_enabled
 from .ops import launch as _launch
 from .ops.launch import DirectKernel, _int_class
 from .plan import _capability
@@ -435,7 +435,7 @@ def _serialising() -> bool:
     walk launched before its prepare (`_programmatic`) would wait for it forever; the recorded order (the prepare
     launched first) finishes either way."""
     env = os.environ
-    blocking = env.get("CUDA_LAUNCH_BLOCKING", "").strip().lower() not in ("", "0", "false", "no", "off")
+    blocking = env.get("CUDA_LAUNCH_BLOCKING", "").strip().lower() not in DEBUG_OFF  # the words KDA_DEBUG reads as off
     return blocking or "TreeLauncher" in env.get("LD_PRELOAD", "") or any(env.get(name) for name in TOOL_VARIABLES)
 
 

@@ -103,10 +103,10 @@ def _count_chunk(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr
 @triton.jit
 def _finish(i_p, i_hv, N, NT, HV: tl.constexpr):
     """After this program's chunk is counted: the dense grid's last program (the last sequence's last chunk, the
-    last value head) waits for the grid it was launched after (the walk, when a recorded call launches the prepare as the walk's
-    programmatic dependent: `kda.replay`), so that the prepare ends after the walk and the stream's next work
-    sees the walk's outputs. One waiting program holds one slot, so every chunk the walk awaits still finds one.
-    Without such a launch the wait returns at once."""
+    last value head) waits for the grid it was launched after (the walk, when a recorded call launches the prepare
+    as the walk's programmatic dependent: `kda.replay`), so that the prepare ends after the walk and the stream's
+    next work sees the walk's outputs. One waiting program holds one slot, so every chunk the walk awaits still
+    finds one. Without such a launch the wait returns at once."""
     if (i_p == N * NT - 1) & (i_hv == HV - 1):
         gdc_wait()
 
