@@ -6,9 +6,12 @@ The floor: the state read and written once plus the inputs and outputs, over the
 `kda.plan.decode_plan`'s K-first one-token choice was made (docs/performance.md). Recorded calls
 (`kda.replay`) are cleared per plan.
 
-    python benchmarks/decode_plans.py [PLAN NAME ...]      (a CUDA device; names from PLANS, default all)
+    python benchmarks/decode_plans.py [PLAN NAME ...] [--pools fp32,bf16,fp32-1024] [--consecutive]
+        (a CUDA device; names from PLANS, default all; --pools: the cases to run, default all three;
+        --consecutive: each call's slots consecutive instead of a random permutation of the pool)
 """
 
+import argparse
 import functools
 import sys
 from dataclasses import replace
@@ -56,16 +59,25 @@ for _name, _over in PLANS.items():  # the other one-token plans read the whole t
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/decode_plans.py")
+    p.add_argument("plans", nargs="*", help="plan names (default: all)")
+    p.add_argument("--pools", default="fp32,bf16,fp32-1024", help="cases: fp32 (N = 256), bf16, fp32-1024")
+    p.add_argument("--consecutive", action="store_true", help="consecutive slots instead of a random permutation")
+    args = p.parse_args()
     dev = "cuda"
-    only = sys.argv[1:]
+    only = args.plans
+    cases = {"fp32": (256, torch.float32), "bf16": (256, torch.bfloat16), "fp32-1024": (1024, torch.float32)}
     timer = bench.Timer(warmup_ms=25, rep_ms=150)
     bw = bench.measure_bandwidth(timer, 1.0)
     planner = kp.decode_plan
-    for N, pool_dtype in ((256, torch.float32), (256, torch.bfloat16), (1024, torch.float32)):
+    for N, pool_dtype in (cases[c] for c in args.pools.split(",")):
         for varlen in (False, True):
             torch.manual_seed(0)
             pool = torch.randn(4 * N, H, K, V, device=dev).mul_(0.1).to(pool_dtype)
-            slots = torch.randperm(4 * N, device=dev).to(torch.int32).view(4, N)  # as the benchmark's decode rows
+            slots = torch.randperm(4 * N, device=dev)  # as the benchmark's decode rows
+            if args.consecutive:
+                slots = torch.arange(4 * N, device=dev)
+            slots = slots.to(torch.int32).view(4, N)
             q, k, v = (torch.randn(N, 1, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
             g = torch.randn(N, 1, H, K, device=dev)
             beta = torch.randn(N, 1, H, device=dev, dtype=torch.bfloat16)
@@ -91,7 +103,7 @@ def main() -> None:
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                     A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, out=out, **kw) for s in range(4)]
                 us = timer.steady(calls)
-                print(f"N={N} {str(pool_dtype)[6:]} {'varlen' if varlen else 'dense '} {name:22s}: {us:7.1f} us"
+                print(f"N={N} {str(pool_dtype)[6:]} {'varlen' if varlen else 'dense '} {name:24s}: {us:7.1f} us"
                       f"  floor {floor_us:6.1f}  ratio {us / floor_us:.3f}", flush=True)
             fr.decode_plan = planner
             del pool

@@ -95,7 +95,7 @@ def decode_case(v_first: bool, dtype: torch.dtype):
     consts = dict(H=H_DECODE, HV=H_DECODE, K=K, V=V, BK=plan.BK, BV=plan.BV, NSUB=plan.nsub, USE_GATE=True,
                   HAS_A_LOG=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=True, USE_L2NORM=True, USE_BETA_SIGMOID=True,
                   HAS_SRC=True, HAS_DST=True, HAS_INIT_FLAGS=True, V_FIRST=v_first, SR=plan.sr,
-                  FULL_TILE=True, HAS_ERRORS=False, KC=plan.kc)
+                  FULL_TILE=True, HAS_ERRORS=False, KC=plan.kc, HEADS_FASTEST=plan.heads_fastest)
     # seed, paged and n_slots are not specialised (`do_not_specialize`); s_bh = 1: beta [N, 1, H]; a launch
     # takes Triton's default of 3 stages, which only the row-chunk loops (2-byte K-first pools) use
     return (fused_recurrent._fused_recurrent_one_token_kernel, ptrs, consts,
