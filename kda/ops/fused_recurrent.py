@@ -161,16 +161,20 @@ def _load_state(plane, tile_off, tile_ok, FULL_TILE: tl.constexpr):
 
 
 @triton.jit
-def _store_state(S, plane, tile_off, tile_ok, counter, seed, SR: tl.constexpr, FULL_TILE: tl.constexpr):
+def _store_state(S, plane, tile_off, tile_ok, counter, seed, SR: tl.constexpr, FULL_TILE: tl.constexpr,
+                 EVICT_FIRST: tl.constexpr = False):
     """Round the fp32 tile to the storage dtype (nearest even, or stochastically with Philox counters
-    `counter` when SR) and store it."""
+    `counter` when SR) and store it (EVICT_FIRST: its lines marked first to leave L2)."""
     if SR != 0:
         S = _round_state(S, counter, seed, SR)
     y = round_to(S, plane.dtype.element_ty)
+    ok = tile_ok
     if FULL_TILE:
-        tl.store(plane + tile_off, y)
+        ok = None
+    if EVICT_FIRST:
+        tl.store(plane + tile_off, y, mask=ok, eviction_policy="evict_first")
     else:
-        tl.store(plane + tile_off, y, mask=tile_ok)
+        tl.store(plane + tile_off, y, mask=ok)
 
 
 @triton.jit
@@ -397,8 +401,9 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, dt_bias, a, sc
                                                              USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, HAS_SRC,
                                                              HAS_INIT_FLAGS, FULL_TILE)
             S = S + k_c[:, None] * u_t[None, :]
+            # written lines leave L2 first, so that the chunks still awaiting their second read stay there
             _store_state(S, dst_plane, tile_off, k_ok_c[:, None] & v_ok[None, :],
-                         (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
+                         (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE, True)
     return qS + kq * u_t
 
 
