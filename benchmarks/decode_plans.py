@@ -74,10 +74,9 @@ def main() -> None:
         for varlen in (False, True):
             torch.manual_seed(0)
             pool = torch.randn(4 * N, H, K, V, device=dev).mul_(0.1).to(pool_dtype)
-            slots = torch.randperm(4 * N, device=dev)  # as the benchmark's decode rows
-            if args.consecutive:
-                slots = torch.arange(4 * N, device=dev)
-            slots = slots.to(torch.int32).view(4, N)
+            # a random permutation of the pool as the benchmark's decode rows (or consecutive slots)
+            order = torch.arange if args.consecutive else torch.randperm
+            slots = order(4 * N, device=dev).to(torch.int32).view(4, N)
             q, k, v = (torch.randn(N, 1, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
             g = torch.randn(N, 1, H, K, device=dev)
             beta = torch.randn(N, 1, H, device=dev, dtype=torch.bfloat16)
