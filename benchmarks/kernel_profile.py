@@ -3,7 +3,7 @@
     python benchmarks/kernel_profile.py times [--op chunk|decode] [shapes] [--plan K=V,..]  per-kernel CUDA time
     python benchmarks/kernel_profile.py timeline [...] [--plan K=V,..]   when each kernel of one call starts and ends
     python benchmarks/kernel_profile.py regs  [--op chunk|decode|both] [...]   registers, spills, shared memory
-    python benchmarks/kernel_profile.py ncu   [--op ...] [--kernel REGEX] [--run]   the Nsight Compute command line
+    python benchmarks/kernel_profile.py ncu   [--op ...] [--kernel REGEX] [--metrics M,..] [--run]   the ncu command
     python benchmarks/kernel_profile.py call  [--op ...] [...]   warm up, then one call (what ncu profiles)
 
 The tool calls the public functions (`kda.chunk_kda`, `kda.fused_recurrent_kda`) with the benchmark's
@@ -240,7 +240,11 @@ def cmd_ncu(args) -> int:
     # `call` brackets its one timed call with cudaProfilerStart/Stop: the warm-up calls are not profiled
     sections = ("SpeedOfLight", "WarpStateStats", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis",
                 "MemoryWorkloadAnalysis", "SchedulerStats", "SourceCounters")
-    cmd = ["ncu", "--profile-from-start", "off", *kernel, *(x for s in sections for x in ("--section", s)),
+    what = [x for s in sections for x in ("--section", s)]
+    if args.metrics:  # only these counters: a few passes instead of the sections' dozens
+        what = ["--metrics", args.metrics]
+        forward = [a for a in forward if a not in ("--metrics", args.metrics)]
+    cmd = ["ncu", "--profile-from-start", "off", *kernel, *what,
            sys.executable, str(Path(__file__).resolve()), "call", *forward]
     print(shlex.join(cmd))
     if args.run:
@@ -279,6 +283,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         if name == "ncu":
             s.add_argument("--kernel", default=None, metavar="REGEX", help="only kernels whose name matches")
             s.add_argument("--run", action="store_true", help="run the command instead of printing it")
+            s.add_argument("--metrics", default=None, metavar="M1,M2",
+                           help="these ncu metrics instead of the sections (e.g. dram__bytes_read.sum,"
+                                "lts__t_sector_hit_rate.pct: whether a second read hits L2)")
     return p.parse_args(argv)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,20 @@ def test_timeline_reads_the_last_call_of_a_trace():
     args = kp.parse_args(["timeline", "--T", "8192", "--plan", "late_chunks=40", "--reps", "2"])
     assert (args.command, args.T, args.reps, [kp.parse_plan(p) for p in args.plan]) == (
         "timeline", 8192, 2, [{"late_chunks": 40}])
+
+
+def test_ncu_command_takes_metrics_instead_of_sections(monkeypatch, capsys):
+    """`kernel_profile.py ncu --metrics M` asks ncu for those counters only and does not pass `--metrics` on to the
+    profiled `call`; without it the sections are asked for."""
+    spec = importlib.util.spec_from_file_location("kernel_profile", BENCH.parent / "kernel_profile.py")
+    kp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kp)
+    for argv, want in ((["ncu", "--op", "decode", "--metrics", "dram__bytes_read.sum", "--kernel", "one_token"],
+                        ["--metrics", "dram__bytes_read.sum"]),
+                       (["ncu", "--op", "decode"], ["--section", "SpeedOfLight"])):
+        monkeypatch.setattr(sys, "argv", ["kernel_profile.py", *argv])
+        assert kp.cmd_ncu(kp.parse_args(argv)) == 0
+        cmd = shlex.split(capsys.readouterr().out.strip())
+        head, call = cmd[:cmd.index("call")], cmd[cmd.index("call") + 1:]
+        assert all(w in head for w in want) and ("--section" in head) != ("--metrics" in head)
+        assert call == ["--op", "decode"]
