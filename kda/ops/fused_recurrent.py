@@ -168,13 +168,8 @@ def _store_state(S, plane, tile_off, tile_ok, counter, seed, SR: tl.constexpr, F
     if SR != 0:
         S = _round_state(S, counter, seed, SR)
     y = round_to(S, plane.dtype.element_ty)
-    ok = tile_ok
-    if FULL_TILE:
-        ok = None
-    if EVICT_FIRST:
-        tl.store(plane + tile_off, y, mask=ok, eviction_policy="evict_first")
-    else:
-        tl.store(plane + tile_off, y, mask=ok)
+    tl.store(plane + tile_off, y, mask=None if FULL_TILE else tile_ok,
+             eviction_policy="evict_first" if EVICT_FIRST else "")
 
 
 @triton.jit
