@@ -231,19 +231,28 @@ def cmd_call(args) -> int:
     return 0
 
 
+def _call_args(argv: list[str]) -> list[str]:
+    """`ncu`'s arguments less its own options (`--run`, `--kernel X`, `--metrics X`): what `call` takes."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--kernel", "--metrics"):
+            skip = True
+        elif a != "--run" and not a.startswith(("--kernel=", "--metrics=")):
+            out.append(a)
+    return out
+
+
 def cmd_ncu(args) -> int:
-    forward = [a for a in sys.argv[2:] if a not in ("--run",)]
-    kernel = []
-    if args.kernel:
-        kernel = ["--kernel-name", f"regex:{args.kernel}"]
-        forward = [a for a in forward if a not in ("--kernel", args.kernel)]
+    forward = _call_args(sys.argv[2:])
+    kernel = ["--kernel-name", f"regex:{args.kernel}"] if args.kernel else []
     # `call` brackets its one timed call with cudaProfilerStart/Stop: the warm-up calls are not profiled
     sections = ("SpeedOfLight", "WarpStateStats", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis",
                 "MemoryWorkloadAnalysis", "SchedulerStats", "SourceCounters")
     what = [x for s in sections for x in ("--section", s)]
     if args.metrics:  # only these counters: a few passes instead of the sections' dozens
         what = ["--metrics", args.metrics]
-        forward = [a for a in forward if a not in ("--metrics", args.metrics)]
     cmd = ["ncu", "--profile-from-start", "off", *kernel, *what,
            sys.executable, str(Path(__file__).resolve()), "call", *forward]
     print(shlex.join(cmd))
