@@ -6,7 +6,7 @@ The floor: the state read and written once plus the inputs and outputs, over the
 `kda.plan.decode_plan`'s K-first one-token choice was made (docs/performance.md). Recorded calls
 (`kda.replay`) are cleared per plan.
 
-    python benchmarks/decode_plans.py [PLAN NAME ...] [--pools fp32,bf16,fp32-1024] [--consecutive]
+    python benchmarks/decode_plans.py [PLAN NAME ...] [--pools fp32,bf16,fp16,fp32-1024] [--consecutive]
         (a CUDA device; names from PLANS, default all; --pools: the cases to run, default all three;
         --consecutive: each call's slots consecutive instead of a random permutation of the pool)
 """
@@ -52,21 +52,26 @@ PLANS = {
     # K-first in row chunks of kc, the plane read twice (kda.ops.fused_recurrent._one_token_k_split)
     **{f"1tok BV{bv} nw{w} kc{kc}": dict(nsub=1, BV=bv, num_warps=w, kc=kc)
        for bv, w in ((32, 1), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2), (128, 4)) for kc in (16, 32, 64)},
+    # 2-byte K-first held as 32-bit words of two columns, read once (kda.ops.fused_recurrent._one_token_k_packed)
+    **{f"1tok BV{bv} nw{w} packed": dict(nsub=1, BV=bv, num_warps=w, kc=32, packed=True)
+       for bv, w in ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))},
 }
 for _name, _over in PLANS.items():  # the other one-token plans read the whole tile once, whatever the default
     if _name.startswith("1tok nsub"):
         _over.setdefault("kc", 0)
+    if " kc" in _name:
+        _over.setdefault("packed", False)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/decode_plans.py")
     p.add_argument("plans", nargs="*", help="plan names (default: all)")
-    p.add_argument("--pools", default="fp32,bf16,fp32-1024", help="cases: fp32 (N = 256), bf16, fp32-1024")
+    p.add_argument("--pools", default="fp32,bf16,fp32-1024", help="cases: fp32 (N = 256), bf16, fp16, fp32-1024")
     p.add_argument("--consecutive", action="store_true", help="consecutive slots instead of a random permutation")
     args = p.parse_args()
     dev = "cuda"
     only = args.plans
-    cases = {"fp32": (256, torch.float32), "bf16": (256, torch.bfloat16), "fp32-1024": (1024, torch.float32)}
+    cases = {"fp32": (256, torch.float32), "bf16": (256, torch.bfloat16), "fp16": (256, torch.float16), "fp32-1024": (1024, torch.float32)}
     timer = bench.Timer(warmup_ms=25, rep_ms=150)
     bw = bench.measure_bandwidth(timer, 1.0)
     planner = kp.decode_plan

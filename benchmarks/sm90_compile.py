@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
 import subprocess
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -87,19 +89,21 @@ def walk_case(walk_bv: int, wait: int = 0, in_loop: bool = False, fold: bool = T
     return chunk_walk._chunk_state_kernel, ptrs, consts, dict(N=1, n_slots=1), plan.walk_warps, plan.walk_stages
 
 
-def decode_case(v_first: bool, dtype: torch.dtype):
-    plan = _decode(v_first, dtype)
+def decode_case(v_first: bool, dtype: torch.dtype, **overrides):
+    plan = replace(_decode(v_first, dtype), **overrides)
     pool = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     ptrs = dict(q="bf16", k="bf16", v="bf16", g="fp32", beta="bf16", o="bf16", A_log="fp32", dt_bias="fp32",
                 state_src=pool, state_dst=pool, slot_of_seq="i32", has_initial_state="i1", errors="i32")
     consts = dict(H=H_DECODE, HV=H_DECODE, K=K, V=V, BK=plan.BK, BV=plan.BV, NSUB=plan.nsub, USE_GATE=True,
                   HAS_A_LOG=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=True, USE_L2NORM=True, USE_BETA_SIGMOID=True,
                   HAS_SRC=True, HAS_DST=True, HAS_INIT_FLAGS=True, V_FIRST=v_first, SR=plan.sr,
-                  FULL_TILE=True, HAS_ERRORS=False, KC=plan.kc, HEADS_FASTEST=plan.heads_fastest)
+                  FULL_TILE=True, HAS_ERRORS=False, KC=plan.kc, HEADS_FASTEST=plan.heads_fastest,
+                  PACKED=plan.packed)
     # seed, paged and n_slots are not specialised (`do_not_specialize`); s_bh = 1: beta [N, 1, H]; a launch
     # takes Triton's default of 3 stages, which only the row-chunk loops (2-byte K-first pools) use
     return (fused_recurrent._fused_recurrent_one_token_kernel, ptrs, consts,
-            dict(s_bh=1, seed=None, paged=None, n_slots=None), plan.num_warps, 3 if plan.kc else 1)
+            dict(s_bh=1, seed=None, paged=None, n_slots=None, zero=None), plan.num_warps,
+            3 if plan.kc and not plan.packed else 1)
 
 
 CASES = {
@@ -120,6 +124,10 @@ CASES = {
     "decode-vfirst-bf16": lambda: decode_case(True, torch.bfloat16),
     "decode-kfirst-fp32": lambda: decode_case(False, torch.float32),
     "decode-kfirst-bf16": lambda: decode_case(False, torch.bfloat16),
+    "decode-kfirst-bf16-rows": lambda: decode_case(False, torch.bfloat16, packed=False),
+    **{f"decode-kfirst-bf16-packed-bv{bv}-nw{w}": functools.partial(decode_case, False, torch.bfloat16, BV=bv,
+                                                                    num_warps=w, packed=True)
+       for bv in (32, 64, 128) for w in (1, 2, 4, 8)},
 }
 FLOATS = ("scale", "lower_bound")
 

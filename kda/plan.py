@@ -439,6 +439,7 @@ class DecodePlan:
     sr: int = 0  # store rounding: 0 nearest even, 1 stochastic bf16, 2 stochastic fp16
     kc: int = 0  # K-first one-token kernel: rows of K per chunk, the plane read twice (0: the whole tile once)
     heads_fastest: bool = False  # one-token kernel: grid (V block, value head, sequence), not (.., sequence, head)
+    packed: bool = False  # 2-byte K-first one-token kernel: the V block held as 32-bit words of two columns, read once
 
 
 SR_MODES = {torch.bfloat16: 1, torch.float16: 2}
@@ -478,6 +479,12 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (H200 sweep, fewer
     # threads per plane: docs/performance.md)
     per_warp = 4096 if (nsub and not v_first) else 2048
-    num_warps = 1 if (interpreted() or kc) else max(1, min(8, BK * BV // per_warp))
+    packed = bool(kc) and V % 2 == 0
+    if interpreted():
+        num_warps = 1
+    elif packed:
+        num_warps = 4
+    else:
+        num_warps = 1 if kc else max(1, min(8, BK * BV // per_warp))
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
-    return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first)
+    return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first, packed=packed)

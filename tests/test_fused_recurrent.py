@@ -243,9 +243,9 @@ def test_narrow_inputs_error_floor(dtype):
 # --- stochastic rounding -------------------------------------------------------------------------------
 
 
-def _sr_setup(dtype, v_first):
+def _sr_setup(dtype, v_first, one_token=False):
     H, HV, K, V = 1, 2, 16, 32
-    cu_list = [0, 1, 3, 4]
+    cu_list = [0, 1, 2, 3] if one_token else [0, 1, 3, 4]
     T = cu_list[-1]
     q, k, v, g, beta, opts = make_inputs(1, T, H, HV, K, V, gate="softplus", seed=13)
     cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
@@ -258,6 +258,8 @@ def _sr_setup(dtype, v_first):
 
     def call(p, **extra):
         kw = dict(cu_seqlens=cu, state_cache=p, state_indices=idx, state_v_first=v_first, **opts)
+        if one_token:  # host bounds: the one-token kernel (2-byte K-first pools: held as 32-bit words)
+            kw["cu_seqlens_cpu"] = cu_list
         return kda.fused_recurrent_kda(q, k, v, g, beta, **kw, **extra)
 
     return pool, pool32, idx, call
@@ -297,8 +299,9 @@ def check_stochastic(sr: torch.Tensor, x: torch.Tensor, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("v_first", [True, False])
-def test_stochastic_rounding(dtype, v_first):
-    pool, pool32, idx, call = _sr_setup(dtype, v_first)
+@pytest.mark.parametrize("one_token", [False, True])
+def test_stochastic_rounding(dtype, v_first, one_token):
+    pool, pool32, idx, call = _sr_setup(dtype, v_first, one_token)
     sel = idx.long()
     o32, _ = call(pool32)  # the fp32 value before the store: the same call on the fp32 copy of the pool
     x = pool32[sel]
@@ -418,6 +421,71 @@ def test_one_token_heads_fastest_same_bits(v_first, kc):
     assert torch.equal(o1[1], torch.zeros_like(o1[1]))
     for slot in (0, 1, 3, 5, 6, 8, 10):  # slots not named: untouched
         assert same_bits(w1[slot], b1[slot])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_token_k_packed(dtype):
+    """2-byte K-first pools: the one-token kernel holds the V block as 32-bit words of two columns, read once
+    (`DecodePlan.packed`, the default), here with K not a power of two (masked rows), V not a multiple of the
+    block (masked words), a padding sequence and an unread NaN slot. (1) Against the row-chunk kernel (the same
+    step, the plane read twice; its K sums in another order): outputs within 1e-6, stored values within one
+    storage ulp, both against the float64 oracle; the slots not named and the padding between planes keep their
+    bits. (2) paged == dense bit for bit. (3) A pool whose slot stride is odd (no 4-byte words) runs the row
+    chunks: bit for bit the row-chunk plan."""
+    N, H, HV, K, V = 5, 1, 2, 24, 40
+    q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=21)
+    idx = torch.tensor([7, -1, 2, 9, 4], dtype=torch.int32, device=DEVICE)  # sequence 1 is padding
+    keep, used, read = [0, 2, 3, 4], [7, 2, 9, 4], [True, True, True, False, True]  # slot 9: NaN, unread
+    kw = dict(state_v_first=False, use_qk_l2norm_in_kernel=True, **opts)
+    flags = dict(state_indices=idx, has_initial_state=torch.tensor(read, device=DEVICE))
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+
+    def pool_with(pad):
+        wide, pool = poisoned_pool(11, state_plane(HV, K, V, False), dtype, DEVICE, pad=pad)
+        for n, slot in zip(keep, used):
+            if read[n]:
+                pool[slot] = random_planes(1, HV, K, V, False, seed=40 + n)[0].to(dtype)
+        return wide, pool
+
+    def decode(pool, packed, **more):
+        o, s, plan = run_planned(kda.fused_recurrent_kda, q, k, v, g, beta, dict(nsub=1, kc=8, packed=packed),
+                                 state_cache=pool, **flags, **more, **kw)
+        return o
+
+    wide, pool = pool_with(16)
+    before = wide.clone()
+    init = pool[used].clone()
+    o_p = decode(pool, True)
+    s_p, w_p = pool[used].clone(), wide.clone()
+    wide.copy_(before)
+    o_r = decode(pool, False)
+    s_r = pool[used].clone()
+    assert rel(o_p[keep], o_r[keep]) <= 1e-6
+    assert not same_bits(o_p, o_r)  # the two kernels ran (their K sums round in other orders)
+    a, b = s_p.double(), s_r.double()
+    assert ((a - b).abs() <= 2 * u * torch.maximum(a.abs(), b.abs()) + 2.0 ** -24).all()
+    assert torch.equal(o_p[1], torch.zeros_like(o_p[1]))
+    untouched = [s for s in range(11) if s not in used]
+    assert same_bits(w_p[untouched], before[untouched])
+    assert same_bits(w_p[used, HV * K * V:], before[used, HV * K * V:])
+    h0 = torch.where(torch.tensor(read, device=DEVICE)[keep, None, None, None], init, 0).double()
+    o_ref, s_ref = ref.recurrent_kda(*(x[keep].double() for x in (q, k, v, g, beta)), initial_state=h0,
+                                     output_final_state=True, **kw)
+    assert rel(o_p[keep], o_ref) <= FP32_TOL
+    assert rel(s_p, s_ref) <= u
+
+    # (2) paged == dense: the dense call stores its final state in a fresh (aligned) tensor
+    o_d, s_d, plan = run_planned(kda.fused_recurrent_kda, *(x[[0, 2, 4]] for x in (q, k, v, g, beta)),
+                                 dict(nsub=1, kc=8), initial_state=init[[0, 1, 3]], output_final_state=True, **kw)
+    assert plan.packed and same_bits(o_p[[0, 2, 4]], o_d) and same_bits(s_p[[0, 1, 3]], s_d)
+
+    # (3) an odd slot stride: the row chunks
+    wide, pool = pool_with(3)
+    before = wide.clone()
+    o_f = decode(pool, True)
+    s_f = pool[used].clone()
+    wide.copy_(before)
+    assert same_bits(o_f, decode(pool, False)) and same_bits(s_f, pool[used])
 
 
 @pytest.mark.parametrize("nsub,v_first,kc", [(n, vf, 0) for n in (1, 2, 4) for vf in (True, False)] + [(1, False, 8)])

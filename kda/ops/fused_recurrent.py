@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import KDACall
+from ..contract import KDACall, interpreting
 from ..plan import DecodePlan, StatePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
 from .common import (
     ERROR_ACCEPTED,
@@ -82,6 +82,9 @@ from .common import (
     token_head_strides,
 )
 from .launch import direct
+
+_INTERPRETING = tl.constexpr(interpreting())
+_X_DK = tl.constexpr(__import__("os").environ.get("KDA_X_DK", "0") == "1")  # experiment: decay folded into k, q
 
 # store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
 # 1 stochastic bf16, 2 stochastic fp16
@@ -402,21 +405,119 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, dt_bias, a, sc
     return qS + kq * u_t
 
 
+@triton.jit
+def _unpack_pairs(x, DT: tl.constexpr):
+    """A tile of 32-bit words, each two adjacent 2-byte values of a row (little-endian: the even column in the
+    low half) -> (even columns, odd columns) in fp32."""
+    if DT == tl.bfloat16:  # a bf16 is the high half of the fp32 it widens to
+        lo = (x << 16).to(tl.float32, bitcast=True)
+        hi = (x & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        lo = (x & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+        hi = (x >> 16).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _pack_pairs(lo, hi, c_lo, seed, DT: tl.constexpr, SR: tl.constexpr):
+    """(even, odd) fp32 columns rounded to DT (nearest even, or stochastically with Philox counters c_lo and
+    c_lo + 1) and packed into 32-bit words, the inverse of `_unpack_pairs`."""
+    if SR != 0:
+        lo = _round_state(lo, c_lo, seed, SR)
+        hi = _round_state(hi, c_lo + 1, seed, SR)
+    if _INTERPRETING:  # no PTX; the explicit rounding of `round_to`
+        b_lo = round_to(lo, DT).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b_hi = round_to(hi, DT).to(tl.uint16, bitcast=True).to(tl.uint32)
+        y = b_lo | (b_hi << 16)
+    else:  # one conversion of both halves (the packed cvt; two single ones and a permute otherwise)
+        cvt: tl.constexpr = "cvt.rn.bf16x2.f32 $0, $2, $1;" if DT == tl.bfloat16 else "cvt.rn.f16x2.f32 $0, $2, $1;"
+        y = tl.inline_asm_elementwise(cvt, "=r,r,r", [lo, hi], dtype=tl.uint32, is_pure=True, pack=1)
+    return y
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias, a, scale, lower_bound, beta_t,
+                        i_vb, slot, i_hv, seed, zero, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                        USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_SRC: tl.constexpr,
+                        HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
+    """The one-token step on a 2-byte K-first V block held as 32-bit words (two columns each): read once,
+    kept packed (half a register an element) across the reductions over K, unpacked again for the update.
+    `zero` is a run-time 0: the second unpacking reads x ^ zero, so the compiler cannot reuse the first's fp32
+    values and keeps the packed tile instead (twice the registers otherwise). Returns (o even, o odd)."""
+    DT: tl.constexpr = src_plane.dtype.element_ty
+    BP: tl.constexpr = BV // 2
+    VP: tl.constexpr = V // 2
+    o_k = tl.arange(0, BK)
+    k_ok = o_k < K
+    o_p = i_vb * BP + tl.arange(0, BP)  # word columns: value columns 2 o_p and 2 o_p + 1
+    p_ok = o_p < VP
+    tile_off = o_k[:, None] * VP + o_p[None, :]
+    x = tl.zeros([BK, BP], dtype=tl.uint32)
+    if HAS_SRC:
+        src = src_plane.to(tl.pointer_type(tl.uint32), bitcast=True)
+        if FULL_TILE:
+            ok = (tile_off * 0 + read) != 0
+        else:
+            ok = ((tile_off * 0 + read) != 0) & k_ok[:, None] & p_ok[None, :]
+        x = tl.load(src + tile_off, mask=ok, other=0)
+    q_t = tl.load(q_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
+    k_t = tl.load(k_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
+    g_raw = tl.load(g_h + o_k, mask=k_ok, other=0.0)
+    bias = dt_bias_slice(dt_bias, i_hv, o_k, K, HAS_DT_BIAS)
+    d = tl.exp2(tl.reshape(kda_gate_log2(g_raw[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK]))
+    if USE_L2NORM:
+        q_t = q_t / tl.sqrt(tl.sum(q_t * q_t, 0) + 1e-6)
+        k_t = k_t / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
+    q_t = q_t * scale
+    kq = tl.sum(k_t * q_t, 0)
+    lo, hi = _unpack_pairs(x, DT)
+    if _X_DK:
+        dk = d * k_t
+        dq = d * q_t
+        kS_lo, kS_hi, qS_lo, qS_hi = tl.reduce((lo * dk[:, None], hi * dk[:, None], lo * dq[:, None],
+                                                hi * dq[:, None]), 0, _add4)
+    else:
+        lo = lo * d[:, None]  # S' = Diag(2^g) S, rounded as `_step` rounds it
+        hi = hi * d[:, None]
+        # the four sums over K in one reduction (one exchange between warps instead of four)
+        kS_lo, kS_hi, qS_lo, qS_hi = tl.reduce((lo * k_t[:, None], hi * k_t[:, None], lo * q_t[:, None],
+                                                hi * q_t[:, None]), 0, _add4)
+    v_lo = tl.load(v_h + 2 * o_p, mask=p_ok, other=0.0).to(tl.float32)
+    v_hi = tl.load(v_h + 2 * o_p + 1, mask=p_ok, other=0.0).to(tl.float32)
+    u_lo = beta_t * (v_lo - kS_lo)
+    u_hi = beta_t * (v_hi - kS_hi)
+    if HAS_DST:
+        lo, hi = _unpack_pairs(x ^ zero, DT)
+        lo = lo * d[:, None] + k_t[:, None] * u_lo[None, :]
+        hi = hi * d[:, None] + k_t[:, None] * u_hi[None, :]
+        c_lo = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + 2 * o_p[None, :]
+        y = _pack_pairs(lo, hi, c_lo, seed, DT, SR)
+        dst = dst_plane.to(tl.pointer_type(tl.uint32), bitcast=True)
+        tl.store(dst + tile_off, y, mask=None if FULL_TILE else k_ok[:, None] & p_ok[None, :])
+    return qS_lo + kq * u_lo, qS_hi + kq * u_hi, o_p, p_ok
+
+
 @direct
-@triton.jit(do_not_specialize=["seed", "paged", "n_slots"])
+@triton.jit(do_not_specialize=["seed", "paged", "n_slots", "zero"])
 def _fused_recurrent_one_token_kernel(
     q, k, v, g, beta, o, A_log, dt_bias,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     src_stride, dst_stride, n_slots, errors,
-    scale, lower_bound, seed, paged,
+    scale, lower_bound, seed, paged, zero,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, HAS_ERRORS: tl.constexpr = False,
-    KC: tl.constexpr = 0, HEADS_FASTEST: tl.constexpr = False,
+    KC: tl.constexpr = 0, HEADS_FASTEST: tl.constexpr = False, PACKED: tl.constexpr = False,
 ):
     """Exactly one token per sequence, token n for sequence n (`KDACall.one_token_per_seq`: dense q of shape
     [N, 1, H, K], or varlen [1, N, H, K] with host bounds 0, 1, ..., N; the flattened token axis is the
@@ -453,6 +554,22 @@ def _fused_recurrent_one_token_kernel(
         return
 
     src_plane = state_src + slot * src_stride + i_hv * (K * V)
+    if PACKED:  # 2-byte K-first, NSUB 1: the V block held as 32-bit words (`_one_token_k_packed`)
+        read = 1
+        if HAS_INIT_FLAGS:
+            read = (tl.load(has_initial_state + i_n) != 0).to(tl.int32)
+        beta_t = tl.load(beta + i_hv * s_bh + t * s_bt).to(tl.float32)
+        if USE_BETA_SIGMOID:
+            beta_t = tl.sigmoid(beta_t)
+        o_lo, o_hi, o_p, p_ok = _one_token_k_packed(
+            src_plane, read, state_dst + slot * dst_stride + i_hv * (K * V), q + i_h * s_qh + t * s_qt,
+            k + i_h * s_kh + t * s_kt, g + i_hv * s_gh + t * s_gt, v + i_hv * s_vh + t * s_vt, dt_bias,
+            decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound, beta_t, i_vb, slot, i_hv, seed, zero, HV, K, V,
+            BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_DST, SR, FULL_TILE)
+        o_t = o_h + t * s_ot
+        tl.store(o_t + 2 * o_p, round_to(o_lo, o_h.dtype.element_ty), mask=p_ok)
+        tl.store(o_t + 2 * o_p + 1, round_to(o_hi, o_h.dtype.element_ty), mask=p_ok)
+        return
     if KC > 0:  # K-first, NSUB 1: the V block in row chunks (`_one_token_k_split`)
         read = 1
         if HAS_INIT_FLAGS:
@@ -544,12 +661,15 @@ def fused_recurrent_kda_fwd(
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
+        # 32-bit words of two columns need even offsets and 4-byte aligned pools (else the row chunks)
+        packed = plan.packed and all(s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0)
+                                     for s in (st.src, st.dst))
         grid = (cdiv(V, rows), HV, N) if plan.heads_fastest else (cdiv(V, rows), N, HV)
         _fused_recurrent_one_token_kernel[grid](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
             lower_bound, seed,
-            int(st.paged), NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc,
-            HEADS_FASTEST=plan.heads_fastest, **flags,
+            int(st.paged), 0, NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc,
+            HEADS_FASTEST=plan.heads_fastest, PACKED=packed, **flags,
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
