@@ -71,7 +71,8 @@ def main() -> None:
     args = p.parse_args()
     dev = "cuda"
     only = args.plans
-    cases = {"fp32": (256, torch.float32), "bf16": (256, torch.bfloat16), "fp16": (256, torch.float16), "fp32-1024": (1024, torch.float32)}
+    cases = {"fp32": (256, torch.float32), "bf16": (256, torch.bfloat16), "fp16": (256, torch.float16),
+             "fp32-1024": (1024, torch.float32)}
     timer = bench.Timer(warmup_ms=25, rep_ms=150)
     bw = bench.measure_bandwidth(timer, 1.0)
     planner = kp.decode_plan

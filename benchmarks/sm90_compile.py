@@ -21,8 +21,8 @@ import collections
 import functools
 import re
 import subprocess
-from dataclasses import replace
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
