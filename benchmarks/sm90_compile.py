@@ -124,6 +124,7 @@ CASES = {
     "decode-kfirst-fp32": lambda: decode_case(False, torch.float32),
     "decode-kfirst-bf16": lambda: decode_case(False, torch.bfloat16),
     "decode-kfirst-bf16-rows": lambda: decode_case(False, torch.bfloat16, packed=False, num_warps=1),
+    "decode-kfirst-fp16": lambda: decode_case(False, torch.float16),
 }
 FLOATS = ("scale", "lower_bound")
 

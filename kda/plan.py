@@ -453,8 +453,9 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -
     - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (the K reduction stays in a warp).
     - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
-      one block of BV 64 (fp32, 2 warps; 2-byte: 4 warps, held as 32-bit words of two columns and read once
-      (`packed`), or where a pool's slot stride or address is odd, 1 warp read in row chunks of 32, twice), the
+      one block of BV 64 (fp32, 2 warps; bf16: 4 warps, held as 32-bit words of two columns and read once
+      (`packed`); fp16, or a bf16 pool whose slot stride or address is odd: 1 warp read in row chunks of 32,
+      twice), the
       grid's value heads before its sequences (a slot's planes read one after another; V-first pools lose with
       it at N = 1024).
     `overrides` replace any field (tests)."""
@@ -481,7 +482,9 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (H200 sweep, fewer
     # threads per plane: docs/performance.md)
     per_warp = 4096 if (nsub and not v_first) else 2048
-    packed = bool(kc) and V % 2 == 0  # H200 sweep: BV 64 on 4 warps (32 words a thread)
+    # bf16 only (its halves widen by a shift): H200 sweep, BV 64 on 4 warps (32 words a thread, 96 registers);
+    # fp16 halves take 128 registers that way and run no faster than the row chunks (docs/performance.md)
+    packed = bool(kc) and V % 2 == 0 and state_dtype == torch.bfloat16
     if interpreted():
         num_warps = 1
     elif packed:

@@ -405,32 +405,28 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, dt_bias, a, sc
 
 
 @triton.jit
-def _unpack_pairs(x, DT: tl.constexpr):
-    """A tile of 32-bit words, each two adjacent 2-byte values of a row (little-endian: the even column in the
-    low half) -> (even columns, odd columns) in fp32."""
-    if DT == tl.bfloat16:  # a bf16 is the high half of the fp32 it widens to
-        lo = (x << 16).to(tl.float32, bitcast=True)
-        hi = (x & 0xFFFF0000).to(tl.float32, bitcast=True)
-    else:
-        lo = (x & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
-        hi = (x >> 16).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+def _unpack_pairs(x):
+    """A tile of 32-bit words, each two adjacent bf16 values of a row (little-endian: the even column in the
+    low half) -> (even columns, odd columns) in fp32: a bf16 is the high half of the fp32 it widens to."""
+    lo = (x << 16).to(tl.float32, bitcast=True)
+    hi = (x & 0xFFFF0000).to(tl.float32, bitcast=True)
     return lo, hi
 
 
 @triton.jit
-def _pack_pairs(lo, hi, c_lo, seed, DT: tl.constexpr, SR: tl.constexpr):
-    """(even, odd) fp32 columns rounded to DT (nearest even, or stochastically with Philox counters c_lo and
+def _pack_pairs(lo, hi, c_lo, seed, SR: tl.constexpr):
+    """(even, odd) fp32 columns rounded to bf16 (nearest even, or stochastically with Philox counters c_lo and
     c_lo + 1) and packed into 32-bit words, the inverse of `_unpack_pairs`."""
     if SR != 0:
         lo = _round_state(lo, c_lo, seed, SR)
         hi = _round_state(hi, c_lo + 1, seed, SR)
     if _INTERPRETING:  # no PTX; the explicit rounding of `round_to`
-        b_lo = round_to(lo, DT).to(tl.uint16, bitcast=True).to(tl.uint32)
-        b_hi = round_to(hi, DT).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b_lo = round_to(lo, tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b_hi = round_to(hi, tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
         y = b_lo | (b_hi << 16)
-    else:  # one conversion of both halves (the packed cvt; two single ones and a permute otherwise)
-        cvt: tl.constexpr = "cvt.rn.bf16x2.f32 $0, $2, $1;" if DT == tl.bfloat16 else "cvt.rn.f16x2.f32 $0, $2, $1;"
-        y = tl.inline_asm_elementwise(cvt, "=r,r,r", [lo, hi], dtype=tl.uint32, is_pure=True, pack=1)
+    else:  # one conversion of both halves (two single ones and a permute otherwise)
+        y = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
+                                      is_pure=True, pack=1)
     return y
 
 
@@ -445,11 +441,10 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias,
                         BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                         USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_SRC: tl.constexpr,
                         HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
-    """The one-token step on a 2-byte K-first V block held as 32-bit words (two columns each): read once,
+    """The one-token step on a bf16 K-first V block held as 32-bit words (two columns each): read once,
     kept packed (half a register an element) across the reductions over K, unpacked again for the update.
     `zero` is a run-time 0: the second unpacking reads x ^ zero, so the compiler cannot reuse the first's fp32
     values and keeps the packed tile instead (twice the registers otherwise). Returns (o even, o odd)."""
-    DT: tl.constexpr = src_plane.dtype.element_ty
     BP: tl.constexpr = BV // 2
     VP: tl.constexpr = V // 2
     o_k = tl.arange(0, BK)
@@ -475,7 +470,7 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias,
         k_t = k_t / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
     q_t = q_t * scale
     kq = tl.sum(k_t * q_t, 0)
-    lo, hi = _unpack_pairs(x, DT)
+    lo, hi = _unpack_pairs(x)
     # the decay on the K-vectors (S'^T k = S^T (2^g k)): no scaled copy of the tile is formed, which took 127
     # registers a thread instead of 96; the four sums in one reduction (one exchange between warps, not four)
     dk = d * k_t
@@ -487,11 +482,11 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias,
     u_lo = beta_t * (v_lo - kS_lo)
     u_hi = beta_t * (v_hi - kS_hi)
     if HAS_DST:
-        lo, hi = _unpack_pairs(x ^ zero, DT)
+        lo, hi = _unpack_pairs(x ^ zero)
         lo = lo * d[:, None] + k_t[:, None] * u_lo[None, :]
         hi = hi * d[:, None] + k_t[:, None] * u_hi[None, :]
         c_lo = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + 2 * o_p[None, :]
-        y = _pack_pairs(lo, hi, c_lo, seed, DT, SR)
+        y = _pack_pairs(lo, hi, c_lo, seed, SR)
         dst = dst_plane.to(tl.pointer_type(tl.uint32), bitcast=True)
         tl.store(dst + tile_off, y, mask=None if FULL_TILE else k_ok[:, None] & p_ok[None, :])
     return qS_lo + kq * u_lo, qS_hi + kq * u_hi, o_p, p_ok
@@ -548,7 +543,7 @@ def _fused_recurrent_one_token_kernel(
         return
 
     src_plane = state_src + slot * src_stride + i_hv * (K * V)
-    if PACKED:  # 2-byte K-first, NSUB 1: the V block held as 32-bit words (`_one_token_k_packed`)
+    if PACKED:  # bf16 K-first, NSUB 1: the V block held as 32-bit words (`_one_token_k_packed`)
         read = 1
         if HAS_INIT_FLAGS:
             read = (tl.load(has_initial_state + i_n) != 0).to(tl.int32)
@@ -655,8 +650,8 @@ def fused_recurrent_kda_fwd(
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
-        # 32-bit words of two columns need even offsets and 4-byte aligned pools (else the row chunks)
-        packed = plan.packed and all(s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0)
+        # 32-bit words of two bf16 columns need even offsets and 4-byte aligned pools (else the row chunks)
+        packed = plan.packed and call.state_dtype == torch.bfloat16 and all(s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0)
                                      for s in (st.src, st.dst))
         grid = (cdiv(V, rows), HV, N) if plan.heads_fastest else (cdiv(V, rows), N, HV)
         _fused_recurrent_one_token_kernel[grid](
