@@ -439,7 +439,7 @@ class DecodePlan:
     sr: int = 0  # store rounding: 0 nearest even, 1 stochastic bf16, 2 stochastic fp16
     kc: int = 0  # K-first one-token kernel: rows of K per chunk, the plane read twice (0: the whole tile once)
     heads_fastest: bool = False  # one-token kernel: grid (V block, value head, sequence), not (.., sequence, head)
-    packed: bool = False  # 2-byte K-first one-token kernel: the V block held as 32-bit words of two columns, read once
+    packed: bool = False  # K-first one-token kernel: the V block read once and held (bf16: as 32-bit words)
 
 
 SR_MODES = {torch.bfloat16: 1, torch.float16: 2}
@@ -453,8 +453,8 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -
     - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (the K reduction stays in a warp).
     - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
-      one block of BV 64 (fp32, 2 warps; bf16: 4 warps, held as 32-bit words of two columns and read once
-      (`packed`); fp16, or a bf16 pool whose slot stride or address is odd: 1 warp read in row chunks of 32,
+      one block of BV 64 read once and held (`packed`: fp32 on 2 warps; bf16 on 4 warps as 32-bit words of two
+      columns; fp16, or a bf16 pool whose slot stride or address is odd: 1 warp read in row chunks of 32,
       twice), the
       grid's value heads before its sequences (a slot's planes read one after another; V-first pools lose with
       it at N = 1024).
@@ -482,12 +482,13 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (H200 sweep, fewer
     # threads per plane: docs/performance.md)
     per_warp = 4096 if (nsub and not v_first) else 2048
-    # bf16 only (its halves widen by a shift): H200 sweep, BV 64 on 4 warps (32 words a thread, 96 registers);
-    # fp16 halves take 128 registers that way and run no faster than the row chunks (docs/performance.md)
-    packed = bool(kc) and V % 2 == 0 and state_dtype == torch.bfloat16
+    # the V block read once and held: fp32 (2 warps), bf16 as 32-bit words (its halves widen by a shift; 4
+    # warps, 96 registers); fp16 halves took 128 registers that way and ran no faster than the row chunks
+    packed = bool(nsub) and not v_first and (state_dtype == torch.float32 or (bool(kc) and V % 2 == 0
+                                                                              and state_dtype == torch.bfloat16))
     if interpreted():
         num_warps = 1
-    elif packed:
+    elif packed and state_bytes == 2:
         num_warps = 4
     else:
         num_warps = 1 if kc else max(1, min(8, BK * BV // per_warp))

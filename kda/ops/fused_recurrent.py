@@ -431,35 +431,23 @@ def _pack_pairs(lo, hi, c_lo, seed, SR: tl.constexpr):
 
 
 @triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
 
 @triton.jit
-def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias, a, scale, lower_bound, beta_t,
-                        i_vb, slot, i_hv, seed, zero, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                        USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_SRC: tl.constexpr,
-                        HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
-    """The one-token step on a bf16 K-first V block held as 32-bit words (two columns each): read once,
-    kept packed (half a register an element) across the reductions over K, unpacked again for the update.
-    `zero` is a run-time 0: the second unpacking reads x ^ zero, so the compiler cannot reuse the first's fp32
-    values and keeps the packed tile instead (twice the registers otherwise). Returns (o even, o odd)."""
-    BP: tl.constexpr = BV // 2
-    VP: tl.constexpr = V // 2
+def _k_vectors(q_h, k_h, g_h, dt_bias, a, scale, lower_bound, i_hv, K: tl.constexpr, BK: tl.constexpr,
+               USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+               USE_L2NORM: tl.constexpr):
+    """A token's K-vectors for the held K-first forms: (2^g, k~, 2^g k~, 2^g scale q~, k~ . scale q~). The decay
+    rides on the vectors of the reductions (S'^T k = S^T (2^g k)), so no scaled copy of the held tile is formed."""
     o_k = tl.arange(0, BK)
     k_ok = o_k < K
-    o_p = i_vb * BP + tl.arange(0, BP)  # word columns: value columns 2 o_p and 2 o_p + 1
-    p_ok = o_p < VP
-    tile_off = o_k[:, None] * VP + o_p[None, :]
-    x = tl.zeros([BK, BP], dtype=tl.uint32)
-    if HAS_SRC:
-        src = src_plane.to(tl.pointer_type(tl.uint32), bitcast=True)
-        if FULL_TILE:
-            ok = (tile_off * 0 + read) != 0
-        else:
-            ok = ((tile_off * 0 + read) != 0) & k_ok[:, None] & p_ok[None, :]
-        x = tl.load(src + tile_off, mask=ok, other=0)
     q_t = tl.load(q_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
     k_t = tl.load(k_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
     g_raw = tl.load(g_h + o_k, mask=k_ok, other=0.0)
@@ -469,18 +457,71 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias,
         q_t = q_t / tl.sqrt(tl.sum(q_t * q_t, 0) + 1e-6)
         k_t = k_t / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
     q_t = q_t * scale
-    kq = tl.sum(k_t * q_t, 0)
+    return d, k_t, d * k_t, d * q_t, tl.sum(k_t * q_t, 0)
+
+
+@triton.jit
+def _held_tile(plane, read, tile_off, row_ok, col_ok, dtype: tl.constexpr, HAS_SRC: tl.constexpr,
+               FULL_TILE: tl.constexpr):
+    """A K-first V block read once as `dtype` elements (zeros where there is no state to read)."""
+    x = tl.zeros(tile_off.shape, dtype=dtype)
+    if HAS_SRC:
+        ok = (tile_off * 0 + read) != 0
+        if not FULL_TILE:
+            ok = ok & row_ok[:, None] & col_ok[None, :]
+        x = tl.load(plane.to(tl.pointer_type(dtype), bitcast=True) + tile_off, mask=ok, other=0)
+    return x
+
+
+@triton.jit
+def _one_token_k_held(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias, a, scale, lower_bound, beta_t,
+                      i_vb, i_hv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                      USE_L2NORM: tl.constexpr, HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, FULL_TILE: tl.constexpr):
+    """The one-token step on an fp32 K-first V block read once and held across the reductions over K (the
+    decay on the K-vectors, both sums in one reduction). Returns (o, o_v, v_ok)."""
+    o_k = tl.arange(0, BK)
+    k_ok = o_k < K
+    o_v = i_vb * BV + tl.arange(0, BV)
+    v_ok = o_v < V
+    tile_off = o_k[:, None] * V + o_v[None, :]
+    x = _held_tile(src_plane, read, tile_off, k_ok, v_ok, tl.float32, HAS_SRC, FULL_TILE)
+    d, k_t, dk, dq, kq = _k_vectors(q_h, k_h, g_h, dt_bias, a, scale, lower_bound, i_hv, K, BK, USE_GATE,
+                                    HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM)
+    kS, qS = tl.reduce((x * dk[:, None], x * dq[:, None]), 0, _add2)
+    u = beta_t * (tl.load(v_h + o_v, mask=v_ok, other=0.0).to(tl.float32) - kS)
+    if HAS_DST:
+        tl.store(dst_plane + tile_off, x * d[:, None] + k_t[:, None] * u[None, :],
+                 mask=None if FULL_TILE else k_ok[:, None] & v_ok[None, :])
+    return qS + kq * u, o_v, v_ok
+
+
+@triton.jit
+def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias, a, scale, lower_bound, beta_t,
+                        i_vb, slot, i_hv, seed, zero, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                        USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_SRC: tl.constexpr,
+                        HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
+    """`_one_token_k_held` on a bf16 K-first V block held as 32-bit words (two columns each): kept packed (half
+    a register an element) across the reductions over K, unpacked again for the update. `zero` is a run-time 0:
+    the second unpacking reads x ^ zero, so the compiler cannot reuse the first's fp32 values and keeps the
+    packed tile instead (128 registers a thread instead of 96). Returns (o even, o odd, word columns, their mask)."""
+    BP: tl.constexpr = BV // 2
+    VP: tl.constexpr = V // 2
+    o_k = tl.arange(0, BK)
+    k_ok = o_k < K
+    o_p = i_vb * BP + tl.arange(0, BP)  # word columns: value columns 2 o_p and 2 o_p + 1
+    p_ok = o_p < VP
+    tile_off = o_k[:, None] * VP + o_p[None, :]
+    x = _held_tile(src_plane, read, tile_off, k_ok, p_ok, tl.uint32, HAS_SRC, FULL_TILE)
+    d, k_t, dk, dq, kq = _k_vectors(q_h, k_h, g_h, dt_bias, a, scale, lower_bound, i_hv, K, BK, USE_GATE,
+                                    HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM)
     lo, hi = _unpack_pairs(x)
-    # the decay on the K-vectors (S'^T k = S^T (2^g k)): no scaled copy of the tile is formed, which took 127
-    # registers a thread instead of 96; the four sums in one reduction (one exchange between warps, not four)
-    dk = d * k_t
-    dq = d * q_t
+    # the four sums over K in one reduction (one exchange between warps instead of four)
     kS_lo, kS_hi, qS_lo, qS_hi = tl.reduce((lo * dk[:, None], hi * dk[:, None], lo * dq[:, None], hi * dq[:, None]),
                                            0, _add4)
-    v_lo = tl.load(v_h + 2 * o_p, mask=p_ok, other=0.0).to(tl.float32)
-    v_hi = tl.load(v_h + 2 * o_p + 1, mask=p_ok, other=0.0).to(tl.float32)
-    u_lo = beta_t * (v_lo - kS_lo)
-    u_hi = beta_t * (v_hi - kS_hi)
+    u_lo = beta_t * (tl.load(v_h + 2 * o_p, mask=p_ok, other=0.0).to(tl.float32) - kS_lo)
+    u_hi = beta_t * (tl.load(v_h + 2 * o_p + 1, mask=p_ok, other=0.0).to(tl.float32) - kS_hi)
     if HAS_DST:
         lo, hi = _unpack_pairs(x ^ zero)
         lo = lo * d[:, None] + k_t[:, None] * u_lo[None, :]
@@ -543,21 +584,31 @@ def _fused_recurrent_one_token_kernel(
         return
 
     src_plane = state_src + slot * src_stride + i_hv * (K * V)
-    if PACKED:  # bf16 K-first, NSUB 1: the V block held as 32-bit words (`_one_token_k_packed`)
+    if PACKED:  # K-first, NSUB 1: the V block read once and held (`_one_token_k_held`, bf16 `_one_token_k_packed`)
         read = 1
         if HAS_INIT_FLAGS:
             read = (tl.load(has_initial_state + i_n) != 0).to(tl.int32)
         beta_t = tl.load(beta + i_hv * s_bh + t * s_bt).to(tl.float32)
         if USE_BETA_SIGMOID:
             beta_t = tl.sigmoid(beta_t)
-        o_lo, o_hi, o_p, p_ok = _one_token_k_packed(
-            src_plane, read, state_dst + slot * dst_stride + i_hv * (K * V), q + i_h * s_qh + t * s_qt,
-            k + i_h * s_kh + t * s_kt, g + i_hv * s_gh + t * s_gt, v + i_hv * s_vh + t * s_vt, dt_bias,
-            decay_rate(A_log, i_hv, HAS_A_LOG), scale, lower_bound, beta_t, i_vb, slot, i_hv, seed, zero, HV, K, V,
-            BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_DST, SR, FULL_TILE)
-        o_t = o_h + t * s_ot
-        tl.store(o_t + 2 * o_p, round_to(o_lo, o_h.dtype.element_ty), mask=p_ok)
-        tl.store(o_t + 2 * o_p + 1, round_to(o_hi, o_h.dtype.element_ty), mask=p_ok)
+        dst_plane = state_dst + slot * dst_stride + i_hv * (K * V)
+        q_t = q + i_h * s_qh + t * s_qt
+        k_t = k + i_h * s_kh + t * s_kt
+        g_t = g + i_hv * s_gh + t * s_gt
+        v_t = v + i_hv * s_vh + t * s_vt
+        a = decay_rate(A_log, i_hv, HAS_A_LOG)
+        if state_src.dtype.element_ty == tl.bfloat16:
+            o_lo, o_hi, o_p, p_ok = _one_token_k_packed(
+                src_plane, read, dst_plane, q_t, k_t, g_t, v_t, dt_bias, a, scale, lower_bound, beta_t, i_vb, slot,
+                i_hv, seed, zero, HV, K, V, BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC,
+                HAS_DST, SR, FULL_TILE)
+            tl.store(o_h + t * s_ot + 2 * o_p, round_to(o_lo, o_h.dtype.element_ty), mask=p_ok)
+            tl.store(o_h + t * s_ot + 2 * o_p + 1, round_to(o_hi, o_h.dtype.element_ty), mask=p_ok)
+        else:
+            o_row, o_v, v_ok = _one_token_k_held(
+                src_plane, read, dst_plane, q_t, k_t, g_t, v_t, dt_bias, a, scale, lower_bound, beta_t, i_vb, i_hv,
+                K, V, BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_DST, FULL_TILE)
+            tl.store(o_h + t * s_ot + o_v, round_to(o_row, o_h.dtype.element_ty), mask=v_ok)
         return
     if KC > 0:  # K-first, NSUB 1: the V block in row chunks (`_one_token_k_split`)
         read = 1
@@ -650,15 +701,16 @@ def fused_recurrent_kda_fwd(
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
-        # 32-bit words of two bf16 columns need even offsets and 4-byte aligned pools (else the row chunks)
-        packed = plan.packed and call.state_dtype == torch.bfloat16 and all(s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0)
-                                     for s in (st.src, st.dst))
+        # fp32, or bf16 as 32-bit words of two columns: even offsets and 4-byte aligned pools (else the row chunks)
+        packed = plan.packed and (call.state_dtype == torch.float32 or (call.state_dtype == torch.bfloat16 and all(
+            s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0) for s in (st.src, st.dst))))
         grid = (cdiv(V, rows), HV, N) if plan.heads_fastest else (cdiv(V, rows), N, HV)
         _fused_recurrent_one_token_kernel[grid](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
             lower_bound, seed,
             int(st.paged), 0, NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc,
-            HEADS_FASTEST=plan.heads_fastest, PACKED=packed, **flags,
+            HEADS_FASTEST=plan.heads_fastest, PACKED=packed,
+            **(flags if packed == plan.packed else dict(flags, num_warps=1)),  # the row chunks' one warp
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
