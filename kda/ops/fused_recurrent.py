@@ -21,8 +21,9 @@ programs per head and sequence), BV = 8 for a 2-byte pool, K-first BV = 64 with 
 (S'^T k and S'^T q, with S' = Diag(2^g) S) are independent: o = S'^T q~ + (k . q~) u, which equals
 S^T q~ after the update. When the tile covers the plane exactly (K = BK, BV | V) the state accesses
 carry no mask. One-token calls (dense q [N, 1], or varlen whose host bounds `cu_seqlens_cpu` are
-0, 1, ..., N) with a V-first pool take `_fused_recurrent_one_token_kernel` instead: the same arithmetic, NSUB state blocks per program, all
-loaded before any is used (`kda.plan.decode_plan`).
+0, 1, ..., N) take `_fused_recurrent_one_token_kernel` instead: V-first pools the same arithmetic, NSUB state blocks
+per program, all loaded before any is used; K-first pools one V block read once and held, the decay on the K-vectors
+of the reductions (bf16 as 32-bit words of two columns; fp16 in row chunks read twice) (`kda.plan.decode_plan`).
 
 Layout. The tile is kept in the orientation of the caller's plane, so that the contiguous dimension of
 memory is the last (fastest) dimension of the tile and loads and stores vectorise:
