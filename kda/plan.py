@@ -455,9 +455,8 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
       one block of BV 64 read once and held (`packed`: fp32 on 2 warps; bf16 on 4 warps as 32-bit words of two
       columns; fp16, or a bf16 pool whose slot stride or address is odd: 1 warp read in row chunks of 32,
-      twice), the
-      grid's value heads before its sequences (a slot's planes read one after another; V-first pools lose with
-      it at N = 1024).
+      twice), the grid's value heads before its sequences (a slot's planes read one after another; V-first
+      pools lose with it at N = 1024).
     `overrides` replace any field (tests)."""
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
                         bool(stochastic_rounding))
