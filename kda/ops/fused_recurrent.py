@@ -442,26 +442,6 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def _k_vectors(q_h, k_h, g_h, dt_bias, a, scale, lower_bound, i_hv, K: tl.constexpr, BK: tl.constexpr,
-               USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-               USE_L2NORM: tl.constexpr):
-    """A token's K-vectors for the held K-first forms: (2^g, k~, 2^g k~, 2^g scale q~, k~ . scale q~). The decay
-    rides on the vectors of the reductions (S'^T k = S^T (2^g k)), so no scaled copy of the held tile is formed."""
-    o_k = tl.arange(0, BK)
-    k_ok = o_k < K
-    q_t = tl.load(q_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
-    k_t = tl.load(k_h + o_k, mask=k_ok, other=0.0).to(tl.float32)
-    g_raw = tl.load(g_h + o_k, mask=k_ok, other=0.0)
-    bias = dt_bias_slice(dt_bias, i_hv, o_k, K, HAS_DT_BIAS)
-    d = tl.exp2(tl.reshape(kda_gate_log2(g_raw[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK]))
-    if USE_L2NORM:
-        q_t = q_t / tl.sqrt(tl.sum(q_t * q_t, 0) + 1e-6)
-        k_t = k_t / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
-    q_t = q_t * scale
-    return d, k_t, d * k_t, d * q_t, tl.sum(k_t * q_t, 0)
-
-
-@triton.jit
 def _held_tile(plane, read, tile_off, row_ok, col_ok, dtype: tl.constexpr, HAS_SRC: tl.constexpr,
                FULL_TILE: tl.constexpr):
     """A K-first V block read once as `dtype` elements (zeros where there is no state to read)."""
@@ -475,34 +455,38 @@ def _held_tile(plane, read, tile_off, row_ok, col_ok, dtype: tl.constexpr, HAS_S
 
 
 @triton.jit
-def _one_token_k_held(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias, a, scale, lower_bound, beta_t,
-                      i_vb, i_hv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _one_token_k_held(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_bias, a, scale, lower_bound, i_vb,
+                      i_hv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-                      USE_L2NORM: tl.constexpr, HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, FULL_TILE: tl.constexpr):
-    """The one-token step on an fp32 K-first V block read once and held across the reductions over K (the
-    decay on the K-vectors, both sums in one reduction). Returns (o, o_v, v_ok)."""
+                      USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, HAS_SRC: tl.constexpr,
+                      HAS_DST: tl.constexpr, FULL_TILE: tl.constexpr):
+    """The one-token step on an fp32 K-first V block read once and held across the reductions over K. The decay
+    rides on the K-vectors of the reductions (S'^T k = S^T (2^g k)), so no scaled copy of the held tile is formed;
+    both sums in one reduction. Returns (o, o_v, v_ok)."""
     o_k = tl.arange(0, BK)
     k_ok = o_k < K
     o_v = i_vb * BV + tl.arange(0, BV)
     v_ok = o_v < V
     tile_off = o_k[:, None] * V + o_v[None, :]
     x = _held_tile(src_plane, read, tile_off, k_ok, v_ok, tl.float32, HAS_SRC, FULL_TILE)
-    d, k_t, dk, dq, kq = _k_vectors(q_h, k_h, g_h, dt_bias, a, scale, lower_bound, i_hv, K, BK, USE_GATE,
-                                    HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM)
-    kS, qS = tl.reduce((x * dk[:, None], x * dq[:, None]), 0, _add2)
+    q_t, k_t, g_t, beta_t = _token_inputs(q_h, k_h, g_h, b_h, a, dt_bias_slice(dt_bias, i_hv, o_k, K, HAS_DT_BIAS),
+                                          scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND, USE_L2NORM,
+                                          USE_BETA_SIGMOID)
+    d = tl.exp2(g_t)
+    kS, qS = tl.reduce((x * (d * k_t)[:, None], x * (d * q_t)[:, None]), 0, _add2)
     u = beta_t * (tl.load(v_h + o_v, mask=v_ok, other=0.0).to(tl.float32) - kS)
     if HAS_DST:
         tl.store(dst_plane + tile_off, x * d[:, None] + k_t[:, None] * u[None, :],
                  mask=None if FULL_TILE else k_ok[:, None] & v_ok[None, :])
-    return qS + kq * u, o_v, v_ok
+    return qS + tl.sum(k_t * q_t, 0) * u, o_v, v_ok
 
 
 @triton.jit
-def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias, a, scale, lower_bound, beta_t,
-                        i_vb, slot, i_hv, seed, zero, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_bias, a, scale, lower_bound, i_vb,
+                        slot, i_hv, seed, zero, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                        USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_SRC: tl.constexpr,
-                        HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
+                        USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+                        HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
     """`_one_token_k_held` on a bf16 K-first V block held as 32-bit words (two columns each): kept packed (half
     a register an element) across the reductions over K, unpacked again for the update. `zero` is a run-time 0:
     the second unpacking reads x ^ zero, so the compiler cannot reuse the first's fp32 values and keeps the
@@ -515,8 +499,13 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, v_h, dt_bias,
     p_ok = o_p < VP
     tile_off = o_k[:, None] * VP + o_p[None, :]
     x = _held_tile(src_plane, read, tile_off, k_ok, p_ok, tl.uint32, HAS_SRC, FULL_TILE)
-    d, k_t, dk, dq, kq = _k_vectors(q_h, k_h, g_h, dt_bias, a, scale, lower_bound, i_hv, K, BK, USE_GATE,
-                                    HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM)
+    q_t, k_t, g_t, beta_t = _token_inputs(q_h, k_h, g_h, b_h, a, dt_bias_slice(dt_bias, i_hv, o_k, K, HAS_DT_BIAS),
+                                          scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND, USE_L2NORM,
+                                          USE_BETA_SIGMOID)
+    d = tl.exp2(g_t)
+    dk = d * k_t
+    dq = d * q_t
+    kq = tl.sum(k_t * q_t, 0)
     lo, hi = _unpack_pairs(x)
     # the four sums over K in one reduction (one exchange between warps instead of four)
     kS_lo, kS_hi, qS_lo, qS_hi = tl.reduce((lo * dk[:, None], hi * dk[:, None], lo * dq[:, None], hi * dq[:, None]),
@@ -585,36 +574,33 @@ def _fused_recurrent_one_token_kernel(
         return
 
     src_plane = state_src + slot * src_stride + i_hv * (K * V)
-    if PACKED:  # K-first, NSUB 1: the V block read once and held (`_one_token_k_held`, bf16 `_one_token_k_packed`)
+    if PACKED or KC > 0:  # K-first, NSUB 1: has_initial_state's flag is a load mask there, not a branch
         read = 1
         if HAS_INIT_FLAGS:
             read = (tl.load(has_initial_state + i_n) != 0).to(tl.int32)
-        beta_t = tl.load(beta + i_hv * s_bh + t * s_bt).to(tl.float32)
-        if USE_BETA_SIGMOID:
-            beta_t = tl.sigmoid(beta_t)
+    if PACKED:  # the V block read once and held (`_one_token_k_held`; bf16 as words, `_one_token_k_packed`)
         dst_plane = state_dst + slot * dst_stride + i_hv * (K * V)
         q_t = q + i_h * s_qh + t * s_qt
         k_t = k + i_h * s_kh + t * s_kt
         g_t = g + i_hv * s_gh + t * s_gt
+        b_t = beta + i_hv * s_bh + t * s_bt
         v_t = v + i_hv * s_vh + t * s_vt
         a = decay_rate(A_log, i_hv, HAS_A_LOG)
         if state_src.dtype.element_ty == tl.bfloat16:
             o_lo, o_hi, o_p, p_ok = _one_token_k_packed(
-                src_plane, read, dst_plane, q_t, k_t, g_t, v_t, dt_bias, a, scale, lower_bound, beta_t, i_vb, slot,
-                i_hv, seed, zero, HV, K, V, BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC,
-                HAS_DST, SR, FULL_TILE)
+                src_plane, read, dst_plane, q_t, k_t, g_t, b_t, v_t, dt_bias, a, scale, lower_bound, i_vb, slot,
+                i_hv, seed, zero, HV, K, V, BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM,
+                USE_BETA_SIGMOID, HAS_SRC, HAS_DST, SR, FULL_TILE)
             tl.store(o_h + t * s_ot + 2 * o_p, round_to(o_lo, o_h.dtype.element_ty), mask=p_ok)
             tl.store(o_h + t * s_ot + 2 * o_p + 1, round_to(o_hi, o_h.dtype.element_ty), mask=p_ok)
         else:
             o_row, o_v, v_ok = _one_token_k_held(
-                src_plane, read, dst_plane, q_t, k_t, g_t, v_t, dt_bias, a, scale, lower_bound, beta_t, i_vb, i_hv,
-                K, V, BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, HAS_SRC, HAS_DST, FULL_TILE)
+                src_plane, read, dst_plane, q_t, k_t, g_t, b_t, v_t, dt_bias, a, scale, lower_bound, i_vb, i_hv,
+                K, V, BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC,
+                HAS_DST, FULL_TILE)
             tl.store(o_h + t * s_ot + o_v, round_to(o_row, o_h.dtype.element_ty), mask=v_ok)
         return
-    if KC > 0:  # K-first, NSUB 1: the V block in row chunks (`_one_token_k_split`)
-        read = 1
-        if HAS_INIT_FLAGS:
-            read = (tl.load(has_initial_state + i_n) != 0).to(tl.int32)
+    if KC > 0:  # the V block in row chunks (`_one_token_k_split`)
         o_v = i_vb * BV + tl.arange(0, BV)
         v_ok = o_v < V
         v_t = tl.load(v + i_hv * s_vh + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
