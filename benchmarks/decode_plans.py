@@ -52,7 +52,8 @@ PLANS = {
     # K-first in row chunks of kc, the plane read twice (kda.ops.fused_recurrent._one_token_k_split)
     **{f"1tok BV{bv} nw{w} kc{kc}": dict(nsub=1, BV=bv, num_warps=w, kc=kc)
        for bv, w in ((32, 1), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2), (128, 4)) for kc in (16, 32, 64)},
-    # 2-byte K-first held as 32-bit words of two columns, read once (kda.ops.fused_recurrent._one_token_k_packed)
+    # K-first read once and held (kda.ops.fused_recurrent._one_token_k_held; bf16 as 32-bit words of two columns,
+    # _one_token_k_packed; fp16 pools run the row chunks whatever these say)
     **{f"1tok BV{bv} nw{w} packed": dict(nsub=1, BV=bv, num_warps=w, kc=32, packed=True)
        for bv, w in ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))},
 }
