@@ -442,16 +442,22 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def _held_tile(plane, read, tile_off, row_ok, col_ok, dtype: tl.constexpr, HAS_SRC: tl.constexpr,
-               FULL_TILE: tl.constexpr):
-    """A K-first V block read once as `dtype` elements (zeros where there is no state to read)."""
+def _held_inputs(plane, read, tile_off, row_ok, col_ok, q_h, k_h, g_h, b_h, dt_bias, a, scale, lower_bound, i_hv,
+                 dtype: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
+                 HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr,
+                 USE_BETA_SIGMOID: tl.constexpr, HAS_SRC: tl.constexpr, FULL_TILE: tl.constexpr):
+    """A K-first V block read once as `dtype` elements (zeros where there is no state to read), then the token's
+    inputs (`_token_inputs`): (tile, 2^g, k~, scale q~, beta)."""
     x = tl.zeros(tile_off.shape, dtype=dtype)
     if HAS_SRC:
         ok = (tile_off * 0 + read) != 0
         if not FULL_TILE:
             ok = ok & row_ok[:, None] & col_ok[None, :]
         x = tl.load(plane.to(tl.pointer_type(dtype), bitcast=True) + tile_off, mask=ok, other=0)
-    return x
+    bias = dt_bias_slice(dt_bias, i_hv, tl.arange(0, BK), K, HAS_DT_BIAS)
+    q_t, k_t, g_t, beta_t = _token_inputs(q_h, k_h, g_h, b_h, a, bias, scale, lower_bound, K, BK, USE_GATE,
+                                          USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID)
+    return x, tl.exp2(g_t), k_t, q_t, beta_t
 
 
 @triton.jit
@@ -468,11 +474,9 @@ def _one_token_k_held(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_bi
     o_v = i_vb * BV + tl.arange(0, BV)
     v_ok = o_v < V
     tile_off = o_k[:, None] * V + o_v[None, :]
-    x = _held_tile(src_plane, read, tile_off, k_ok, v_ok, tl.float32, HAS_SRC, FULL_TILE)
-    q_t, k_t, g_t, beta_t = _token_inputs(q_h, k_h, g_h, b_h, a, dt_bias_slice(dt_bias, i_hv, o_k, K, HAS_DT_BIAS),
-                                          scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND, USE_L2NORM,
-                                          USE_BETA_SIGMOID)
-    d = tl.exp2(g_t)
+    x, d, k_t, q_t, beta_t = _held_inputs(src_plane, read, tile_off, k_ok, v_ok, q_h, k_h, g_h, b_h, dt_bias, a, scale,
+                                          lower_bound, i_hv, tl.float32, K, BK, USE_GATE, HAS_DT_BIAS,
+                                          USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC, FULL_TILE)
     kS, qS = tl.reduce((x * (d * k_t)[:, None], x * (d * q_t)[:, None]), 0, _add2)
     u = beta_t * (tl.load(v_h + o_v, mask=v_ok, other=0.0).to(tl.float32) - kS)
     if HAS_DST:
@@ -498,11 +502,9 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
     o_p = i_vb * BP + tl.arange(0, BP)  # word columns: value columns 2 o_p and 2 o_p + 1
     p_ok = o_p < VP
     tile_off = o_k[:, None] * VP + o_p[None, :]
-    x = _held_tile(src_plane, read, tile_off, k_ok, p_ok, tl.uint32, HAS_SRC, FULL_TILE)
-    q_t, k_t, g_t, beta_t = _token_inputs(q_h, k_h, g_h, b_h, a, dt_bias_slice(dt_bias, i_hv, o_k, K, HAS_DT_BIAS),
-                                          scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND, USE_L2NORM,
-                                          USE_BETA_SIGMOID)
-    d = tl.exp2(g_t)
+    x, d, k_t, q_t, beta_t = _held_inputs(src_plane, read, tile_off, k_ok, p_ok, q_h, k_h, g_h, b_h, dt_bias, a, scale,
+                                          lower_bound, i_hv, tl.uint32, K, BK, USE_GATE, HAS_DT_BIAS,
+                                          USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC, FULL_TILE)
     dk = d * k_t
     dq = d * q_t
     kq = tl.sum(k_t * q_t, 0)
