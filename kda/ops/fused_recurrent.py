@@ -445,15 +445,17 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 def _held_inputs(plane, read, tile_off, row_ok, col_ok, q_h, k_h, g_h, b_h, dt_bias, a, scale, lower_bound, i_hv,
                  dtype: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
                  HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr,
-                 USE_BETA_SIGMOID: tl.constexpr, HAS_SRC: tl.constexpr, FULL_TILE: tl.constexpr):
-    """A K-first V block read once as `dtype` elements (zeros where there is no state to read), then the token's
-    inputs (`_token_inputs`): (tile, 2^g, k~, scale q~, beta)."""
+                 USE_BETA_SIGMOID: tl.constexpr, HAS_SRC: tl.constexpr, FULL_TILE: tl.constexpr,
+                 EVICT_FIRST: tl.constexpr):
+    """A K-first V block read once as `dtype` elements (zeros where there is no state to read; EVICT_FIRST: its
+    lines marked first to leave L2), then the token's inputs (`_token_inputs`): (tile, 2^g, k~, scale q~, beta)."""
     x = tl.zeros(tile_off.shape, dtype=dtype)
     if HAS_SRC:
         ok = (tile_off * 0 + read) != 0
         if not FULL_TILE:
             ok = ok & row_ok[:, None] & col_ok[None, :]
-        x = tl.load(plane.to(tl.pointer_type(dtype), bitcast=True) + tile_off, mask=ok, other=0)
+        x = tl.load(plane.to(tl.pointer_type(dtype), bitcast=True) + tile_off, mask=ok, other=0,
+                    eviction_policy="evict_first" if EVICT_FIRST else "")
     bias = dt_bias_slice(dt_bias, i_hv, tl.arange(0, BK), K, HAS_DT_BIAS)
     q_t, k_t, g_t, beta_t = _token_inputs(q_h, k_h, g_h, b_h, a, bias, scale, lower_bound, K, BK, USE_GATE,
                                           USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID)
@@ -476,7 +478,7 @@ def _one_token_k_held(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_bi
     tile_off = o_k[:, None] * V + o_v[None, :]
     x, d, k_t, q_t, beta_t = _held_inputs(src_plane, read, tile_off, k_ok, v_ok, q_h, k_h, g_h, b_h, dt_bias, a, scale,
                                           lower_bound, i_hv, tl.float32, K, BK, USE_GATE, HAS_DT_BIAS,
-                                          USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC, FULL_TILE)
+                                          USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC, FULL_TILE, False)
     kS, qS = tl.reduce((x * (d * k_t)[:, None], x * (d * q_t)[:, None]), 0, _add2)
     u = beta_t * (tl.load(v_h + o_v, mask=v_ok, other=0.0).to(tl.float32) - kS)
     if HAS_DST:
@@ -494,7 +496,9 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
     """`_one_token_k_held` on a bf16 K-first V block held as 32-bit words (two columns each): kept packed (half
     a register an element) across the reductions over K, unpacked again for the update. `zero` is a run-time 0:
     the second unpacking reads x ^ zero, so the compiler cannot reuse the first's fp32 values and keeps the
-    packed tile instead (128 registers a thread instead of 96). Returns (o even, o odd, word columns, their mask)."""
+    packed tile instead (128 registers a thread instead of 96). The block's lines, read and written, are marked
+    first to leave L2 (3.5% faster; the fp32 form is not: docs/performance.md). Returns (o even, o odd, word columns,
+    their mask)."""
     BP: tl.constexpr = BV // 2
     VP: tl.constexpr = V // 2
     o_k = tl.arange(0, BK)
@@ -504,7 +508,7 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
     tile_off = o_k[:, None] * VP + o_p[None, :]
     x, d, k_t, q_t, beta_t = _held_inputs(src_plane, read, tile_off, k_ok, p_ok, q_h, k_h, g_h, b_h, dt_bias, a, scale,
                                           lower_bound, i_hv, tl.uint32, K, BK, USE_GATE, HAS_DT_BIAS,
-                                          USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC, FULL_TILE)
+                                          USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC, FULL_TILE, True)
     dk = d * k_t
     dq = d * q_t
     kq = tl.sum(k_t * q_t, 0)
@@ -521,7 +525,8 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
         c_lo = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + 2 * o_p[None, :]
         y = _pack_pairs(lo, hi, c_lo, seed, SR)
         dst = dst_plane.to(tl.pointer_type(tl.uint32), bitcast=True)
-        tl.store(dst + tile_off, y, mask=None if FULL_TILE else k_ok[:, None] & p_ok[None, :])
+        tl.store(dst + tile_off, y, mask=None if FULL_TILE else k_ok[:, None] & p_ok[None, :],
+                 eviction_policy="evict_first")
     return qS_lo + kq * u_lo, qS_hi + kq * u_hi, o_p, p_ok
 
 
