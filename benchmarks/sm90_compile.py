@@ -105,6 +105,22 @@ def decode_case(v_first: bool, dtype: torch.dtype, **overrides):
             3 if plan.kc and not plan.packed else 1)
 
 
+def loop_case(v_first: bool, dtype: torch.dtype, verify: bool = False):
+    """The loop kernel (any tokens per sequence; varlen without host bounds, paged), as the benchmark's "no host
+    bounds" decode row and speculative verify run it."""
+    plan = _decode_plan(K, V, v_first, dtype, False, False)
+    pool = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    ptrs = dict(q="bf16", k="bf16", v="bf16", g="fp32", beta="bf16", o="bf16", A_log="fp32", dt_bias="fp32",
+                cu_seqlens="i32", state_src=pool, state_dst=pool, slot_of_seq="i32", has_initial_state="i1",
+                num_accepted="i32", errors="i32")
+    consts = dict(H=H_DECODE, HV=H_DECODE, K=K, V=V, BK=plan.BK, BV=plan.BV, IS_VARLEN=True, USE_GATE=True,
+                  HAS_A_LOG=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=True, USE_L2NORM=True, USE_BETA_SIGMOID=True,
+                  HAS_SRC=True, HAS_DST=True, PAGED=True, HAS_INIT_FLAGS=False, V_FIRST=v_first, SR=plan.sr,
+                  FULL_TILE=True, VERIFY=verify, HAS_ACCEPTED=verify, HAS_ERRORS=False, SHORT=0)
+    return (fused_recurrent._fused_recurrent_kda_kernel, ptrs, consts, dict(s_bh=1, seed=None, n_slots=None),
+            plan.num_warps, 1)
+
+
 CASES = {
     "gate": gate_case,
     "prepare": prepare_case,
@@ -125,6 +141,8 @@ CASES = {
     "decode-kfirst-bf16": lambda: decode_case(False, torch.bfloat16),
     "decode-kfirst-bf16-rows": lambda: decode_case(False, torch.bfloat16, packed=False, num_warps=1),
     "decode-kfirst-fp16": lambda: decode_case(False, torch.float16),
+    "loop-kfirst-fp32": lambda: loop_case(False, torch.float32),
+    "loop-kfirst-bf16-verify": lambda: loop_case(False, torch.bfloat16, True),
 }
 FLOATS = ("scale", "lower_bound")
 

@@ -185,30 +185,41 @@ def _token_beta(b_t_ptr, USE_BETA_SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def _token_vectors(q_t_ptr, k_t_ptr, g_t_ptr, a, bias, scale, lower_bound, K: tl.constexpr, BK: tl.constexpr,
-                   USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr):
-    """One token's K-vectors: (scale q~, k~, log2 decay g), q~, k~ l2-normalised when asked."""
+def _token_gate(g_t, a, bias, lower_bound, BK: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """One token's log2 decay over K from its raw g (`_k_vector`)."""
+    return tl.reshape(kda_gate_log2(g_t[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK])
+
+
+@triton.jit
+def _k_vector(ptr, K: tl.constexpr, BK: tl.constexpr):
+    """One token's [BK] vector over K in fp32 (zeros past K)."""
     o_k = tl.arange(0, BK)
-    k_ok = o_k < K
-    q_t = tl.load(q_t_ptr + o_k, mask=k_ok, other=0.0).to(tl.float32)
-    k_t = tl.load(k_t_ptr + o_k, mask=k_ok, other=0.0).to(tl.float32)
-    g_raw = tl.load(g_t_ptr + o_k, mask=k_ok, other=0.0)
-    # the gate before the norms: the fp32 held K-first form spills 16 bytes this way, 24 the other (2.5% slower)
-    g_t = tl.reshape(kda_gate_log2(g_raw[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK])
+    return tl.load(ptr + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _token_qk(q_t, k_t, scale, USE_L2NORM: tl.constexpr):
+    """(scale q~, k~) of one token's q and k, l2-normalised when asked."""
     if USE_L2NORM:
         q_t = q_t / tl.sqrt(tl.sum(q_t * q_t, 0) + 1e-6)
         k_t = k_t / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
-    return q_t * scale, k_t, g_t
+    return q_t * scale, k_t
 
 
 @triton.jit
 def _token_inputs(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, a, bias, scale, lower_bound,
                   K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                   USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
-    """One token's inputs: (scale q~, k~, log2 decay g, beta), q~, k~ l2-normalised when asked."""
-    q_t, k_t, g_t = _token_vectors(q_t_ptr, k_t_ptr, g_t_ptr, a, bias, scale, lower_bound, K, BK, USE_GATE,
-                                   USE_LOWER_BOUND, USE_L2NORM)
-    return q_t, k_t, g_t, _token_beta(b_t_ptr, USE_BETA_SIGMOID)
+    """One token's inputs: (scale q~, k~, log2 decay g, beta). In this order the loop kernel takes 167 registers
+    (189 with the gate first), while the held K-first forms take the gate first (`_held_inputs`)."""
+    q_t = _k_vector(q_t_ptr, K, BK)
+    k_t = _k_vector(k_t_ptr, K, BK)
+    g_t = _k_vector(g_t_ptr, K, BK)
+    beta_t = tl.load(b_t_ptr).to(tl.float32)
+    q_t, k_t = _token_qk(q_t, k_t, scale, USE_L2NORM)
+    if USE_BETA_SIGMOID:
+        beta_t = tl.sigmoid(beta_t)
+    return q_t, k_t, _token_gate(g_t, a, bias, lower_bound, BK, USE_GATE, USE_LOWER_BOUND), beta_t
 
 
 @triton.jit
@@ -464,8 +475,8 @@ def _held_inputs(plane, read, tile_off, row_ok, col_ok, q_h, k_h, g_h, b_h, dt_b
                  USE_BETA_SIGMOID: tl.constexpr, HAS_SRC: tl.constexpr, FULL_TILE: tl.constexpr,
                  EVICT_FIRST: tl.constexpr):
     """The token's beta, a K-first V block read once as `dtype` elements (zeros where there is no state to read;
-    EVICT_FIRST: its lines marked first to leave L2), then the token's K-vectors (`_token_vectors`): (tile, 2^g,
-    k~, scale q~, beta). In this order the fp32 form spills least."""
+    EVICT_FIRST: its lines marked first to leave L2), then the token's K-vectors, the gate first: (tile, 2^g, k~,
+    scale q~, beta). In this order the fp32 form spills 16 bytes (24 in `_token_inputs`' order: 2.5% slower)."""
     beta_t = _token_beta(b_h, USE_BETA_SIGMOID)
     x = tl.zeros(tile_off.shape, dtype=dtype)
     if HAS_SRC:
@@ -475,9 +486,11 @@ def _held_inputs(plane, read, tile_off, row_ok, col_ok, q_h, k_h, g_h, b_h, dt_b
         x = tl.load(plane.to(tl.pointer_type(dtype), bitcast=True) + tile_off, mask=ok, other=0,
                     eviction_policy="evict_first" if EVICT_FIRST else "")
     bias = dt_bias_slice(dt_bias, i_hv, tl.arange(0, BK), K, HAS_DT_BIAS)
-    q_t, k_t, g_t = _token_vectors(q_h, k_h, g_h, a, bias, scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND,
-                                   USE_L2NORM)
-    return x, tl.exp2(g_t), k_t, q_t, beta_t
+    q_t = _k_vector(q_h, K, BK)
+    k_t = _k_vector(k_h, K, BK)
+    d = tl.exp2(_token_gate(_k_vector(g_h, K, BK), a, bias, lower_bound, BK, USE_GATE, USE_LOWER_BOUND))
+    q_t, k_t = _token_qk(q_t, k_t, scale, USE_L2NORM)
+    return x, d, k_t, q_t, beta_t
 
 
 @triton.jit
