@@ -680,12 +680,12 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
             lines.append(f"| {r.case.name} | {' | '.join(cells)} | {ratio} | {floor_us:.1f} |")
     # narrow state pools against the fp32 pool (decode N=256)
     by_name = {r.case.name: r for r in rows}
-    base = by_name.get(f"decode N={NARROW_POOL_N} H={DECODE_H} fp32 pool")
-    if base is not None:
-        for dt in ("bf16", "fp16"):
-            r = by_name.get(f"decode N={NARROW_POOL_N} H={DECODE_H} {dt} pool")
-            if r is None:
-                continue
+    pairs = [(f"{dt} pool", "fp32 pool") for dt in ("bf16", "fp16")]  # V-first, then K-first dense and varlen
+    pairs += [(f"bf16 K-first pool{how}", f"fp32 K-first pool{how}") for how in ("", " varlen")]
+    for narrow, wide in pairs:
+        base = by_name.get(f"decode N={NARROW_POOL_N} H={DECODE_H} {wide}")
+        r = by_name.get(f"decode N={NARROW_POOL_N} H={DECODE_H} {narrow}")
+        if base is not None and r is not None:
             parts = []
             for who in ("kda", "fla"):
                 for how in ("steady", "graph"):
@@ -699,7 +699,7 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
                     parts.append(f"{who} {how} {a / b:.3f}x{verdict}")
             if parts:
                 lines.append("")
-                lines.append(f"decode N={NARROW_POOL_N} {dt} pool time over fp32 pool time: " + "; ".join(parts))
+                lines.append(f"decode N={NARROW_POOL_N} {narrow} time over {wide} time: " + "; ".join(parts))
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     if not done:
