@@ -52,6 +52,24 @@ def test_the_acceptance_rows_are_all_there():
     assert kinds[-1] == "varlen" and "mixed" in kinds  # the varlen row runs last
 
 
+def test_narrow_pool_lines_pair_the_benchmarks_own_rows():
+    """The lines under the decode table divide each 2-byte pool's steady time by its fp32 pool's, rows found by the
+    names `all_cases` gives them (K-first dense and varlen too), and judge it against 0.6x."""
+    bench = _bench()
+    cases = {c.name: c for c in bench.all_cases() if c.group == "decode"}
+    steady = {  # made-up times: V-first bf16 meets, K-first dense meets, K-first varlen misses
+        "decode N=256 H=12 fp32 pool": 100.0, "decode N=256 H=12 bf16 pool": 55.0,
+        "decode N=256 H=12 fp32 K-first pool": 108.4, "decode N=256 H=12 bf16 K-first pool": 63.3,
+        "decode N=256 H=12 fp32 K-first pool varlen": 100.0, "decode N=256 H=12 bf16 K-first pool varlen": 65.0,
+    }
+    rows = [bench.Row(case=cases[name], floor_b=1, kda_steady=us) for name, us in steady.items()]
+    text = bench.render([], rows, 4.2e12, True)
+    assert "decode N=256 bf16 pool time over fp32 pool time: kda steady 0.550x (meets" in text
+    assert "decode N=256 bf16 K-first pool time over fp32 K-first pool time: kda steady 0.584x (meets" in text
+    assert ("decode N=256 bf16 K-first pool varlen time over fp32 K-first pool varlen time: kda steady 0.650x "
+            "(misses") in text
+
+
 def test_no_benchmark_script_shadows_a_standard_module():
     """`python benchmarks/X.py` puts benchmarks/ first on sys.path: a script named like a standard module
     (profile.py did) replaces it for every library the benchmark imports (fla's import then failed)."""
