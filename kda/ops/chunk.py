@@ -277,7 +277,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
         b2_ws = gt_ws
         if plan.gate_pass:
             b2_ws = torch.empty((total, HV, K), dtype=torch.float32, device=dev)
-            _chunk_gate_kernel[(grid_chunks, HV, cdiv(K, plan.gate_BK))](
+            _chunk_gate_kernel[(grid_chunks * HV * cdiv(K, plan.gate_BK),)](
                 g, A_log, dt_bias, cu, b2_ws, gt_ws, ready, *g_beta[:2], T, N, NT, lower_bound,
                 HV=HV, K=K, BT=BT, BK=plan.gate_BK, IS_VARLEN=varlen, SHORT=short, **gate,
                 SIGNAL_CHUNKS=signal, num_warps=plan.gate_warps, num_stages=1,
