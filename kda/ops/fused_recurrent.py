@@ -476,7 +476,8 @@ def _held_inputs(plane, read, tile_off, row_ok, col_ok, q_h, k_h, g_h, b_h, dt_b
                  EVICT_FIRST: tl.constexpr):
     """The token's beta, a K-first V block read once as `dtype` elements (zeros where there is no state to read;
     EVICT_FIRST: its lines marked first to leave L2), then the token's K-vectors, the gate first: (tile, 2^g, k~,
-    scale q~, beta). In this order the fp32 form spills 16 bytes (24 in `_token_inputs`' order: 2.5% slower)."""
+    2^g k~, 2^g scale q~, k~ . scale q~, beta), the decay riding on the reductions' vectors (S'^T k = S^T (2^g k)).
+    In this order the fp32 form spills 16 bytes (24 in `_token_inputs`' order: 2.5% slower)."""
     beta_t = _token_beta(b_h, USE_BETA_SIGMOID)
     x = tl.zeros(tile_off.shape, dtype=dtype)
     if HAS_SRC:
@@ -490,7 +491,7 @@ def _held_inputs(plane, read, tile_off, row_ok, col_ok, q_h, k_h, g_h, b_h, dt_b
     k_t = _k_vector(k_h, K, BK)
     d = tl.exp2(_token_gate(_k_vector(g_h, K, BK), a, bias, lower_bound, BK, USE_GATE, USE_LOWER_BOUND))
     q_t, k_t = _token_qk(q_t, k_t, scale, USE_L2NORM)
-    return x, d, k_t, q_t, beta_t
+    return x, d, k_t, d * k_t, d * q_t, tl.sum(k_t * q_t, 0), beta_t
 
 
 @triton.jit
@@ -507,12 +508,10 @@ def _one_token_k_held(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_bi
     o_v = i_vb * BV + tl.arange(0, BV)
     v_ok = o_v < V
     tile_off = o_k[:, None] * V + o_v[None, :]
-    x, d, k_t, q_t, beta_t = _held_inputs(src_plane, read, tile_off, k_ok, v_ok, q_h, k_h, g_h, b_h, dt_bias, a, scale,
-                                          lower_bound, i_hv, tl.float32, K, BK, USE_GATE, HAS_DT_BIAS,
-                                          USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC, FULL_TILE, False)
-    dk = d * k_t
-    dq = d * q_t
-    kq = tl.sum(k_t * q_t, 0)
+    x, d, k_t, dk, dq, kq, beta_t = _held_inputs(src_plane, read, tile_off, k_ok, v_ok, q_h, k_h, g_h, b_h, dt_bias,
+                                                 a, scale, lower_bound, i_hv, tl.float32, K, BK, USE_GATE,
+                                                 HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC,
+                                                 FULL_TILE, False)
     kS, qS = tl.reduce((x * dk[:, None], x * dq[:, None]), 0, _add2)
     u = beta_t * (tl.load(v_h + o_v, mask=v_ok, other=0.0).to(tl.float32) - kS)
     if HAS_DST:
@@ -540,12 +539,10 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
     o_p = i_vb * BP + tl.arange(0, BP)  # word columns: value columns 2 o_p and 2 o_p + 1
     p_ok = o_p < VP
     tile_off = o_k[:, None] * VP + o_p[None, :]
-    x, d, k_t, q_t, beta_t = _held_inputs(src_plane, read, tile_off, k_ok, p_ok, q_h, k_h, g_h, b_h, dt_bias, a, scale,
-                                          lower_bound, i_hv, tl.uint32, K, BK, USE_GATE, HAS_DT_BIAS,
-                                          USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC, FULL_TILE, True)
-    dk = d * k_t
-    dq = d * q_t
-    kq = tl.sum(k_t * q_t, 0)
+    x, d, k_t, dk, dq, kq, beta_t = _held_inputs(src_plane, read, tile_off, k_ok, p_ok, q_h, k_h, g_h, b_h, dt_bias,
+                                                 a, scale, lower_bound, i_hv, tl.uint32, K, BK, USE_GATE,
+                                                 HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC,
+                                                 FULL_TILE, True)
     lo, hi = _unpack_pairs(x)
     # the four sums over K in one reduction (one exchange between warps instead of four)
     kS_lo, kS_hi, qS_lo, qS_hi = tl.reduce((lo * dk[:, None], hi * dk[:, None], lo * dq[:, None], hi * dq[:, None]),
