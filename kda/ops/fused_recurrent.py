@@ -217,7 +217,7 @@ def _token_inputs(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, a, bias, scale, lower_boun
     g_t = _k_vector(g_t_ptr, K, BK)
     beta_t = tl.load(b_t_ptr).to(tl.float32)
     q_t, k_t = _token_qk(q_t, k_t, scale, USE_L2NORM)
-    if USE_BETA_SIGMOID:
+    if USE_BETA_SIGMOID:  # after the norms, not in `_token_beta` before them: the loop kernel 167 registers, not 187
         beta_t = tl.sigmoid(beta_t)
     return q_t, k_t, _token_gate(g_t, a, bias, lower_bound, BK, USE_GATE, USE_LOWER_BOUND), beta_t
 
