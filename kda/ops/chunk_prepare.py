@@ -187,6 +187,15 @@ def _first_half(x):
 
 
 @triton.jit
+def _top_rows(x):
+    """x[:n/2] of an [n, m] tile."""
+    n: tl.constexpr = x.shape[0]
+    m: tl.constexpr = x.shape[1]
+    a, _ = tl.split(tl.permute(tl.reshape(x, [2, n // 2, m]), (1, 2, 0)))
+    return a
+
+
+@triton.jit
 def _load_beta(beta, rows, row_ok, s_bt, s_bh, i_hv, USE_BETA_SIGMOID: tl.constexpr):
     """beta of `rows` for value head i_hv in fp32 (sigmoid applied in the kernel if asked), 0 past the
     sequence."""
@@ -564,7 +573,6 @@ def _chunk_prepare_kernel(
     # the lower-left quadrant (bottom rows against top columns) has its own [BT, HALF] accumulators
     o_h = tl.arange(0, HALF)
     top_ok = o_h < n_rows
-    rk_t = _first_half(rk)
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
     X_kk = tl.zeros([BT, HALF], dtype=tl.float32)
@@ -579,8 +587,7 @@ def _chunk_prepare_kernel(
             b2_last = _b2_row(b2_ws, ws_base, BT - 1, n_rows, cols, HV, K)
             b2 = tl.load(b2_ws + ws_base + ws + cols[None, :], mask=m, other=0.0)
             b2 = tl.where(row_ok[:, None], b2, b2_last[None, :])
-            b2_t = tl.load(b2_ws + ws_base + o_h[:, None] * (HV * K) + cols[None, :], mask=m_t, other=0.0)
-            b2_t = tl.where(top_ok[:, None], b2_t, b2_last[None, :])
+            b2_t = _top_rows(b2)
             b2_q1 = _b2_row(b2_ws, ws_base, HALF // 2, n_rows, cols, HV, K)
             b2_q3 = _b2_row(b2_ws, ws_base, HALF + HALF // 2, n_rows, cols, HV, K)
             b2_mid = _b2_row(b2_ws, ws_base, HALF, n_rows, cols, HV, K)
@@ -596,7 +603,7 @@ def _chunk_prepare_kernel(
             b2_mid = _row_of(b2, o_t, HALF)
         kn = tl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
         qn = tl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
-        kt = tl.load(k_h + o_h[:, None] * s_kt + cols[None, :], mask=m_t, other=0.0).to(tl.float32) * rk_t[:, None]
+        kt = _top_rows(kn)
         # 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j). The diagonal quadrants in one dot, each half anchored at
         # its middle row (each factor <= 2^115; the product's off-diagonal quadrants are dropped)
         anc = tl.where(first_half, b2_q1[None, :], b2_q3[None, :])
