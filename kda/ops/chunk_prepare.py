@@ -179,14 +179,6 @@ def _abs_max(x_abs, x_ptr, rows, row_mask, stride_t, c_lo, C: tl.constexpr, BK: 
 
 
 @triton.jit
-def _first_half(x):
-    """x[:n/2] of a [n] vector."""
-    n: tl.constexpr = x.shape[0]
-    a, _ = tl.split(tl.permute(tl.reshape(x, [2, n // 2]), (1, 0)))
-    return a
-
-
-@triton.jit
 def _top_rows(x):
     """x[:n/2] of an [n, m] tile."""
     n: tl.constexpr = x.shape[0]
@@ -587,7 +579,7 @@ def _chunk_prepare_kernel(
             b2_last = _b2_row(b2_ws, ws_base, BT - 1, n_rows, cols, HV, K)
             b2 = tl.load(b2_ws + ws_base + ws + cols[None, :], mask=m, other=0.0)
             b2 = tl.where(row_ok[:, None], b2, b2_last[None, :])
-            b2_t = _top_rows(b2)
+            b2_t = _top_rows(b2)  # from the tile in registers, not loaded again (docs/performance.md)
             b2_q1 = _b2_row(b2_ws, ws_base, HALF // 2, n_rows, cols, HV, K)
             b2_q3 = _b2_row(b2_ws, ws_base, HALF + HALF // 2, n_rows, cols, HV, K)
             b2_mid = _b2_row(b2_ws, ws_base, HALF, n_rows, cols, HV, K)
