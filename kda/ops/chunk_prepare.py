@@ -563,8 +563,6 @@ def _chunk_prepare_kernel(
     first_half = (o_t < HALF)[:, None]
 
     # the lower-left quadrant (bottom rows against top columns) has its own [BT, HALF] accumulators
-    o_h = tl.arange(0, HALF)
-    top_ok = o_h < n_rows
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
     X_kk = tl.zeros([BT, HALF], dtype=tl.float32)
@@ -574,12 +572,10 @@ def _chunk_prepare_kernel(
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         m = tile_mask(row_ok, col_ok, EVEN_K)
-        m_t = tile_mask(top_ok, col_ok, EVEN_K)
         if B2_FROM_WS:  # written by `_chunk_gate_kernel`; rows past the sequence take its last row's
             b2_last = _b2_row(b2_ws, ws_base, BT - 1, n_rows, cols, HV, K)
             b2 = tl.load(b2_ws + ws_base + ws + cols[None, :], mask=m, other=0.0)
             b2 = tl.where(row_ok[:, None], b2, b2_last[None, :])
-            b2_t = _top_rows(b2)  # from the tile in registers, not loaded again (docs/performance.md)
             b2_q1 = _b2_row(b2_ws, ws_base, HALF // 2, n_rows, cols, HV, K)
             b2_q3 = _b2_row(b2_ws, ws_base, HALF + HALF // 2, n_rows, cols, HV, K)
             b2_mid = _b2_row(b2_ws, ws_base, HALF, n_rows, cols, HV, K)
@@ -587,14 +583,14 @@ def _chunk_prepare_kernel(
             bias = dt_bias_slice(dt_bias, i_hv, cols, K, HAS_DT_BIAS)
             gl = _gate_tile(g_h, o_t, cols, m, s_gt, a, bias, lower_bound, True, True)
             b2 = tl.cumsum(gl.to(CUMSUM_DTYPE), axis=0)
-            b2_t = tl.cumsum(_gate_tile(g_h, o_h, cols, m_t, s_gt, a, bias, lower_bound, True,
-                                        True).to(CUMSUM_DTYPE), axis=0)
             b2_last = _row_of(b2, o_t, BT - 1)  # rows past the sequence add 0
             b2_q1 = _row_of(b2, o_t, HALF // 2)
             b2_q3 = _row_of(b2, o_t, HALF + HALF // 2)
             b2_mid = _row_of(b2, o_t, HALF)
         kn = tl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
         qn = tl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+        # the first half's rows from the tiles in registers, not loaded (or gated and summed) again
+        b2_t = _top_rows(b2)
         kt = _top_rows(kn)
         # 2^(b_i - b_j) = 2^(b_i - a) 2^(a - b_j). The diagonal quadrants in one dot, each half anchored at
         # its middle row (each factor <= 2^115; the product's off-diagonal quadrants are dropped)
