@@ -4,7 +4,7 @@ chunk oracle, each tree imported in its own process, in turns (a, b, a, b, ...),
 meets the same machine state. This is how a kernel change is weighed before it lands
 (`benchmarks/results/2026-12-02-37c2d18-h200-prepare-folded-inverse.md`).
 
-    python benchmarks/tree_ab.py [--rounds 2] [--shapes 1x16384x32,4x4096x32] TREE[:LABEL] TREE[:LABEL] ...
+    python benchmarks/tree_ab.py [--rounds 2] [--shapes 1x16384x32,4x4096x32,varlen] TREE[:LABEL] TREE[:LABEL] ...
 
 A TREE is a directory holding `kda/`, `kda_reference/` and `benchmarks/bench.py` (`.` for this checkout;
 another commit: `git archive <rev> kda kda_reference benchmarks | tar -x -C <dir>`, an ignored folder named
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
 import subprocess
 import sys
 
-SHAPES = "1x16384x32,4x4096x32,1x4096x12,1x16384x12,1x65536x12,1x8192x96,1x4096x32"
+SHAPES = "1x16384x32,4x4096x32,1x4096x12,1x16384x12,1x65536x12,1x8192x96,1x4096x32,varlen"
 
 
 def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
@@ -50,8 +51,16 @@ def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
 
     rows = []
     for B, T, H in shapes:
-        q, k, v, g, beta, h0, flags = inputs(B, T, H, 0)
-        call = functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
+        if B == 0:  # the benchmark's varlen row (`bench.VARLEN_LENS`): bounds on the device only
+            lens = bench.VARLEN_LENS
+            q, k, v, g, beta, h0, flags = inputs(1, sum(lens), bench.VARLEN_H, 0)
+            h0 = torch.randn(len(lens), bench.VARLEN_H, 128, 128, device=dev) * 0.1
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64, device=dev)
+            call = functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, cu_seqlens=cu, **flags)
+            B, T, H = len(lens), sum(lens), bench.VARLEN_H
+        else:
+            q, k, v, g, beta, h0, flags = inputs(B, T, H, 0)
+            call = functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
 
         us = timer.graph(call)
         eager_us, (host_us, cpu_us) = timer.eager(call), timer.host(call)
@@ -62,7 +71,8 @@ def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
             torch.cuda.synchronize()
         kernels = {e.key: round(getattr(e, "device_time_total", 0.0), 1) for e in prof.key_averages()
                    if e.device_type == torch.autograd.DeviceType.CUDA}
-        rows.append(dict(shape=f"{B}x{T} H={H}", graph_us=round(us, 1), eager_us=round(eager_us, 1),
+        name = f"{'varlen ' if 'cu_seqlens' in call.keywords else ''}{B}x{T} H={H}"
+        rows.append(dict(shape=name, graph_us=round(us, 1), eager_us=round(eager_us, 1),
                          host_us=round(host_us, 1), cpu_us=round(cpu_us, 1), kernels=kernels))
         del q, k, v, g, beta, h0, call
         torch.cuda.empty_cache()
@@ -85,7 +95,7 @@ def main() -> None:
     p.add_argument("--shapes", default=SHAPES, help=f"BxTxH, comma separated (default {SHAPES})")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    shapes = [(0, 0, 0) if s == "varlen" else tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.child is not None:
         child(a.child, shapes)
         return
