@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import math
 import os
@@ -28,7 +27,7 @@ import sys
 SHAPES = "1x16384x32,4x4096x32,1x4096x12,1x16384x12,1x65536x12,1x8192x96,1x4096x32,varlen"
 
 
-def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
+def child(tree: str, shapes: list) -> None:
     """Runs in the subprocess: times `tree`'s package and prints one JSON line."""
     sys.path.insert(0, os.path.join(tree, "benchmarks"))
     sys.path.insert(0, tree)
@@ -49,18 +48,19 @@ def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
         h0 = torch.randn(B, H, 128, 128, device=dev) * 0.1
         return q, k, v, g, beta, h0, flags
 
+    def row(shape):
+        """(name, call) of one shape: B x T x H dense, or the benchmark's own varlen row as `bench.py` builds it."""
+        if shape == "varlen":
+            torch.manual_seed(0)
+            case = next(c for c in bench.all_cases() if c.group == "varlen")
+            return case.name, bench.build(case, None, {}, dev)[0]["kda"]
+        B, T, H = shape
+        q, k, v, g, beta, h0, flags = inputs(B, T, H, 0)
+        return f"{B}x{T} H={H}", functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
+
     rows = []
-    for B, T, H in shapes:
-        if B == 0:  # the benchmark's varlen row (`bench.VARLEN_LENS`): bounds on the device only
-            lens = bench.VARLEN_LENS
-            q, k, v, g, beta, h0, flags = inputs(1, sum(lens), bench.VARLEN_H, 0)
-            h0 = torch.randn(len(lens), bench.VARLEN_H, 128, 128, device=dev) * 0.1
-            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64, device=dev)
-            call = functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, cu_seqlens=cu, **flags)
-            B, T, H = len(lens), sum(lens), bench.VARLEN_H
-        else:
-            q, k, v, g, beta, h0, flags = inputs(B, T, H, 0)
-            call = functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
+    for shape in shapes:
+        name, call = row(shape)
 
         us = timer.graph(call)
         eager_us, (host_us, cpu_us) = timer.eager(call), timer.host(call)
@@ -71,10 +71,9 @@ def child(tree: str, shapes: list[tuple[int, int, int]]) -> None:
             torch.cuda.synchronize()
         kernels = {e.key: round(getattr(e, "device_time_total", 0.0), 1) for e in prof.key_averages()
                    if e.device_type == torch.autograd.DeviceType.CUDA}
-        name = f"{'varlen ' if 'cu_seqlens' in call.keywords else ''}{B}x{T} H={H}"
         rows.append(dict(shape=name, graph_us=round(us, 1), eager_us=round(eager_us, 1),
                          host_us=round(host_us, 1), cpu_us=round(cpu_us, 1), kernels=kernels))
-        del q, k, v, g, beta, h0, call
+        del call
         torch.cuda.empty_cache()
     acc = []
     for T in (2048, 8192):
@@ -92,10 +91,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trees", nargs="+", metavar="TREE[:LABEL]")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--shapes", default=SHAPES, help=f"BxTxH, comma separated (default {SHAPES})")
+    p.add_argument("--shapes", default=SHAPES,
+                   help=f"BxTxH or varlen (the benchmark's varlen row), comma separated (default {SHAPES})")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    shapes = [(0, 0, 0) if s == "varlen" else tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    shapes = [s if s == "varlen" else tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.child is not None:
         child(a.child, shapes)
         return
