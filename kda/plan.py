@@ -148,9 +148,43 @@ def workspace_dtype(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool) -> torc
     return torch.float32
 
 
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the plan needs of a device, read once per device: its SM count, compute capability, shared memory a
+    block may opt into, and the features that follow from them. The interpreter is a device of its own (one
+    SM, no overlap; it emulates TMA)."""
+
+    sm_count: int
+    capability: tuple[int, int]
+    max_smem: int  # bytes of shared memory one block may use
+    hip: bool = False
+    interpreter: bool = False
+
+    @property
+    def tma(self) -> bool:
+        """Tensor-memory-accelerator loads (Hopper and later on NVIDIA; the interpreter emulates them)."""
+        return self.interpreter or (not self.hip and self.capability >= (9, 0))
+
+    @property
+    def pdl(self) -> bool:
+        """Programmatic dependent launch (Hopper and later on NVIDIA)."""
+        return not self.interpreter and not self.hip and self.capability >= (9, 0)
+
+
+INTERPRETER = DeviceInfo(sm_count=1, capability=(0, 0), max_smem=227 * 1024, interpreter=True)
+
+
 @functools.cache
+def device_info(device_index: int) -> DeviceInfo:
+    """The `DeviceInfo` of CUDA (or HIP) device `device_index`."""
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 0)
+    return DeviceInfo(props.multi_processor_count, (props.major, props.minor), smem,
+                      hip=torch.version.hip is not None)
+
+
 def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return device_info(device_index).sm_count
 
 
 @dataclass(frozen=True)
@@ -361,12 +395,7 @@ def _tma_capable(call: KDACall) -> bool:
     fits a ragged descriptor's 2^30 rows."""
     if call.B * call.T > 2**30:
         return False
-    return interpreted() or (call.q.is_cuda and _capability(call.q.device.index or 0) >= (9, 0))
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
+    return interpreted() or (call.q.is_cuda and device_info(call.q.device.index or 0).tma)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -34,7 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .contract import DEBUG_OFF, _byte_span, debug_enabled
 from .ops import launch as _launch
 from .ops.launch import DirectKernel, _int_class
-from .plan import _capability
+from .plan import device_info
 
 CAPACITY = 256
 _SCALARS = (type(None), bool, int, float)
@@ -413,7 +413,7 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
                          tuple(desc_at)))
         order.append((0, i, None if st == main else sides[st]))
     uses = tuple((r, tuple(p)) for r, p in places.items())
-    if _capability(device) >= (9, 0) and not _serialising():  # programmatic dependent launch: Hopper and later
+    if device_info(device).pdl and not _serialising():  # programmatic dependent launch: Hopper and later
         order = _programmatic(order, launches)
     entry = Replay(
         launches=tuple(launches), order=tuple(order), uses=uses,

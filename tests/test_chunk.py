@@ -874,7 +874,7 @@ def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
     from kda import plan as P
 
     monkeypatch.setattr(P, "interpreted", lambda: False)
-    monkeypatch.setattr(P, "_sm_count", lambda index: sms)
+    monkeypatch.setattr(P, "device_info", lambda index: P.DeviceInfo(sms, (9, 0), 227 * 1024))
     dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
     beside_seen = set()
     for B in (1, 2, 4):
@@ -909,8 +909,7 @@ def test_gate_pass_tile_follows_the_chunk_head_pairs(monkeypatch):
     from kda import plan as P
 
     monkeypatch.setattr(P, "interpreted", lambda: False)
-    monkeypatch.setattr(P, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(P, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(P, "device_info", lambda index: P.DeviceInfo(132, (9, 0), 227 * 1024))
     dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16)
     seen = {}
     # (B, T, HV, wide): pairs 768, 2048, 3072, 8192, 8, 2048, 2046, 2048 (a partial last chunk counts)
@@ -942,8 +941,7 @@ def test_walk_at_the_prepares_tail_leaves_prepare_slots(monkeypatch, sms):
     from kda import plan as P
 
     monkeypatch.setattr(P, "interpreted", lambda: False)
-    monkeypatch.setattr(P, "_sm_count", lambda index: sms)
-    monkeypatch.setattr(P, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(P, "device_info", lambda index: P.DeviceInfo(sms, (9, 0), 227 * 1024))
     dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16)
     seen = 0
     for B in (1, 2):
