@@ -1,12 +1,18 @@
 """What one validated call launches: the host-side plan.
 
 `chunk_plan(call)` and `decode_plan(call)` turn a `kda.contract.KDACall` into everything the kernel modules
-need and nothing else: which kernels run (the fused bounded-gate prepare or the split one, the plain or the
-segmented walk; the one-token decode kernel or the loop kernel; which sequences of a `chunk_kda` call the
-recurrent loop takes, `short_route`), their tiles, warps and stages, the dot precision and workspace dtype,
-and where state is read and written (`StatePlan`). The kernel modules
-(`kda.ops.chunk`, `kda.ops.fused_recurrent`) only launch what the plan says. Tests pick a path by building
-a plan with its keyword overrides (`chunk_plan(call, walk="segmented")`), never by rewriting globals.
+need and nothing else: which kernels run (the fused bounded-gate prepare or the split one, whether the walk
+applies the inverse itself; the one-token decode kernel or the loop kernel; which sequences of a `chunk_kda`
+call the recurrent loop takes, `short_route`), their tiles, warps and stages, the dot precision and workspace
+dtype, and where state is read and written (`StatePlan`). The kernel modules (`kda.ops.chunk`,
+`kda.ops.fused_recurrent`) only launch what the plan says. Tests pick a path by building a plan with its
+keyword overrides (`chunk_plan(call, walk_BV=64)`), never by rewriting globals.
+
+Same bits whatever the batch: a choice that changes a `chunk_kda` sequence's arithmetic (the prepare's form,
+the dot precision, the workspace dtype, the gate pass's slices, `ChunkPlan.fold`, the recurrent route of short
+sequences) follows only the dtypes, the flags, the head counts, K, V, the device and the sequence's own length;
+what else is in the call moves only choices that keep the bits (V blocks, stages, TMA, the walk beside the
+prepare, grid sizes). docs/contract.md, "Batch invariance".
 
 The numbers behind each default are in docs/performance.md. No environment variable chooses a kernel.
 """
@@ -28,7 +34,6 @@ SUB = 16  # BC: rows of the diagonal blocks inverted by forward substitution (sp
 # the fused prepare's: 4 x 4 diagonal blocks by their series (two dots), then four block merges as tf32
 # dots (timed faster than 16 x 16 blocks and two merges, same accuracy: docs/performance.md)
 FUSED_SUB = 4
-SEGMENT_CHUNKS = 16  # G: chunks per segment of the segmented walk
 # chunk_kda sends sequences of 1..SHORT_LEN tokens (decodes and short continuations in a mixed batch)
 # through the recurrent loop kernel: a walk program pays a chunk's setup and a whole plane's latency for them
 SHORT_LEN = 16
@@ -192,7 +197,6 @@ class ChunkPlan:
     """What `kda.ops.chunk.chunk_kda_fwd` launches for one call."""
 
     prepare: str  # "fused" (`_chunk_prepare_kernel`) or "split" (`_chunk_intra_kernel` + `_chunk_solve_kernel`)
-    walk: str  # "plain" (`_chunk_state_kernel`) or "segmented" (summary, scan, output)
     dot_prec: str  # input_precision of the fp32 dots (`dot_precision`)
     ws_dtype: torch.dtype  # Qd, Kd, M and N
     BT: int = CHUNK
@@ -201,22 +205,22 @@ class ChunkPlan:
     prepare_warps: int = 4
     cumsum_fp64: bool = True  # the fused prepare's cumulative decay in fp64 (fp32 inputs) or fp32
     gate_pass: bool = False  # the fp32 cumsum in `_chunk_gate_kernel` before the fused prepare (fp32 only)
-    # the gate pass's K slice and warps (`GATE_WIDE_MIN`)
+    # the gate pass's K slice and warps: one configuration for every call, since the cumsum's bits follow it
     gate_BK: int = 64
     gate_warps: int = 2
     walk_BV: int = 32
     walk_warps: int = 4
     walk_stages: int = 2
     walk_tma: bool = False  # the plain walk loads its chunk tiles by TMA (ragged tensor descriptors)
-    segment_chunks: int = SEGMENT_CHUNKS
     short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
     wait_chunks: int = 0  # > 0: the walk runs beside the prepare, awaiting groups of this many chunks (`_beside_bv`)
     wait_in_loop: bool = False  # it awaits them inside its pipelined loop (`_chunk_state_kernel`'s WAIT_IN_LOOP)
     # > 0: the fused prepare's last late_chunks chunk programs are a second launch, and the walk beside it starts
     # after the first launch has finished (it then holds its SMs for the tail of the prepare only)
     late_chunks: int = 0
-    # False (fused prepare, fp16 workspaces, plain walk): the prepare stores Xb, A_qk and Kr instead of folding the
-    # inverse into M and N, and the walk forms U = Xb D itself (a dot more a step, the prepare's fold dots fewer)
+    # False (fused prepare, fp16 workspaces): the prepare stores Xb, A_qk and Kr instead of folding the inverse
+    # into M and N, and the walk forms U = Xb D itself (a dot more a step, the prepare's fold dots fewer). It
+    # changes the arithmetic, so it follows the heads and the device alone (`unfolded`), never the batch.
     fold: bool = True
 
 
@@ -230,31 +234,29 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     walk's V block and the routing both depend on which sequences the recurrent loop takes)."""
     lengths = _sorted_lengths(call)
     walk_BV = _walk_bv(call, lengths)
-    segmented = _segment(call, call.N * call.HV * cdiv(call.V, walk_BV), CHUNK)
-    beside_BV = _beside_bv(call, segmented, walk_BV)  # the walk's V block beside the prepare, or 0
-    plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, segmented,
-                       beside_BV or walk_BV, _tma_capable(call),
-                       cdiv(call.B * call.T, CHUNK) * call.HV >= GATE_WIDE_MIN)
-    late = 0 if beside_BV else _tail_chunks(call, segmented, walk_BV, plan)
+    beside_BV = _beside_bv(call, walk_BV)  # the walk's V block beside the prepare, or 0
+    plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V,
+                       beside_BV or walk_BV, _tma_capable(call), unfolded(call))
+    late = 0 if beside_BV else _tail_chunks(call, walk_BV, plan)
     if late:
         plan = _beside_plan(plan, False, late)
     elif beside_BV:
         plan = _beside_plan(plan, beside_BV == walk_BV)
     if overrides:
         plan = replace(plan, **overrides)
-        if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16 or plan.walk != "plain"):
-            raise ValueError("ChunkPlan.fold=False needs the fused prepare, fp16 workspaces and the plain walk")
-    return plan, _route(call.N, plan.short_len if plan.walk == "plain" else 0, lengths)
+        if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16):
+            raise ValueError("ChunkPlan.fold=False needs the fused prepare and fp16 workspaces")
+    return plan, _route(call, plan.short_len, lengths)
 
 
-def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int, int]:
+def short_route(call: KDACall, plan: ChunkPlan) -> tuple[int, int, int | None]:
     """(short, kept, kept_chunks): sequences of 1..short tokens go through the recurrent loop kernel in
     the same call (short = 0: none do); `kept` sequences (the others, empty ones included) need the chunk
     kernels, the walk's grid holds only them, and the gate and prepare grids only their `kept_chunks`
-    chunks. Decided from lengths the host knows (dense, or `cu_seqlens_cpu`) with the plain walk; else
-    nothing is routed (kept_chunks is then 0: the grids are the full ones)."""
-    S = plan.short_len if plan.walk == "plain" else 0
-    return _route(call.N, S, _sorted_lengths(call) if S else None)
+    chunks. A sequence's route follows its own length, read on the device, so its bits never depend on the
+    batch: the host's lengths (dense, or `cu_seqlens_cpu`) only trim the grids; without them every varlen call
+    routes on the device over the full grids (kept = N, kept_chunks None)."""
+    return _route(call, plan.short_len, _sorted_lengths(call))
 
 
 def _sorted_lengths(call: KDACall) -> list[int] | None:
@@ -274,13 +276,16 @@ def _routed(lengths: list[int], S: int) -> tuple[int, int]:
     return first_long, first_long - bisect.bisect_left(lengths, 1)
 
 
-def _route(N: int, S: int, lengths: list[int] | None) -> tuple[int, int, int]:
-    """`short_route` from the sorted host lengths (None: unknown, nothing routed)."""
-    if S == 0 or lengths is None:
-        return 0, N, 0
+def _route(call: KDACall, S: int, lengths: list[int] | None) -> tuple[int, int, int | None]:
+    """`short_route` from the sorted host lengths (None: unknown, routed on the device over the full grids)."""
+    N = call.N
+    if S == 0:
+        return 0, N, None
+    if lengths is None:
+        return (S if call.cu_seqlens is not None else 0), N, None
     first_long, routed = _routed(lengths, S)
     if not routed:
-        return 0, N, 0
+        return 0, N, None
     return S, N - routed, sum((n + CHUNK - 1) // CHUNK for n in lengths[first_long:])
 
 
@@ -303,13 +308,6 @@ def one_whole_sequence(call: KDACall) -> bool:
 WAIT_CHUNKS = 16
 
 
-# The gate pass (`_chunk_gate_kernel`) at K slices of 64 on 2 warps from this many (chunk, value head) pairs, at
-# slices of 32 on 4 warps below: alone on the H200, 64 / 2 runs at 1.11-1.13x its HBM floor on the long rows
-# (1x16384 H=32 143 against 163 us, 1x65536 H=12 214 against 243) and 1x4096 H=32 (2048 pairs) 42.8 against
-# 44.6, but 1x4096 H=12 (768 pairs) 21.3 against 20.1 (docs/performance.md)
-GATE_WIDE_MIN = 2048
-
-
 # A walk of one wave at V blocks of 32 (its programs more than half the SMs) runs beside the prepare at V blocks
 # of 64 instead where the prepare holds at least this many (chunk, head) programs: the prepare then keeps two
 # programs on only half the SMs (about 1.3x its time), which the walk's own time repays only on long prepares
@@ -328,13 +326,13 @@ LATE_PER_SLOT = 12
 WAIT_CHUNKS_BV64_OUTER = 4
 
 
-def _beside_bv(call: KDACall, segmented: bool, walk_BV: int) -> int:
+def _beside_bv(call: KDACall, walk_BV: int) -> int:
     """The walk's V block where it runs beside the prepare (`kda.ops.chunk`), 0 where it does not: a dense
     call (or a lone varlen prefill with host bounds, run as dense) whose walk programs, one an SM, leave at
     least half the SMs to the prepare, so the prepare's programs always find SMs while the walk's await them;
     `walk_BV`, or 64 for a long one-wave walk at 32 (`BESIDE_BV64_CHUNKS`). On a GPU only (the interpreter
     runs the launches one after another)."""
-    if not _may_wait(call, segmented):
+    if not _may_wait(call):
         return 0
     sms = _sm_count(call.q.device.index or 0)
     heads = call.N * call.HV
@@ -346,20 +344,20 @@ def _beside_bv(call: KDACall, segmented: bool, walk_BV: int) -> int:
     return 0
 
 
-def _may_wait(call: KDACall, segmented: bool) -> bool:
+def _may_wait(call: KDACall) -> bool:
     """Whether a walk may await the prepare's chunks at all: on a GPU (the interpreter runs the launches one
-    after another), a plain walk, a prepare to fork after (T > 0), dense rows or one whole varlen sequence."""
-    if segmented or call.T == 0 or not call.q.is_cuda or interpreted():
+    after another), a prepare to fork after (T > 0), dense rows or one whole varlen sequence."""
+    if call.T == 0 or not call.q.is_cuda or interpreted():
         return False
     return call.cu_seqlens is None or one_whole_sequence(call)
 
 
-def _tail_chunks(call: KDACall, segmented: bool, walk_BV: int, plan: ChunkPlan) -> int:
+def _tail_chunks(call: KDACall, walk_BV: int, plan: ChunkPlan) -> int:
     """The chunks beside which a walk too wide to run beside the whole prepare (`_beside_bv`) runs
     (`ChunkPlan.late_chunks`; `LATE_PER_SLOT`), or 0: one sequence, the fused prepare with its gate pass, a walk
     at V blocks of 64 (two programs an SM) whose programs leave at least a quarter of the prepare's slots. Live:
     with fewer than two walk programs an SM some SM holds at most one, and a prepare program fits beside one."""
-    if (not _may_wait(call, segmented) or walk_BV != 64 or call.K > 128 or plan.prepare != "fused"
+    if (not _may_wait(call) or walk_BV != 64 or call.K > 128 or plan.prepare != "fused"
             or not plan.gate_pass or call.N != 1):
         return 0
     slots = 2 * _sm_count(call.q.device.index or 0)
@@ -390,6 +388,16 @@ def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:
     return 64 if waves64 * WALK_BV64_STEP_COST < waves32 else 32
 
 
+def unfolded(call: KDACall) -> bool:
+    """Whether the walk applies the inverse itself (`ChunkPlan.fold` off, where the prepare is fused and the
+    workspaces fp16): for heads whose walk at V blocks of 32 would hold more than half the SMs for one
+    sequence, where the prepare bounds the call and sheds its fold dots to the walk (docs/performance.md).
+    From the heads, V and the device alone: the choice changes the arithmetic, so the batch must not move it."""
+    if not call.q.is_cuda or interpreted():
+        return False
+    return 2 * call.HV * cdiv(call.V, 32) > _sm_count(call.q.device.index or 0)
+
+
 def _tma_capable(call: KDACall) -> bool:
     """Whether the device loads by TMA (Hopper and later; the interpreter emulates it) and the token count
     fits a ragged descriptor's 2^30 rows."""
@@ -405,21 +413,19 @@ def _beside_plan(plan: ChunkPlan, same_bv: bool, late: int = 0) -> ChunkPlan:
     inside the pipelined loop for TMA walks (pointer loads lose their pipelining)."""
     if same_bv:
         return replace(plan, wait_chunks=WAIT_CHUNKS)
-    # these walks are hidden inside the prepare, which then bounds the call: the walk applies the inverse
-    fold = plan.ws_dtype != torch.float16 or plan.prepare != "fused"
     return replace(plan, wait_chunks=WAIT_CHUNKS_BV64 if plan.walk_tma else WAIT_CHUNKS_BV64_OUTER,
-                   wait_in_loop=plan.walk_tma, late_chunks=late, fold=fold)
+                   wait_in_loop=plan.walk_tma, late_chunks=late)
 
 
 @functools.lru_cache(maxsize=1024)
 def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool, K: int, V: int,
-                segmented: bool, walk_BV: int, tma: bool, wide_gate: bool) -> ChunkPlan:
+                walk_BV: int, tma: bool, unfold: bool) -> ChunkPlan:
     """`chunk_plan` from what determines it, cached: one frozen plan shared by every call that agrees."""
     prec = dot_precision(input_dtype)
     ws_dtype = workspace_dtype(input_dtype, qk_l2norm_in_kernel)
     BK = max(16, next_power_of_2(K))
     # TMA wants 16-byte rows and row strides: K, V multiples of 8 (fp16 and fp32 tiles)
-    walk_tma = tma and not segmented and K % 8 == 0 and V % 8 == 0
+    walk_tma = tma and K % 8 == 0 and V % 8 == 0
     stages = _walk_stages(CHUNK, BK, walk_BV, ws_dtype.itemsize)
     if walk_tma and walk_BV == 64 and BK <= 128:
         # V blocks of 64 serve shapes whose programs run in waves; by TMA two stages fit two programs on an
@@ -427,11 +433,11 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
         stages = min(stages, 2)
     return ChunkPlan(
         prepare="fused" if fused else "split",
-        walk="segmented" if segmented else "plain",
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
-        gate_BK=min(64 if wide_gate else 32, BK), gate_warps=2 if wide_gate else 4,  # `GATE_WIDE_MIN`
+        gate_BK=min(64, BK),
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
         walk_BV=walk_BV, walk_stages=stages, walk_tma=walk_tma,
+        fold=not (unfold and fused and ws_dtype == torch.float16),
     )
 
 
@@ -445,16 +451,6 @@ def _walk_stages(BT: int, BK: int, BV: int, ws_bytes: int) -> int:
     docs/performance.md)."""
     per_stage = (3 * BT * BK + BT * BT) * ws_bytes + BT * BV * 4
     return max(1, min(3, WALK_SMEM_BYTES // per_stage))
-
-
-def _segment(call: KDACall, programs: int, BT: int) -> bool:
-    """Segment the walk when the plain walk would keep at most a third of the SMs busy (the segmented walk
-    does about three times its work: docs/performance.md) and the sequences are long (on average at least 4
-    segments), from shapes alone: no sync."""
-    if not call.q.is_cuda or interpreted():
-        return False
-    avg_chunks = (call.B * call.T) / max(call.N, 1) / BT
-    return 3 * programs <= _sm_count(call.q.device.index or 0) and avg_chunks >= 4 * SEGMENT_CHUNKS
 
 
 @dataclass(frozen=True)
@@ -490,6 +486,12 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, **overrides) -
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
                         bool(stochastic_rounding))
     return replace(plan, **overrides) if overrides else plan
+
+
+def short_plan(call: KDACall) -> DecodePlan:
+    """The loop kernel's plan for `chunk_kda`'s short sequences (`short_route`): the loop kernel whatever the
+    batch (a call of one-token sequences included), so that a short sequence's bits never depend on it."""
+    return _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, False, False)
 
 
 @functools.lru_cache(maxsize=1024)

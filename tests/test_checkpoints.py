@@ -1,4 +1,4 @@
-"""Prefix-cache checkpoints in `kda.chunk_kda` (issue 14 item 3): `checkpoint_every` (a multiple of 64) and
+"""Prefix-cache checkpoints in `kda.chunk_kda`: `checkpoint_every` (a multiple of 64) and
 `checkpoint_indices` `[N, C]` store the state after every `checkpoint_every` tokens of each sequence into
 pool slots, during the same walk.
 
@@ -7,7 +7,7 @@ Properties: every checkpoint (and output, and final state) matches the float64 o
 oracle's rounded to the pool's dtype (half an ulp, plus the fp32 error). Every slot not written keeps its
 NaN / 1e30 poison bits: those named by no one, by a negative entry, by an entry past its sequence's end, by
 a padding sequence, or by a slot outside the pool (the kernel's guard). A checkpoint equals the final state
-of a call cut at its offset. The segmented walk stores the same checkpoints as the plain one. Bad arguments
+of a call cut at its offset. Bad arguments
 raise naming the argument before anything is written (the argument-level cases are in
 tests/test_contract.py's catalog; the value checks, which need sequences long enough to reach a
 checkpoint, are here).
@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import bounds_of, checked_call, make_inputs, poison_pool, poisoned_pool, rel_err, run_planned, same_bits
+from helpers import bounds_of, checked_call, make_inputs, poison_pool, poisoned_pool, rel_err, same_bits
 
 import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
 import kda_reference as ref
@@ -161,28 +161,6 @@ def test_checkpoint_equals_the_final_state_of_the_call_cut_there(every):
                                        "use_qk_l2norm_in_kernel")})
     for d, (n, slot, off) in zip(dst, cuts):
         assert rel_err(pool[slot], cut_pool[d]) < CUT_TOL, (n, off)
-
-
-def test_segmented_walk_stores_the_same_checkpoints():
-    """The segmented walk (2-chunk segments: checkpoints inside segments and at their ends, the segment end
-    of sequence 3 its end) stores the checkpoints from its output kernel: the same as the plain walk and the
-    oracle, the same slots left."""
-    pool0 = _pool(True, torch.float32)
-    ckpt, written = CKPT_64, WRITTEN_64
-    runs = {}
-    for walk in ("plain", "segmented"):
-        pool = pool0.clone()
-        x, kw = _args(pool, True, 64, ckpt)
-        o, _, plan = run_planned(kda.chunk_kda, *x, dict(walk=walk, segment_chunks=2), **kw)
-        assert plan.walk == walk
-        runs[walk] = (o, pool)
-    ro, exact = _oracle(x, kw, pool0)
-    finals = [f for f in FINAL if f >= 0]
-    for o, pool in runs.values():
-        assert rel_err(o, ro) < FP32_TOL
-        assert rel_err(pool[written + finals], exact[written + finals]) < FP32_TOL
-        assert same_bits(pool[_unwritten(written + finals)], pool0[_unwritten(written + finals)])
-    assert rel_err(runs["segmented"][1][written], runs["plain"][1][written]) < FP32_TOL
 
 
 def test_a_slot_outside_the_pool_is_never_written():

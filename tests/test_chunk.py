@@ -6,6 +6,8 @@ and the 11-bit intermediates: NARROW_STATE_TOL below)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import triton
@@ -462,46 +464,7 @@ def test_prepare_with_varlen_gva_and_odd_sizes(device):
     assert rel_err(o, ro) < FP32_TOL and rel_err(s, rs) < FP32_TOL
 
 
-@pytest.mark.parametrize("layout", ["dense", "varlen-paged"])
-def test_segmented_walk_equals_the_plain_one(layout, device):
-    """The segmented state walk (affine segment summaries, a scan, then the outputs) against the oracle
-    and against the plain walk, with 2-chunk segments so that every sequence has several."""
-    H, HV, K, V = 1, 2, 24, 40
-    if layout == "dense":
-        B, T = 2, 300
-        q, k, v, g, beta, kw = make_inputs(B, T, H, HV, K, V, gate="lower_bound", device=device, seed=31)
-        kw.update(initial_state=torch.randn(B, HV, V, K).to(device), state_v_first=True, output_final_state=True)
-    else:
-        bounds = [0, 0, 130, 131, 131, 400, 530]
-        T = bounds[-1]
-        q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate="softplus", device=device, seed=32)
-        pool = poison_pool(9, (HV, K, V), torch.float32, device, pad=3)
-        idx = torch.tensor([2, 5, -1, 0, 7, 4], dtype=torch.int32, device=device)
-        for slot in idx.tolist():
-            if slot >= 0:
-                pool[slot] = torch.randn(HV, K, V).to(device)
-        has = torch.tensor([True, True, True, False, True, True], device=device)
-        kw.update(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device), state_cache=pool,
-                  state_indices=idx, has_initial_state=has, state_v_first=False)
-    runs = {}
-    for walk in ("plain", "segmented"):
-        kw_run = dict(kw)
-        if "state_cache" in kw:
-            kw_run["state_cache"] = kw["state_cache"].clone()
-        o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(walk=walk, segment_chunks=2), **kw_run)
-        assert plan.walk == walk
-        runs[walk] = (o, s if s is not None else kw_run["state_cache"])
-    (o1, s1), (o2, s2) = runs["plain"], runs["segmented"]
-    assert rel_err(o2, o1) < FP32_TOL and rel_err(torch.nan_to_num(s2), torch.nan_to_num(s1)) < FP32_TOL
-    assert torch.equal(torch.isnan(s1), torch.isnan(s2))  # the same slots untouched (NaN-poisoned ones)
-    if layout == "dense":
-        ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
-                                   **on_cpu(dict(kw, initial_state=kw["initial_state"].double())))
-        assert rel_err(o2, ro) < FP32_TOL and rel_err(s2, rs) < FP32_TOL
-
-
-@pytest.mark.parametrize("walk", ["plain", "segmented"])
-def test_a_slot_past_the_pool_makes_a_no_op_sequence(walk, device):
+def test_a_slot_past_the_pool_makes_a_no_op_sequence(device):
     """The kernels' guard for what the host does not read without KDA_DEBUG: the call is validated with good
     slots, then sequence 1's slot is overwritten with one past the pool before the launch. That sequence
     becomes a no-op (zero output rows, no state read or written, the storage past the pool keeps its bits);
@@ -526,7 +489,7 @@ def test_a_slot_past_the_pool_makes_a_no_op_sequence(walk, device):
         call = checked_call(kda.chunk_kda, q, k, v, g, beta, **kw)
         if bad:
             call = dataclasses.replace(call, state_indices=torch.tensor([0, 5], dtype=torch.int32, device=device))
-        o, _ = chunk_kda_fwd(call, chunk_plan(call, walk=walk, segment_chunks=1))
+        o, _ = chunk_kda_fwd(call, chunk_plan(call))
         runs[bad] = (o, storage.clone())
         storage.copy_(before)
     (o_good, s_good), (o_bad, s_bad) = runs[False], runs[True]
@@ -622,12 +585,13 @@ def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(gate, dev
             assert torch.equal(bits(pool[slot]), bits(pool0[slot]))
 
 
-@pytest.mark.parametrize("bounds,host,expect", [  # (routed, kept sequences, their chunks)
-    ([0, 1, 2, 3], True, (True, 0, 0)),    # a decode batch: the recurrent loop alone
-    ([0, 1, 2, 3], False, (False, 3, 0)),  # no host bounds: nothing routed (no sync to learn the lengths)
-    ([0, 100, 200], True, (False, 2, 0)),  # long sequences only
-    ([0, 0, 100], True, (False, 2, 0)),    # an empty one and a long one
-    ([0, 0, 5], True, (True, 1, 0)),       # an empty one stays the walk's (it copies its state)
+@pytest.mark.parametrize("bounds,host,expect", [  # (routed, kept sequences, their chunks; None: the full grid)
+    ([0, 1, 2, 3], True, (True, 0, 0)),        # a decode batch: the recurrent loop alone
+    ([0, 1, 2, 3], False, (True, 3, None)),    # no host bounds: routed on the device over the full grids
+    ([0, 100, 200], True, (False, 2, None)),   # long sequences only
+    ([0, 100, 200], False, (True, 2, None)),
+    ([0, 0, 100], True, (False, 2, None)),     # an empty one and a long one
+    ([0, 0, 5], True, (True, 1, 0)),           # an empty one stays the walk's (it copies its state)
     ([0, 5, 100], True, (True, 1, 2)),
 ])
 def test_short_route_decisions(bounds, host, expect, device):
@@ -686,7 +650,7 @@ def test_walk_v_block_of_64_equals_32(device):
         pool = pool0.clone()
         o, _, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, dict(walk_BV=bv), state_cache=pool,
                                  state_indices=idx, has_initial_state=has, state_v_first=True, **kw)
-        assert plan.walk_BV == bv and plan.walk == "plain" and plan.ws_dtype == torch.float16
+        assert plan.walk_BV == bv and plan.ws_dtype == torch.float16
         runs[bv] = (o, pool)
     init = torch.stack([pool0[idx[n]] if has[n] else torch.zeros_like(pool0[0]) for n in range(N)])
     ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
@@ -732,7 +696,7 @@ def test_walk_tma_loads_equal_pointer_loads(dtype, device):
     runs = {}
     for name, tma, vv in (("tma", True, v), ("pointers", False, v), ("wide v", True, v_wide), ("v off", True, v_off)):
         pool = pool0.clone()
-        o, _, plan = run_planned(kda.chunk_kda, q, k, vv, g, beta, dict(walk_tma=tma, walk="plain"),
+        o, _, plan = run_planned(kda.chunk_kda, q, k, vv, g, beta, dict(walk_tma=tma),
                                  state_cache=pool, state_indices=idx, has_initial_state=has, state_v_first=False,
                                  checkpoint_every=64, checkpoint_indices=ckpt, **kw)
         assert plan.walk_tma == tma
@@ -867,7 +831,7 @@ def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
     """Liveness of the walk beside the prepare: its programs spin until the prepare's have run, so the plan
     may put it there only where the walk's programs (at the V block it runs beside the prepare with) take at
     most half the SMs, only for one whole sequence per row (dense, or varlen with host bounds [0, T]), never
-    for an empty call or a segmented walk, and at V blocks of 64 only where K fits them (K <= 128). Checked on
+    for an empty call, and at V blocks of 64 only where K fits them (K <= 128). Checked on
     the planner's decisions over a grid of shapes as a GPU of `sms` SMs would see them."""
     from types import SimpleNamespace
 
@@ -886,47 +850,52 @@ def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
                                                K=K, V=V, N=B, cu_seqlens=object() if varlen else None,
                                                host_bounds=(0, T) if varlen and B == 1 else None)
                         walk_BV = P._walk_bv(call, None)
-                        segmented = P._segment(call, call.N * HV * P.cdiv(V, walk_BV), P.CHUNK)
-                        bv = P._beside_bv(call, segmented, walk_BV)
+                        bv = P._beside_bv(call, walk_BV)
                         if not bv:
                             continue
                         beside_seen.add(bv == walk_BV)
                         assert 2 * call.N * HV * P.cdiv(V, bv) <= sms
-                        assert T > 0 and not segmented and bv in (walk_BV, 64)
+                        assert T > 0 and bv in (walk_BV, 64)
                         assert not varlen or call.N == 1
                         assert bv == walk_BV or K <= 128
     assert beside_seen == {True, False}  # both forms planned somewhere on the grid
 
 
-def test_gate_pass_tile_follows_the_chunk_head_pairs(monkeypatch):
-    """The gate pass's tile (`kda.plan.GATE_WIDE_MIN`): K slices of 64 on 2 warps from GATE_WIDE_MIN (chunk, value
-    head) pairs of the call's tokens on, 32 on 4 below, as a GPU's planner sees the calls; every plan of a form
-    one cached object (no dataclass rebuilt per call), and the tile only ever changes those two fields (the two
-    calls on either side of the threshold, at one shape otherwise)."""
-    from dataclasses import replace
+# the plan's fields that change a sequence's arithmetic (the others place work, never change a bit)
+ARITHMETIC = ("prepare", "dot_prec", "ws_dtype", "BT", "BC", "prepare_BK", "cumsum_fp64", "gate_pass", "gate_BK",
+              "gate_warps", "short_len", "fold")
+
+
+@pytest.mark.parametrize("sms", [132, 78, 16])
+def test_arithmetic_choices_ignore_the_batch(monkeypatch, sms):
+    """Batch invariance at the planner: over every batch a GPU of `sms` SMs could be handed at one model shape
+    (heads, K, V, input dtype, flags), dense or varlen, with host bounds or not, one sequence or many, short or
+    long, the fields that change the arithmetic are the same; only the placement fields (V blocks, stages, the
+    walk beside the prepare, grids) may differ."""
     from types import SimpleNamespace
 
     from kda import plan as P
 
     monkeypatch.setattr(P, "interpreted", lambda: False)
-    monkeypatch.setattr(P, "device_info", lambda index: P.DeviceInfo(132, (9, 0), 227 * 1024))
-    dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16)
-    seen = {}
-    # (B, T, HV, wide): pairs 768, 2048, 3072, 8192, 8, 2048, 2046, 2048 (a partial last chunk counts)
-    for B, T, HV, wide in ((1, 4096, 12, False), (1, 4096, 32, True), (1, 16384, 12, True), (4, 4096, 32, True),
-                           (1, 100, 4, False), (2, 64 * 1024, 1, True), (1, 64 * 1023, 2, False),
-                           (1, 64 * 1023 + 1, 2, True)):
-        call = SimpleNamespace(q=dev, B=B, T=T, HV=HV, H=HV, K=128, V=128, N=B, cu_seqlens=None, host_bounds=None,
-                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, A_log=None,
-                               g=None)
-        plan, _ = P.chunk_plan_and_route(call)
-        assert plan.gate_pass
-        assert (plan.gate_BK, plan.gate_warps) == ((64, 2) if wide else (32, 4))
-        assert P.chunk_plan_and_route(call)[0] is plan
-        seen[B, T, HV] = plan
-    assert {p.gate_BK for p in seen.values()} == {32, 64}
-    below, above = seen[1, 64 * 1023, 2], seen[1, 64 * 1023 + 1, 2]
-    assert replace(below, gate_BK=above.gate_BK, gate_warps=above.gate_warps) == above
+    monkeypatch.setattr(P, "device_info", lambda index: P.DeviceInfo(sms, (9, 0), 227 * 1024))
+    for dtype in (torch.bfloat16, torch.float32):
+        for HV, K, V in ((4, 128, 128), (12, 128, 128), (32, 128, 128), (96, 128, 128), (8, 64, 256)):
+            dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=dtype)
+            seen = set()
+            for lengths in ((3000,), (3000,) + (300,) * 64, (3000, 5000), (3000,) + (1,) * 50, (16384,), (64,) * 4,
+                            (65536,), (4096,) * 4, (0, 3000)):
+                for dense, host in ((False, True), (False, False), (True, True)):
+                    if dense and len(set(lengths)) > 1:
+                        continue
+                    N, T = len(lengths), (lengths[0] if dense else sum(lengths))
+                    bounds = tuple(itertools.accumulate((0,) + lengths))
+                    call = SimpleNamespace(q=dev, B=N if dense else 1, T=T, HV=HV, H=HV, K=K, V=V, N=N,
+                                           cu_seqlens=None if dense else object(),
+                                           host_bounds=bounds if host and not dense else None,
+                                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0)
+                    plan = P.chunk_plan(call)
+                    seen.add(tuple(getattr(plan, f) for f in ARITHMETIC))
+            assert len(seen) == 1, (dtype, HV, K, V, seen)
 
 
 @pytest.mark.parametrize("sms", [132, 78, 16])
@@ -957,7 +926,7 @@ def test_walk_at_the_prepares_tail_leaves_prepare_slots(monkeypatch, sms):
                     seen += 1
                     programs = HV * P.cdiv(V, 64)
                     assert plan.wait_chunks > 0 and B == 1 and T > 0 and K <= 128 and plan.gate_pass
-                    assert not P._beside_bv(call, False, P._walk_bv(call, None))  # beside all of it: from the start
+                    assert not P._beside_bv(call, P._walk_bv(call, None))  # beside all of it: from the start
                     assert 4 * (2 * sms - programs) >= 2 * sms and P._walk_bv(call, None) == 64
                     assert 0 < plan.late_chunks < P.cdiv(T, P.CHUNK) or P.cdiv(T, P.CHUNK) == 1
     assert seen

@@ -36,7 +36,7 @@ BAD = {
 }
 
 
-def _run(fn, bad, walk, device, errors=None):
+def _run(fn, bad, device, errors=None):
     T = BOUNDS[-1]
     q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, gate="lower_bound", device=device, seed=71)
     storage, pool = poisoned_pool(8, (HV, K, V), torch.float32, device, pad=4)
@@ -50,23 +50,21 @@ def _run(fn, bad, walk, device, errors=None):
     if bad is not None:
         call = dataclasses.replace(call, cu_seqlens=torch.tensor(bad, dtype=torch.int32, device=device))
     if fn is kda.chunk_kda:
-        chunk_kda_fwd(call, chunk_plan(call, walk=walk, segment_chunks=1))
+        chunk_kda_fwd(call, chunk_plan(call))
     else:
         fused_recurrent_kda_fwd(call)
     return out, storage
 
 
 @pytest.mark.parametrize("case", list(BAD))
-@pytest.mark.parametrize("fn,walk", [(kda.chunk_kda, "plain"), (kda.chunk_kda, "segmented"),
-                                     (kda.fused_recurrent_kda, None)], ids=["chunk-plain", "chunk-segmented",
-                                                                            "recurrent"])
-def test_bounds_out_of_range_make_no_op_sequences(fn, walk, case, device):
+@pytest.mark.parametrize("fn", [kda.chunk_kda, kda.fused_recurrent_kda], ids=["chunk", "recurrent"])
+def test_bounds_out_of_range_make_no_op_sequences(fn, case, device):
     bad, valid = BAD[case]
     errors_good = torch.full((3,), 16, dtype=torch.int32, device=device)  # a bit the caller set: kept
-    o_good, s_good = _run(fn, None, walk, device, errors_good)
+    o_good, s_good = _run(fn, None, device, errors_good)
     before, _ = poisoned_pool(8, (HV, K, V), torch.float32, device, pad=4)
     errors = torch.zeros(3, dtype=torch.int32, device=device)
-    o, s = _run(fn, bad, walk, device, errors)
+    o, s = _run(fn, bad, device, errors)
     assert errors_good.tolist() == [16, 16, 16]
     assert errors.tolist() == [0 if n in valid else kda.ERROR_BOUNDS for n in range(3)], case
     for n in valid:  # bounds kept: the good call's rows and slot, bit for bit
@@ -138,8 +136,7 @@ def test_slot_past_the_pool_sets_its_bit(fn, one_token, device):
     assert errors.tolist() == [0, kda.ERROR_SLOT]
 
 
-@pytest.mark.parametrize("walk", ["plain", "segmented"])
-def test_checkpoint_slot_past_the_pool_sets_its_bit(walk, device):
+def test_checkpoint_slot_past_the_pool_sets_its_bit(device):
     q, k, v, g, beta, kw = make_inputs(1, 200, H, HV, K, V, gate="lower_bound", device=device, seed=74)
     _, pool = poisoned_pool(8, (HV, K, V), torch.float32, device)
     pool[[0, 1]] = 0.5
@@ -155,7 +152,7 @@ def test_checkpoint_slot_past_the_pool_sets_its_bit(walk, device):
     # first, so its second entry (past the pool too) is not looked at
     call = dataclasses.replace(call, checkpoint_indices=torch.tensor([[2, 8], [4, 99]], dtype=torch.int32,
                                                                        device=device))
-    chunk_kda_fwd(call, chunk_plan(call, walk=walk, segment_chunks=1))
+    chunk_kda_fwd(call, chunk_plan(call))
     assert errors.tolist() == [kda.ERROR_KEPT_SLOT, 0]
 
 

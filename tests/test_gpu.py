@@ -213,7 +213,7 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     from kda.ops.chunk import chunk_kda_fwd
     from kda.plan import BESIDE_BV64_CHUNKS, chunk_plan
 
-    # a short last group; 48 walk programs at H = 12: the plain walk (fewer take the segmented one)
+    # a short last group; 48 walk programs at H = 12
     H = {"wide": 32, "tail": 48}.get(form, 12)
     T = {"wide": BESIDE_BV64_CHUNKS // H * 64, "tail": 2048}.get(form, 8192) + 320
     args, h0, kw = _inputs(T, H=H)

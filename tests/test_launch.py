@@ -92,8 +92,7 @@ def test_every_launched_kernel_takes_the_direct_path():
     """The kernels `kda` launches are wrapped, and (off the interpreter) their run-time arguments come first."""
     kernels = [chunk_prepare._chunk_gate_kernel, chunk_prepare._chunk_prepare_kernel,
                chunk_prepare._chunk_intra_kernel, chunk_prepare._chunk_solve_kernel, chunk_walk._chunk_state_kernel,
-               chunk_walk._segment_summary_kernel, chunk_walk._segment_scan_kernel,
-               chunk_walk._segment_output_kernel, fused_recurrent._fused_recurrent_kda_kernel,
+               fused_recurrent._fused_recurrent_kda_kernel,
                fused_recurrent._fused_recurrent_one_token_kernel]
     for kern in kernels:
         assert isinstance(kern, DirectKernel)

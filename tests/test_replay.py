@@ -287,11 +287,11 @@ def test_a_changed_property_is_another_kind():
 def _prefill_case(form: str, seed: int):
     """(inputs, keywords) of a prefill: dense batch with a dense state in and out; varlen whose short
     sequences go to the recurrent loop inside the call (host bounds); paged with checkpoints; a long sequence
-    of few heads (the segmented walk)."""
+    of few heads."""
     H, K = 2, 64
     if form == "dense":
         B, T = 2, 300
-    elif form == "segmented":
+    elif form == "long":
         B, T = 1, 4096
     else:
         B, T = 1, 330
@@ -299,7 +299,7 @@ def _prefill_case(form: str, seed: int):
                                        seed=seed, beta_sigmoid=True)
     kw["use_qk_l2norm_in_kernel"] = True
     gen = torch.Generator().manual_seed(seed)
-    if form in ("dense", "segmented"):
+    if form in ("dense", "long"):
         kw.update(initial_state=torch.randn(B, H, K, K, generator=gen).to(DEVICE), output_final_state=True)
     elif form == "varlen":
         bounds = [0, 1, 5, 200, 200, 330]
@@ -324,10 +324,10 @@ def _holds_tensor(x) -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["dense", "varlen", "paged", "segmented"])
+@pytest.mark.parametrize("form", ["dense", "varlen", "paged", "long"])
 def test_prefill_hit_equals_the_full_path(monkeypatch, form):
     """A recorded prefill kind (gate pass, prepare and walk; the recurrent loop beside them; checkpoints;
-    the segmented walk's three kernels), called with new tensors: every workspace from one buffer, every
+    a long sequence of few heads), called with new tensors: every workspace from one buffer, every
     descriptor rebuilt over it, and the full path's bits in the output, the final state and the pool."""
     replay.CACHE.clear()
     inputs, kw = _prefill_case(form, seed=1)

@@ -8,8 +8,7 @@ workspace dtype (the walk's dot operands; the walk reads V from the input), A_kk
 in fp32 (the gate pass), and with fp16 workspaces per chunk M's and N's fp32 inverse scales and max|V|
 (`chunk_prepare._store_folded`).
 Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds.
-Prefix-cache checkpoints are stored by the walk (plain, or the segmented walk's output kernel) as it passes
-them: no extra pass.
+Prefix-cache checkpoints are stored by the walk as it passes them: no extra pass.
 
 The walk beside the prepare (`ChunkPlan.wait_chunks`: a dense call with few walk programs): the walk runs on
 a side stream beside the prepare, each group of `wait_chunks` chunks walked once the prepare has stored it
@@ -44,6 +43,7 @@ from ..plan import (
     next_power_of_2,
     one_whole_sequence,
     output_buffer,
+    short_plan,
     short_route,
     state_plan,
 )
@@ -54,12 +54,7 @@ from .chunk_prepare import (
     _chunk_solve_kernel,
     _zero_counters_kernel,
 )
-from .chunk_walk import (
-    _chunk_state_kernel,
-    _segment_output_kernel,
-    _segment_scan_kernel,
-    _segment_summary_kernel,
-)
+from .chunk_walk import _chunk_state_kernel
 from .common import token_head_strides
 from .fused_recurrent import fused_recurrent_kda_fwd
 from .launch import wait_stream
@@ -71,15 +66,15 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
         plan, (short, kept, kept_chunks) = chunk_plan_and_route(call)
     else:
         short, kept, kept_chunks = short_route(call, plan)
-    B, T, HV, K, V, N = call.B, call.T, call.HV, call.K, call.V, call.N
-    if kept == 0:  # every sequence is short: the recurrent loop alone
-        return fused_recurrent_kda_fwd(call)
+    B, T, HV, K, N = call.B, call.T, call.HV, call.K, call.N
+    if kept == 0:  # every sequence is short: the recurrent loop alone (never the one-token kernel: same bits)
+        return fused_recurrent_kda_fwd(call, short_plan(call))
     o = output_buffer(call)
     st = state_plan(call)
     if N == 0:
         return o, st.final_state
     if short:
-        fused_recurrent_kda_fwd(call, short=short, o=o, st=st)
+        fused_recurrent_kda_fwd(call, short_plan(call), short=short, o=o, st=st)
     BT, dev = plan.BT, call.q.device
     # a lone varlen prefill with host bounds [0, T] runs as the dense call it equals: the same bits, and the
     # varlen kernels' bound loads and extra chunk program per head cost 5% (docs/performance.md)
@@ -88,9 +83,9 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     NT = cdiv(T, BT)
     BK = max(16, next_power_of_2(K))  # the K tile that covers K (walk) or its slices (split prepare)
     n_chunks = (T // BT + N) if varlen else B * NT  # chunk programs (`locate_block`), gt's rows
-    grid_chunks = kept_chunks if short else n_chunks  # routed sequences' chunks have no program
+    grid_chunks = n_chunks if kept_chunks is None else kept_chunks  # routed sequences' chunks have no program
     cu = call.cu_seqlens if varlen else call.q  # stand-in when dense
-    ws_dtype, prec = plan.ws_dtype, plan.dot_prec
+    ws_dtype = plan.ws_dtype
     kd_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     qd_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
     m_ws = torch.empty((total, HV, K), dtype=ws_dtype, device=dev)
@@ -125,47 +120,14 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
     # checkpoint row, row stride, columns, spacing (a stand-in and zeros without checkpoints), pool slots
     ck_args = ((ckpt, ckpt.stride(0), ckpt.shape[1], call.checkpoint_every, st.slot_count) if has_ckpt
                else (gt_ws, 0, 0, BT, st.slot_count))
-    if plan.walk == "plain":  # with short sequences routed, only the kept ones have programs
-        tiles = _walk_tiles(plan, walk_ws, BK)
-        x_tiles = _ragged(x_ws, BT, BT) if plan.walk_tma and not plan.fold else x_ws  # folded: a stand-in
-        if side is None:
+    tiles = _walk_tiles(plan, walk_ws, BK)  # with short sequences routed, only the kept ones have programs
+    x_tiles = _ragged(x_ws, BT, BT) if plan.walk_tma and not plan.fold else x_ws  # folded: a stand-in
+    if side is None:
+        _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles)
+    else:  # launched after the prepare, always (module docstring)
+        with torch.cuda.stream(side):
             _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles)
-        else:  # launched after the prepare, always (module docstring)
-            with torch.cuda.stream(side):
-                _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles)
-            wait_stream(main, side)  # the caller's stream owns o, the state and every workspace again
-        return o, st.final_state
-    BV = plan.walk_BV
-    n_vb = cdiv(V, BV)
-    pools = st.pointers(gt_ws)
-    flags = st.flags(call.state_v_first)
-    s_ot, s_oh = token_head_strides(o, T)
-    has_errors = call.errors is not None
-    errors = call.errors if has_errors else gt_ws  # gt_ws: a stand-in never written (HAS_ERRORS off)
-    G = plan.segment_chunks
-    NSEG = cdiv(T, BT * G)
-    n_seg = (T // (BT * G) + N) if varlen else B * NSEG
-    a_seg = torch.empty((max(n_seg, 1), HV, K, K), dtype=torch.float32, device=dev)
-    b_seg = torch.empty((max(n_seg, 1), HV, K, V), dtype=torch.float32, device=dev)
-    h_seg = torch.empty((max(n_seg, 1), HV, K, V), dtype=torch.float32, device=dev)
-    shape = dict(HV=HV, K=K, V=V, BT=BT, G=G, BK=BK, BV=BV, IS_VARLEN=varlen, DOT_PREC=prec)
-    if n_seg > 0:
-        _segment_summary_kernel[(n_vb + cdiv(K, BV), n_seg, HV)](
-            cu, kd_ws, v, m_ws, gt_ws, sc_ws, a_seg, b_seg, *token_head_strides(v, T), T, N, NT, NSEG, **shape,
-            num_warps=plan.walk_warps, num_stages=plan.walk_stages,
-        )
-    _segment_scan_kernel[(n_vb, N, HV)](
-        cu, a_seg, b_seg, h_seg, *pools, st.src_stride, st.dst_stride, *ck_args, errors, T, NSEG, **shape, **flags,
-        HAS_CHECKPOINTS=has_ckpt, HAS_ERRORS=has_errors,
-        num_warps=8, num_stages=1,
-    )
-    if n_seg > 0:
-        _segment_output_kernel[(n_vb, n_seg, HV)](
-            o, cu, *walk_ws, h_seg, pools[2], s_ot, s_oh, *token_head_strides(v, T), pools[1], st.dst_stride,
-            *ck_args, T, N, NT, NSEG,
-            PAGED=st.paged, **shape, HAS_CHECKPOINTS=has_ckpt, V_FIRST=has_ckpt and call.state_v_first,
-            num_warps=plan.walk_warps, num_stages=plan.walk_stages,
-        )
+        wait_stream(main, side)  # the caller's stream owns o, the state and every workspace again
     return o, st.final_state
 
 

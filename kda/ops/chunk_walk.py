@@ -8,22 +8,10 @@
 Plain walk (`_chunk_state_kernel`): one program per (V block, value head, sequence) walks all chunks of
 its sequence with S on chip: N * HV * V / BV programs and a serial depth of one step per chunk.
 
-Segmented walk, for few long sequences (too few programs to fill the GPU): each chunk is affine in its
-incoming state, S' = A_c S + b_c with A_c = diag(gt) - M^T Kd and b_c = M^T V, and so is a segment of
-G chunks, S' = A_seg S + b_seg. Three launches:
-- `_segment_summary_kernel`, every segment in parallel: b_seg = the walk from S = 0 (columns of V),
-  A_seg = the walk from S = I with V = 0 (columns of K);
-- `_segment_scan_kernel`, per (V block, sequence, head): h_0 = initial state, h_{s+1} = A_seg h_s + b_seg,
-  storing each segment's incoming state and, at the end, the final state;
-- `_segment_output_kernel`, every segment in parallel: the walk from its incoming state, writing o.
-Serial depth 2 G + segments instead of the number of chunks, for about three times the work.
-
 Prefix-cache checkpoints (the state after every `checkpoint_every` tokens of a sequence, into pool slots)
-are stored by whichever kernel walks the chunk that ends at the offset: the plain walk, or the segmented
-walk's output kernel (which recomputes every chunk's state from its segment's incoming state anyway), so
-neither path adds a pass.
+are stored by the walk as it passes the chunk that ends at the offset: no extra pass.
 
-Both read the initial state from, and write the final state to, the pools of `kda.plan.StatePlan`
+It reads the initial state from, and write the final state to, the pools of `kda.plan.StatePlan`
 (dense or paged, in place, rounded to nearest in the storage dtype); the recurrence is in fp32. With fp16
 workspaces (16-bit inputs, q and k l2-normalised) the dots take fp16 operands, S and D scaled by a power of
 two (D's from a bound, so that no reduction of D sits on the serial chain); with tf32 dots on fp32
@@ -43,7 +31,6 @@ from .common import (
     flag_errors,
     guard_slot,
     kept_item,
-    locate_block,
     pow2_of,
     pow2_scale,
     ready_counter,
@@ -60,16 +47,16 @@ from .launch import direct
 def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws, sc_ws,
           o_k, k_ok, o_c, c_ok,
           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-          HAS_V: tl.constexpr, WRITE_O: tl.constexpr, DOT_PREC: tl.constexpr,
+          DOT_PREC: tl.constexpr,
           EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
           ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
           HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False, TMA: tl.constexpr = False,
           i_c0=0, V_TMA: tl.constexpr = False, ready_h=None, WAIT: tl.constexpr = 0, SPIN: tl.constexpr = False,
           x_ws=None, FOLD: tl.constexpr = True):
-    """S [BK, BC] (columns o_c of the state, or of the identity for a segment operator) through the chunks
+    """S [BK, BC] (columns o_c of the state) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). D = V - Kd S (V: columns o_c of the input v of
-    this head, `v_h`, token stride s_vt; no V without HAS_V), O = Qd S + N D (stored with WRITE_O),
+    this head, `v_h`, token stride s_vt), O = Qd S + N D (stored to `o_h`, token stride s_ot),
     S <- gt * S + M^T D.
     With fp16 workspaces (Qd, Kd, M, N) the dots take fp16 operands: S and D enter scaled by a power of
     two, so they keep tf32's significand within fp16's range, and the fp32 products are scaled back
@@ -101,7 +88,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     BC: tl.constexpr = o_c.shape[0]
     # Kd S and Qd S as one [2 BT, BK] x [BK, BC] dot: the step waits on one tensor-core round trip for both
     # (each dot's result is awaited where it is issued). Columns of 64 spill with it and walk slower.
-    KQ: tl.constexpr = F16 and WRITE_O and BC <= 32
+    KQ: tl.constexpr = F16 and BC <= 32
     o_t = tl.arange(0, BT)
     # int32 offsets inside a chunk from int64 chunk bases: 64-bit per-element addresses cost registers
     ws_k = o_t[:, None] * (HV * K) + o_k[None, :]
@@ -151,13 +138,11 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             t0_32 = t0_32 + z_t
             base_k = base_k + z_t
         base_n = (t0 * HV + i_hv) * BT  # the [BT, BT] workspaces' chunk base
-        if HAS_V:  # V's tile first: it does not wait on S
-            if V_TMA:  # v as a ragged descriptor of the input (`chunk._v_tiles`): rows past the sequence read 0
-                vt = tl.reshape(load_ragged(v_h, t0_32, n_in, [0, i_hv, i_c0]), [BT, BC])
-            else:
-                vt = tl.load(v_h + t0 * s_vt + v_off, mask=m_c, other=0.0)
-        elif F16:
-            v_max = 0.0  # the operator's columns: no V
+        # V's tile first: it does not wait on S
+        if V_TMA:  # v as a ragged descriptor of the input (`chunk._v_tiles`): rows past the sequence read 0
+            vt = tl.reshape(load_ragged(v_h, t0_32, n_in, [0, i_hv, i_c0]), [BT, BC])
+        else:
+            vt = tl.load(v_h + t0 * s_vt + v_off, mask=m_c, other=0.0)
         kd = _k_tile(kd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
         if F16:
             ps = pow2_scale(S)
@@ -173,8 +158,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                 Dd = kd_s * (-pd * inv_ps)
             else:
                 Dd = tl.dot(kd, Sr) * (-pd * inv_ps)
-            if HAS_V:
-                Dd += vt.to(tl.float32) * pd
+            Dd += vt.to(tl.float32) * pd
             Dr = Dd.to(tl.float16)
             inv_pd = 1.0 / pd  # one division for both products' factors
             if not FOLD:  # U = Xb D, scaled by pu into fp16: what A_qk and Kr^T multiply below
@@ -187,23 +171,21 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         else:
             Sr = tf32_round(S, DOT_PREC)
             D = -tl.dot(tf32_round(kd, DOT_PREC), Sr, input_precision=DOT_PREC)
-            if HAS_V:
-                D += vt.to(tl.float32)
+            D += vt.to(tl.float32)
             Dr = tf32_round(D, DOT_PREC)
-        if WRITE_O:
+        if not KQ:
+            qd = _k_tile(qd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
+        # the prepare stored N's rows whole, zeros above the diagonal: masked by rows only
+        nt = _k_tile(n_ws, t0_32, n_in, i_hv, base_n + ws_n, row_ok[:, None], TMA)
+        if F16:
             if not KQ:
-                qd = _k_tile(qd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
-            # the prepare stored N's rows whole, zeros above the diagonal: masked by rows only
-            nt = _k_tile(n_ws, t0_32, n_in, i_hv, base_n + ws_n, row_ok[:, None], TMA)
-            if F16:
-                if not KQ:
-                    qd_s = tl.dot(qd, Sr)
-                out = qd_s * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
-            else:
-                out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
-                       + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
-            tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
-                     mask=m_c)
+                qd_s = tl.dot(qd, Sr)
+            out = qd_s * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
+        else:
+            out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
+                   + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
+        tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
+                 mask=m_c)
         mt = _k_tile(m_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
         if F16:
             S = S * gt[:, None] + tl.dot(tl.trans(mt), Dr) * (s_m * inv_pd)
@@ -409,137 +391,13 @@ def _chunk_state_kernel(
                 g_hi = tl.minimum(g_lo + SPAN, eos)
                 _await_count(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT), SPIN and TMA)
                 S = _walk(S, g_lo, g_hi, p_first + (g_lo - bos) // BT, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt,
-                          qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC,
+                          qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC,
                           K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
                           HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA, x_ws=x_ws, FOLD=FOLD)
         else:
             S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
-                      sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
+                      sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC, K == BK, V % BV == 0,
                       ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA,
                       tl.program_id(0) * BV, V_TMA, ready_h, WAIT_CHUNKS, SPIN, x_ws, FOLD)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
-
-
-@direct
-@triton.jit
-def _segment_summary_kernel(
-    cu_seqlens, kd_ws, v, m_ws, gt_ws, sc_ws, a_seg, b_seg,
-    s_vt, s_vh, T, N, NT, NSEG,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """One program per (column block, segment, value head). Column blocks below cdiv(V, BV): b_seg, the
-    walk from S = 0; the others: A_seg, the walk of the identity's columns with V = 0. Both [K, *] fp32."""
-    i_c = tl.program_id(0)
-    i_s = tl.program_id(1)
-    i_hv = tl.program_id(2)
-    i_n, bos, s0, eos = locate_block(i_s, cu_seqlens, N, T, NSEG, IS_VARLEN, BT * G)
-    if s0 >= eos:
-        return
-    s_end = tl.minimum(s0 + BT * G, eos)
-    p_first = chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
-    o_k = tl.arange(0, BK)
-    k_ok = o_k < K
-    n_vb = tl.cdiv(V, BV)
-    if i_c < n_vb:
-        o_c = i_c * BV + tl.arange(0, BV)
-        c_ok = o_c < V
-        S = _walk(tl.zeros([BK, BV], dtype=tl.float32), s0, s_end, p_first, i_hv, kd_ws, 0, kd_ws, kd_ws,
-                  v + i_hv * s_vh, s_vt, kd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, True, False,
-                  DOT_PREC, K == BK, V % BV == 0)
-        off = ((i_s * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * V + o_c[None, :]
-        tl.store(b_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
-    else:
-        o_c = (i_c - n_vb) * BV + tl.arange(0, BV)
-        c_ok = o_c < K
-        eye = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)
-        S = _walk(eye, s0, s_end, p_first, i_hv, kd_ws, 0, kd_ws, kd_ws, v, s_vt,
-                  kd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_c, c_ok, HV, K, V, BT, False, False, DOT_PREC,
-                  K == BK, K % BV == 0)
-        off = ((i_s * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * K + o_c[None, :]
-        tl.store(a_seg + off, S, mask=k_ok[:, None] & c_ok[None, :])
-
-
-@direct
-@triton.jit(do_not_specialize=["n_slots"])
-def _segment_scan_kernel(
-    cu_seqlens, a_seg, b_seg, h_seg,
-    state_src, state_dst, slot_of_seq, has_initial_state, src_stride, dst_stride,
-    checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors,
-    T, NSEG,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
-    HAS_ERRORS: tl.constexpr = False,
-):
-    """One program per (V block, sequence, value head): h_0 = the initial state, h_{s+1} = A_s h_s + b_s
-    (fp32 dots: ieee, or tf32 with operands rounded to nearest)
-    over the sequence's segments, each h_s stored for the output pass; the last one is the final state."""
-    i_n = tl.program_id(1)
-    i_hv = tl.program_id(2)
-    bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
-        i_n, tl.program_id(0), i_hv, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots,
-        T, HV, K, V, BK, BV, IS_VARLEN, HAS_SRC, PAGED, HAS_INIT_FLAGS, V_FIRST)
-    _report(errors, code, slot, i_n, bos, eos, checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every,
-            n_slots, (tl.program_id(0) == 0) & (i_hv == 0), HAS_CHECKPOINTS, HAS_ERRORS)
-    kv_ok = k_ok[:, None] & v_ok[None, :]
-    if slot >= 0:
-        if IS_VARLEN:
-            q0 = bos // (BT * G) + i_n
-        else:
-            q0 = i_n.to(tl.int64) * NSEG
-        for s0 in range(bos, eos, BT * G):
-            sp = q0 + (s0 - bos) // (BT * G)
-            base = (sp * HV + i_hv) * K
-            tl.store(h_seg + (base + o_k[:, None]) * V + o_v[None, :], S, mask=kv_ok)
-            A = tl.load(a_seg + (base + o_k[:, None]) * K + o_k[None, :], mask=k_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            b = tl.load(b_seg + (base + o_k[:, None]) * V + o_v[None, :], mask=kv_ok, other=0.0)
-            S = tl.dot(tf32_round(A, DOT_PREC), tf32_round(S, DOT_PREC), input_precision=DOT_PREC) + b
-        if HAS_DST:
-            tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
-
-
-@direct
-@triton.jit(do_not_specialize=["n_slots"])
-def _segment_output_kernel(
-    o, cu_seqlens, n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws, h_seg, slot_of_seq,
-    s_ot, s_oh, s_vt, s_vh,
-    state_dst, dst_stride, checkpoint_indices, s_ck, n_ck, ck_every, n_slots,
-    T, N, NT, NSEG,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, DOT_PREC: tl.constexpr,
-    HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False,
-):
-    """One program per (V block, segment, value head): the walk from the segment's incoming state,
-    writing o (zeros for a padding sequence). HAS_CHECKPOINTS: the checkpoints that fall in the segment
-    stored as in `_chunk_state_kernel` (segments start at chunk boundaries of the sequence, so the walk
-    passes the same chunk ends)."""
-    i_v = tl.program_id(0)
-    i_s = tl.program_id(1)
-    i_hv = tl.program_id(2)
-    i_n, bos, s0, eos = locate_block(i_s, cu_seqlens, N, T, NSEG, IS_VARLEN, BT * G)
-    if s0 >= eos:
-        return
-    s_end = tl.minimum(s0 + BT * G, eos)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    k_ok = o_k < K
-    v_ok = o_v < V
-    o_h = o + i_hv * s_oh
-    slot, _ = guard_slot(slot_of(slot_of_seq, i_n, PAGED), n_slots, eos)
-    if slot < 0:  # padding, or a slot past the pool: zero rows, as the scan does
-        _zero_rows(o_h, s_ot, s0, s_end, o_v, v_ok, BT, BV)
-    else:
-        base = (i_s * HV + i_hv) * K
-        S = tl.load(h_seg + (base + o_k[:, None]) * V + o_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        p_first = chunk_program(i_n, bos, s0, NT, IS_VARLEN, BT)
-        _walk(S, s0, s_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v + i_hv * s_vh, s_vt, qd_ws, m_ws, gt_ws,
-              sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, True, True, DOT_PREC, K == BK, V % BV == 0,
-              checkpoint_indices + i_n.to(tl.int64) * s_ck, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
-              HAS_CHECKPOINTS, V_FIRST)
