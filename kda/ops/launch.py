@@ -161,7 +161,8 @@ class DirectKernel:
     def launch(self, grid, args: tuple, meta: dict):
         record = getattr(RECORD, "launches", None)
         if record is not None:
-            record.append((self, grid, args, meta, raw_stream(torch.cuda.current_device())))
+            stream = raw_stream(torch.cuda.current_device()) if raw_stream is not None else None
+            record.append((self, grid, args, meta, stream))
         plain = self._plain
         if plain is None or len(args) != len(plain) or knobs.runtime.launch_enter_hook.calls:
             return self.fn[grid](*args, **meta)
