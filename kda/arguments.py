@@ -208,7 +208,7 @@ def define(name: str, source: str, namespace: dict):
     filename = f"<kda.arguments: {namespace.get('__name__')}.{name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     scope: dict = {}
-    exec(compile(source, filename, "exec"), namespace, scope)  # noqa: S102
+    exec(compile(source, filename, "exec"), namespace, scope)
     return scope[name]
 
 
