@@ -6,7 +6,11 @@ bounds) launches the kernels recorded for that kind (`kda.replay`, docs/contract
 `torch.compile` traces a call
 (`torch.compiler.is_compiling()`), it goes through the custom op of `kda.library` instead (`out`
 allocated here when not given; the op validates when it runs): docs/contract.md, "torch.compile and
-custom ops"."""
+custom ops".
+
+The signatures and docstrings below are written out for readers and IDEs; the body both functions share,
+`_BODY`, is written out per function from `kda.arguments`' table at import, and each signature is checked
+against the table there."""
 
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ import inspect
 
 import torch
 
-from . import library, replay
-from .contract import check_call
+from . import arguments, library, replay
+from .contract import check_call  # noqa: F401  (called by the compiled bodies)
 
 
 @functools.cache
@@ -38,8 +42,7 @@ def check_call_args(fn, *args, **kwargs) -> tuple[tuple, dict]:
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     kw = bound.arguments
-    positional = (fn.__name__, *(kw.pop(n) for n in ("q", "k", "v", "g", "beta", "scale", "initial_state",
-                                                       "output_final_state")))
+    positional = (fn.__name__, *(kw.pop(a.name) for a in arguments.of(fn.__name__) if a.positional))
     return positional, dict(kw, require_has_initial_state=fn.__name__ == "chunk_kda")
 
 
@@ -53,6 +56,51 @@ def _through_op(op, q, k, v, g, beta, scale, initial_state, output_final_state, 
     return out, (final if output_final_state and state_cache is None else None)
 
 
+# The body of both public functions; its fields, filled per function from `kda.arguments`: the arguments as the
+# callee takes them (`call`), those of the replay key (`key`), the call's tensors (`tensors`), the argument
+# passed to each replay (`per_call`) and those passed to the launcher (`launcher`).
+_BODY = """\
+    if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
+        return _through_op(library.{name}_op, {call})
+    # a call of a kind seen before launches its recorded kernels (kda.replay); KDA_DEBUG on takes the full path
+    key = replay.{key_function}({key})
+    if key is not None:
+        tensors = {tensors}
+        result = replay.replayed(key, tensors, {per_call}, cu_seqlens_cpu)
+        if result is not None:
+            return result
+    call = check_call({name!r}, {call}, require_has_initial_state={requires})
+    if key is None:
+        return _launchers()[{launcher_index}](call{launcher})
+    return _recorded(key, tensors, cu_seqlens_cpu, _launchers()[{launcher_index}], call{launcher})
+"""
+
+
+def _public(fn: str, key_function: str, launcher_index: int):
+    """`arguments.compiled` with `_BODY` filled in for `fn`."""
+    return arguments.compiled(fn, _BODY.format(
+        name=fn, call=arguments.call_source(fn), key_function=key_function,
+        key=", ".join(arguments.key_names(fn)), tensors=arguments.tensors_source(fn),
+        per_call=", ".join(arguments.per_call(fn)) or "None", requires=fn == "chunk_kda",
+        launcher_index=launcher_index, launcher="".join(f", {n}={n}" for n in arguments.launcher_names(fn)),
+    ), globals())
+
+
+def _recorded(key, tensors, bounds, fwd, call, **kw):
+    """`fwd(call, **kw)` with its launches recorded under `key` (`kda.replay`), with its host bounds."""
+    record = replay.recording()
+    try:
+        result = fwd(call, **kw)
+    finally:
+        replay.stop()
+    try:
+        replay.remember(key, tensors, record, result, bounds)
+    except replay.Unrecordable:  # a kind that cannot be recorded takes the full path next time too; the call has run
+        replay.CACHE.pop(key, None)
+    return result
+
+
+@_public("chunk_kda", "chunk_key", 0)
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,9 +125,9 @@ def chunk_kda(
     has_initial_state: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    errors: torch.Tensor | None = None,
     checkpoint_every: int | None = None,
     checkpoint_indices: torch.Tensor | None = None,
-    errors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (prefill, any length). Must equal `kda_reference.chunk_kda` and
     `kda_reference.recurrent_kda`:
@@ -116,57 +164,8 @@ def chunk_kda(
     what their guards found for sequence n without a host read (`kda.ERROR_SLOT`, `ERROR_BOUNDS`,
     `ERROR_KEPT_SLOT`; docs/contract.md); the caller reads it whenever it likes, e.g. once per step.
     """
-    if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
-        return _through_op(
-            library.chunk_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
-            state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
-            state_dtype=state_dtype, out=out, checkpoint_every=checkpoint_every,
-            checkpoint_indices=checkpoint_indices, errors=errors,
-        )
-    # a call of a kind seen before launches its recorded kernels (kda.replay); KDA_DEBUG on takes the full path
-    key = replay.chunk_key(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
-        state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, checkpoint_every,
-        checkpoint_indices, errors)
-    if key is not None:
-        tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
-                   has_initial_state, None, checkpoint_indices, errors, out)
-        result = replay.replayed(key, tensors, None, cu_seqlens_cpu)
-        if result is not None:
-            return result
-    # the plain path passes its keywords directly: a dict built for both paths costs a microsecond a call
-    call = check_call(
-        "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
-        state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
-        state_dtype=state_dtype, out=out, require_has_initial_state=True,
-        checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices, errors=errors,
-    )
-    if key is None:
-        return _launchers()[0](call)
-    return _recorded(key, tensors, cu_seqlens_cpu, _launchers()[0], call)
-
-
-def _recorded(key, tensors, bounds, fwd, call, **kw):
-    """`fwd(call, **kw)` with its launches recorded under `key` (`kda.replay`), with its host bounds."""
-    record = replay.recording()
-    try:
-        result = fwd(call, **kw)
-    finally:
-        replay.stop()
-    try:
-        replay.remember(key, tensors, record, result, bounds)
-    except Exception:  # a kind that cannot be recorded takes the full path next time too; the call has run
-        replay.CACHE.pop(key, None)
-    return result
-
-
+    # the body is `_BODY`, written out for this function by `_public`
+@_public("fused_recurrent_kda", "decode_key", 1)
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -192,9 +191,9 @@ def fused_recurrent_kda(
     num_accepted_tokens: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    errors: torch.Tensor | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
-    errors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention token by token (decode and short sequences): the same function, signature and
     state contracts as `chunk_kda` (see there), one launch per call. Must equal
@@ -220,38 +219,4 @@ def fused_recurrent_kda(
 
     `errors`: as in `chunk_kda` (with `kda.ERROR_ACCEPTED` for a count outside 1..T_max).
     """
-    if torch.compiler.is_compiling():  # one opaque custom op in the traced graph
-        return _through_op(
-            library.fused_recurrent_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
-            state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
-            state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
-            num_accepted_tokens=num_accepted_tokens, errors=errors,
-        )
-    # a call of a kind seen before launches its recorded kernel (kda.replay); KDA_DEBUG on takes the full path
-    key = replay.decode_key(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
-        state_v_first, state_cache, state_indices, has_initial_state, num_accepted_tokens, state_dtype, out,
-        stochastic_rounding, errors)
-    if key is not None:
-        tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_cache, state_indices,
-                   has_initial_state, num_accepted_tokens, None, errors, out)
-        result = replay.replayed(key, tensors, seed, cu_seqlens_cpu)
-        if result is not None:
-            return result
-    call = check_call(
-        "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
-        state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
-        state_dtype=state_dtype, out=out, stochastic_rounding=stochastic_rounding, seed=seed,
-        require_has_initial_state=False, num_accepted_tokens=num_accepted_tokens, errors=errors,
-    )
-    if key is None:
-        return _launchers()[1](call, stochastic_rounding=stochastic_rounding, seed=seed)
-    return _recorded(key, tensors, cu_seqlens_cpu, _launchers()[1], call, stochastic_rounding=stochastic_rounding,
-                     seed=seed)
+    # the body is `_BODY`, written out for this function by `_public`

@@ -63,17 +63,9 @@ DEBUG_OFF = ("", "0", "false", "off", "no")
 DEBUG_ON = ("1", "true", "on", "yes")
 
 
-# os.environ's own mapping and its key for KDA_DEBUG: an unset variable is seen in 0.1 us instead of the
-# 2 us of os.environ.get (which encodes the key and decodes the value), on every call
-_ENV_DATA = getattr(os.environ, "_data", None)
-_DEBUG_KEY = os.environ.encodekey("KDA_DEBUG") if hasattr(os.environ, "encodekey") else None
-
-
 def debug_enabled() -> bool:
     """`KDA_DEBUG` on turns on the checks that read device memory back to the host (they sync). Read at
     call time; an undocumented value raises instead of being taken as on or off."""
-    if _DEBUG_KEY is not None and isinstance(_ENV_DATA, dict) and _DEBUG_KEY not in _ENV_DATA:
-        return False
     value = os.environ.get("KDA_DEBUG", "")
     if not value:  # unset: the common case, no string work
         return False
@@ -229,7 +221,8 @@ def _check_per_sequence(name: str, x, dtype: torch.dtype, N: int, device: torch.
         raise ValueError(f"{name} must be contiguous")
 
 
-def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+def byte_span(x: torch.Tensor) -> tuple[int, int]:
+    """[start, end) of the bytes `x` spans (start == end when empty)."""
     start = x.data_ptr()
     if x.numel() == 0:
         return (start, start)
@@ -443,7 +436,7 @@ def _check_sequences(cu_seqlens, cu_seqlens_cpu, q: torch.Tensor, B: int, T: int
     N = cu_seqlens.numel() - 1
     one_token_per_seq, host = False, None
     if cu_seqlens_cpu is not None:
-        host = _host_bounds(cu_seqlens_cpu)
+        host = host_bounds_list(cu_seqlens_cpu)
         if len(host) != N + 1:
             raise ValueError(f"cu_seqlens_cpu has {len(host)} entries, cu_seqlens has {N + 1}")
         # 0, 1, ..., N (a decode batch) are valid bounds when T == N: the general check is then redundant
@@ -654,10 +647,10 @@ def _check_out(out, inputs, state_in, B: int, T: int, HV: int, V: int, dtype, de
         raise ValueError(f"out must be [B, T, HV, V] = {[B, T, HV, V]} of dtype {dtype} on {device}, "
                          f"got {list(out.shape)} {out.dtype} on {out.device}")
     _check_token_layout("out", out, B, T)
-    o0, o1 = _byte_span(out)  # once, not once per tensor it is compared with
+    o0, o1 = byte_span(out)  # once, not once per tensor it is compared with
     for name, x in zip(("q", "k", "v", "g", "beta", "the state"), (*inputs, state_in)):
         # x's end is needed only when x starts before out's end
-        if x is not None and x.data_ptr() < o1 and o0 < _byte_span(x)[1]:
+        if x is not None and x.data_ptr() < o1 and o0 < byte_span(x)[1]:
             raise ValueError(f"out overlaps {name}; it must be a separate buffer")
 
 
@@ -678,7 +671,7 @@ def _check_rounding(stochastic_rounding, seed, state_dtype: torch.dtype, mode: s
                          "output_final_state): the flag would change nothing")
 
 
-def _host_bounds(cu_seqlens_cpu) -> list[int]:
+def host_bounds_list(cu_seqlens_cpu) -> list[int]:
     """The host bounds as a list of Python ints."""
     bounds = cu_seqlens_cpu
     if isinstance(bounds, torch.Tensor):

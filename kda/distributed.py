@@ -39,13 +39,14 @@ and the last rank writes the final states.
 from __future__ import annotations
 
 import bisect
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import api
-from .contract import MAX_HEAD_DIM, _host_bounds, check_call, debug_enabled
+from . import api, arguments
+from .contract import MAX_HEAD_DIM, check_call, debug_enabled, host_bounds_list
 
 __all__ = ["chunk_kda", "split_tokens", "state_owners"]
 
@@ -70,8 +71,8 @@ def state_owners(cu_seqlens_cpu, rank_bounds) -> tuple[list[int], list[int]]:
     """Per sequence of a varlen call, (the rank that reads its initial state, the rank that writes its final
     state): the ranks holding its first and its last token; for an empty sequence at position p, both are
     the rank holding token p (the last rank when p is the end of the axis). Host arithmetic only."""
-    bounds = _host_bounds(cu_seqlens_cpu)
-    R = _host_bounds(rank_bounds)
+    bounds = host_bounds_list(cu_seqlens_cpu)
+    R = host_bounds_list(rank_bounds)
     readers = [_owner(R, s) for s in bounds[:-1]]
     writers = [_owner(R, e - 1) if e > s else _owner(R, s) for s, e in zip(bounds, bounds[1:])]
     return readers, writers
@@ -159,64 +160,6 @@ def _store_rows(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -
 
 def _identity(shape, K: int, device) -> torch.Tensor:
     return torch.eye(K, dtype=torch.float32, device=device).expand(*shape, K, K)
-
-
-def chunk_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    *,
-    group=None,
-    rank_bounds=None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    cu_seqlens_cpu=None,
-    state_v_first: bool | None = None,
-    state_cache: torch.Tensor | None = None,
-    state_indices: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
-    state_dtype: torch.dtype | None = None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`kda.chunk_kda` over the ranks of `group` (default: the default group), each passing its local token
-    slice; every rank of the group calls it with the same global arguments. Equals the single-device
-    `kda.chunk_kda` of the whole token axis within rounding.
-
-    Varlen (`cu_seqlens` given, `B == 1`): `cu_seqlens` `[N+1]` on the device and `cu_seqlens_cpu` (required)
-    are the global bounds of the packed axis; rank r holds tokens `[rank_bounds[r], rank_bounds[r+1])`
-    of it (q, k `[1, T_r, H, K]`, v `[1, T_r, HV, V]`, ...), `rank_bounds` a host sequence of
-    `world_size + 1` ints from 0 to the total (default `split_tokens(total, world_size)`). Sequences may
-    cross any number of rank boundaries, lie inside one rank, or be empty; a rank may hold no token.
-
-    Dense (`cu_seqlens` None): rank r holds the r-th consecutive time slice (any length, zero too) of each of
-    the B rows; `rank_bounds`, when given, is only checked against the local length.
-
-    The other arguments are `kda.chunk_kda`'s, with per-sequence arguments global (`initial_state` `[N, ...]`,
-    `state_indices` and `has_initial_state` `[N]`) and per-token ones local (`out` `[B, T_r, HV, V]`). The
-    rank holding a sequence's first token reads its initial state (its row of `initial_state`, or its slot
-    of this rank's `state_cache`); the rank holding its last token writes its final state (its row of the
-    returned final state, zero on the other ranks, or its slot of this rank's pool); no other rank reads or
-    writes it. Returns `(o_local, final_state)`.
-    """
-    return _chunk_kda(
-        q, k, v, g, beta, scale, initial_state, output_final_state, group=group, rank_bounds=rank_bounds,
-        kernel_kw=dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                       A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound),
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first,
-        state_cache=state_cache, state_indices=state_indices, has_initial_state=has_initial_state,
-        state_dtype=state_dtype, out=out, fuse_identity=None,
-    )
 
 
 def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, *, group, rank_bounds, kernel_kw,
@@ -317,6 +260,67 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, *, gr
     return o, final
 
 
+# `chunk_kda`'s body: the arguments `_chunk_kda` names, passed by name; the table's others (the in-kernel
+# pre-processing and gate arguments) go to every local `kda.chunk_kda` call as they are (`kernel_kw`)
+_OWN = inspect.signature(_chunk_kda).parameters
+_PASSED = [n for n in arguments.names(arguments.DISTRIBUTED) if n not in _OWN]
+_BODY = f"""\
+    return _chunk_kda({arguments.call_source(arguments.DISTRIBUTED, only=_OWN)},
+                      kernel_kw=dict({arguments.call_source(arguments.DISTRIBUTED, only=_PASSED)}), fuse_identity=None)
+"""
+
+
+@arguments.compiled(arguments.DISTRIBUTED, _BODY, globals())
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    group=None,
+    rank_bounds=None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu=None,
+    state_v_first: bool | None = None,
+    state_cache: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`kda.chunk_kda` over the ranks of `group` (default: the default group), each passing its local token
+    slice; every rank of the group calls it with the same global arguments. Equals the single-device
+    `kda.chunk_kda` of the whole token axis within rounding.
+
+    Varlen (`cu_seqlens` given, `B == 1`): `cu_seqlens` `[N+1]` on the device and `cu_seqlens_cpu` (required)
+    are the global bounds of the packed axis; rank r holds tokens `[rank_bounds[r], rank_bounds[r+1])`
+    of it (q, k `[1, T_r, H, K]`, v `[1, T_r, HV, V]`, ...), `rank_bounds` a host sequence of
+    `world_size + 1` ints from 0 to the total (default `split_tokens(total, world_size)`). Sequences may
+    cross any number of rank boundaries, lie inside one rank, or be empty; a rank may hold no token.
+
+    Dense (`cu_seqlens` None): rank r holds the r-th consecutive time slice (any length, zero too) of each of
+    the B rows; `rank_bounds`, when given, is only checked against the local length.
+
+    The other arguments are `kda.chunk_kda`'s, with per-sequence arguments global (`initial_state` `[N, ...]`,
+    `state_indices` and `has_initial_state` `[N]`) and per-token ones local (`out` `[B, T_r, HV, V]`). The
+    rank holding a sequence's first token reads its initial state (its row of `initial_state`, or its slot
+    of this rank's `state_cache`); the rank holding its last token writes its final state (its row of the
+    returned final state, zero on the other ranks, or its slot of this rank's pool); no other rank reads or
+    writes it. Returns `(o_local, final_state)`.
+    """
+    # the body is `_BODY`, written out by `arguments.compiled`
+
+
 def _validate(rank, world, q, k, v, g, beta, scale, initial_state, output_final_state, rank_bounds, kernel_kw,
               cu_seqlens, cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype,
               out, fuse_identity):
@@ -330,12 +334,12 @@ def _validate(rank, world, q, k, v, g, beta, scale, initial_state, output_final_
         if cu_seqlens_cpu is None:
             raise ValueError("kda.distributed.chunk_kda with cu_seqlens needs cu_seqlens_cpu (the global bounds "
                              "on the host): each rank plans its share from them without reading the device")
-        bounds = _host_bounds(cu_seqlens_cpu)
+        bounds = host_bounds_list(cu_seqlens_cpu)
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.shape != (len(bounds),):
             raise ValueError(f"cu_seqlens must be a [N+1] = [{len(bounds)}] tensor like cu_seqlens_cpu")
         if bounds[0] != 0 or sorted(bounds) != bounds:
             raise ValueError("cu_seqlens_cpu must start at 0 and be non-decreasing")
-        R = split_tokens(bounds[-1], world) if rank_bounds is None else _host_bounds(rank_bounds)
+        R = split_tokens(bounds[-1], world) if rank_bounds is None else host_bounds_list(rank_bounds)
         if len(R) != world + 1 or R[0] != 0 or R[-1] != bounds[-1] or sorted(R) != R:
             raise ValueError(f"rank_bounds must hold world_size + 1 = {world + 1} non-decreasing ints from 0 to "
                              f"the total token count {bounds[-1]}, got {R}")
@@ -347,7 +351,7 @@ def _validate(rank, world, q, k, v, g, beta, scale, initial_state, output_final_
     else:
         bounds = None
         if rank_bounds is not None:
-            R = _host_bounds(rank_bounds)
+            R = host_bounds_list(rank_bounds)
             if len(R) != world + 1 or R[0] != 0 or sorted(R) != R:
                 raise ValueError(f"rank_bounds must hold world_size + 1 = {world + 1} non-decreasing ints from 0, "
                                  f"got {R}")

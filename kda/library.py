@@ -4,7 +4,8 @@
 (`torch.compiler.is_compiling()`); a plain Python call launches the kernels directly, without the
 dispatcher (docs/contract.md, "torch.compile and custom ops").
 
-The ops' schema differs from the public signature where the dispatcher needs it:
+The ops' parameters, their order and the mutated ones come from `kda.arguments` (its op column). The schema
+differs from the public signature where the dispatcher needs it:
 - `out` is required and mutated (a custom op's output may not alias an input): the public wrapper
   allocates it with `torch.empty` when the caller passed none.
 - `state_cache` is mutated (the paged contract writes it in place).
@@ -29,57 +30,26 @@ from __future__ import annotations
 
 import torch
 
+from . import arguments
 from .contract import check_call
 
 # How many times each op's real implementation ran (the tests assert that a plain call never does).
 calls = {"chunk_kda": 0, "fused_recurrent_kda": 0}
-
-_MUTATED = ("out", "state_cache", "errors")
 
 
 def _no_final(call) -> torch.Tensor:
     return torch.empty(0, dtype=call.state_dtype, device=call.q.device)
 
 
-@torch.library.custom_op("kda::chunk_kda", mutates_args=_MUTATED)
-def chunk_kda_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    scale: float | None, initial_state: torch.Tensor | None, output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, use_gate_in_kernel: bool,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
-    cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, state_v_first: bool | None,
-    state_cache: torch.Tensor | None, state_indices: torch.Tensor | None,
-    has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
-    errors: torch.Tensor | None, checkpoint_every: int | None = None,
-    checkpoint_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`kda.chunk_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
-    call = check_call("chunk_kda", require_has_initial_state=True, **locals())  # the parameters, by name
-    calls["chunk_kda"] += 1
-    from .ops.chunk import chunk_kda_fwd
-
-    _, final = chunk_kda_fwd(call)
-    return final if final is not None else _no_final(call)
-
-
-@torch.library.custom_op("kda::fused_recurrent_kda", mutates_args=_MUTATED)
-def fused_recurrent_kda_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    scale: float | None, initial_state: torch.Tensor | None, output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, use_gate_in_kernel: bool,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
-    cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, state_v_first: bool | None,
-    state_cache: torch.Tensor | None, state_indices: torch.Tensor | None,
-    has_initial_state: torch.Tensor | None, state_dtype: torch.dtype | None, out: torch.Tensor,
-    errors: torch.Tensor | None, stochastic_rounding: bool, seed: int,
-    num_accepted_tokens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`kda.fused_recurrent_kda` writing o into `out`; returns the final state (or an empty `[0]` tensor)."""
-    call = check_call("fused_recurrent_kda", require_has_initial_state=False, **locals())  # by name
-    calls["fused_recurrent_kda"] += 1
-    from .ops.fused_recurrent import fused_recurrent_kda_fwd
-
-    _, final = fused_recurrent_kda_fwd(call, stochastic_rounding=stochastic_rounding, seed=seed)
+def _run(fn: str, args: dict) -> torch.Tensor:
+    """The real implementation of op `fn` for its arguments `args` (by name)."""
+    call = check_call(fn, require_has_initial_state=fn == "chunk_kda", **args)
+    calls[fn] += 1
+    if fn == "chunk_kda":
+        from .ops.chunk import chunk_kda_fwd as fwd
+    else:
+        from .ops.fused_recurrent import fused_recurrent_kda_fwd as fwd
+    _, final = fwd(call, **{n: args[n] for n in arguments.launcher_names(fn)})
     return final if final is not None else _no_final(call)
 
 
@@ -99,23 +69,23 @@ def fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_
     return q.new_empty((N, *plane), dtype=dtype)
 
 
-@chunk_kda_op.register_fake
-def _chunk_kda_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                    use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens,
-                    cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype,
-                    out, errors, checkpoint_every=None, checkpoint_indices=None):
-    return fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
-                            state_dtype)
+def _op(fn: str):
+    """`kda::{fn}`: its implementation and fake implementation take the parameters `kda.arguments` gives the op
+    (the schema is inferred from their annotations), its mutated arguments are the table's."""
+    params = arguments.op_parameters_source(fn)
+    real = arguments.define(f"{fn}_op", f"def {fn}_op({params}) -> torch.Tensor:\n"
+                                        f"    return _run({fn!r}, locals())  # the parameters, by name\n", globals())
+    real.__doc__ = f"`kda.{fn}` writing o into `out`; returns the final state (or an empty `[0]` tensor)."
+    fake = arguments.define(f"_{fn}_fake", f"def _{fn}_fake({params}):\n"
+                                           "    return fake_final_state(q, v, initial_state, output_final_state, "
+                                           "cu_seqlens, state_v_first, state_cache, state_dtype)\n", globals())
+    op = torch.library.custom_op(f"kda::{fn}", real, mutates_args=arguments.mutated(fn))
+    op.register_fake(fake)
+    return op
 
 
-@fused_recurrent_kda_op.register_fake
-def _fused_recurrent_kda_fake(q, k, v, g, beta, scale, initial_state, output_final_state,
-                              use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log,
-                              dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu, state_v_first, state_cache,
-                              state_indices, has_initial_state, state_dtype, out, errors, stochastic_rounding,
-                              seed, num_accepted_tokens=None):
-    return fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
-                            state_dtype)
+chunk_kda_op = _op("chunk_kda")
+fused_recurrent_kda_op = _op("fused_recurrent_kda")
 
 
 def host_bounds_tensor(cu_seqlens_cpu) -> torch.Tensor | None:

@@ -14,12 +14,13 @@ which raises). A host TMA descriptor (over a workspace, or over the input v) is 
 address moved. The key holds the length of `cu_seqlens_cpu`; its values are compared with the recorded ones
 (other values: the full path, whose recording replaces the kind's).
 
-Not recorded (every such call takes the full path): KDA_DEBUG on, the interpreter, a launch hook registered
-(a profiler's), an argument whose type the key does not cover, one tensor passed in two roles, a view of a
-buffer that several roles share, and a launch Triton's own path made. Workspaces and their views come from
-one buffer per call, a region per buffer the call allocated. The walk beside the prepare is recorded with its streams:
-each launch on the caller's stream or the side stream, and the waits between them in order. At most `CAPACITY`
-kinds are kept, the oldest dropped first.
+Not recorded (every such call takes the full path): KDA_DEBUG on, the interpreter, a Triton version the launch
+fast path was not tested with (`kda.ops.launch.FAST_PATH`), a launch hook registered (a profiler's), an argument
+whose type the key does not cover, one tensor passed in two roles, a view of a buffer that several roles share,
+and a launch Triton's own path made (`remember` raises `Unrecordable`). Workspaces and their views come from one
+buffer per call, a region per buffer the call allocated. The walk beside the prepare is recorded with its
+streams: each launch on the caller's stream or the side stream, and the waits between them in order. At most
+`CAPACITY` kinds are kept, the oldest dropped first.
 """
 
 from __future__ import annotations
@@ -28,27 +29,25 @@ import os
 import threading
 
 import torch
-from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .contract import DEBUG_OFF, _byte_span, debug_enabled
-from .ops import launch as _launch
-from .ops.launch import DirectKernel, _int_class
+from . import arguments
+from .contract import DEBUG_OFF, byte_span, debug_enabled
+from .ops import launch
+from .ops.launch import FAST_PATH, DirectKernel, HostDescriptor, int_class, launch_hooked, raw_stream
 from .plan import device_info
 
 CAPACITY = 256
-_SCALARS = (type(None), bool, int, float)
+_SCALARS = (type(None), bool, int, float, torch.dtype)
 # set by a CUDA tool in the environment of the program it runs (`_serialising`)
 TOOL_VARIABLES = ("CUDA_INJECTION64_PATH", "NV_SANITIZER_INJECTION_PORT_BASE", "NV_NSIGHT_INJECTION_PORT_BASE")
 _ALIGN = 256  # workspace offsets in the one buffer: every workspace as aligned as its own allocation's TMA needs
 
-# a call's tensors in the order `Replay` reads them: the caller's (both functions' in one list), then o and
-# the final state (allocated by the call unless `out` is o)
-ROLES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "state_cache",
-         "state_indices", "has_initial_state", "num_accepted_tokens", "checkpoint_indices", "errors", "o",
-         "final")
+# a call's tensors in the order `Replay` reads them: the caller's (both functions' in one list,
+# `kda.arguments.TENSORS`), then o and the final state (allocated by the call unless `out` is o)
+ROLES = (*arguments.TENSORS, "o", "final")
 _OUT = ROLES.index("o")
-# out may not overlap these (`kda.contract._check_out`): q, k, v, g, beta and the state read
+# out may not overlap these (`kda.contract.check_call`): q, k, v, g, beta and the state read
 _NO_OVERLAP = tuple(ROLES.index(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "state_cache"))
 
 CACHE: dict = {}
@@ -56,6 +55,10 @@ CACHE: dict = {}
 
 class _Uncached(Exception):
     """A call the key does not describe: it takes the full path and is not recorded."""
+
+
+class Unrecordable(Exception):
+    """`remember` found a call whose launches it cannot replay: the kind takes the full path every time."""
 
 
 def _meta(x):
@@ -106,83 +109,42 @@ def _same_bounds(x, kept) -> bool:
 
 
 def _recordable(q) -> bool:
-    """Whether a call may replay or be recorded at all: a GPU call, KDA_DEBUG off (its checks read device
-    values; a bad KDA_DEBUG value raises here as it would in the checks), no launch hook registered."""
-    return (isinstance(q, torch.Tensor) and q.is_cuda and not debug_enabled()
-            and not knobs.runtime.launch_enter_hook.calls)
+    """Whether a call may replay or be recorded at all: the launch fast path on (`kda.ops.launch.FAST_PATH`),
+    a GPU call, KDA_DEBUG off (its checks read device values; a bad KDA_DEBUG value raises here as it would in
+    the checks), no launch hook registered."""
+    return (FAST_PATH and isinstance(q, torch.Tensor) and q.is_cuda and not debug_enabled()
+            and not launch_hooked())
 
 
-def _common(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
-            state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, errors) -> tuple:
-    if state_dtype is not None and not isinstance(state_dtype, torch.dtype):
-        raise _Uncached
-    return (torch.cuda.current_device(), _meta(q), _meta(k), _meta(v), _meta(g), _meta(beta), _scalar(scale),
-            _meta(initial_state), _scalar(output_final_state), _scalar(use_qk_l2norm_in_kernel),
-            _scalar(use_beta_sigmoid_in_kernel), _scalar(use_gate_in_kernel), _meta(A_log), _meta(dt_bias),
-            _scalar(lower_bound), _meta(cu_seqlens), _bounds(cu_seqlens_cpu), _scalar(state_v_first),
-            _meta(state_cache), _meta(state_indices), _meta(has_initial_state), state_dtype, _meta(out),
-            _meta(errors))
+_KEY_PART = {arguments.METADATA: "_meta", arguments.VALUE: "_scalar", arguments.LENGTH: "_bounds"}
 
 
-def decode_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-               use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens,
-               cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, num_accepted_tokens,
-               state_dtype, out, stochastic_rounding, errors) -> tuple | None:
-    """Everything a `fused_recurrent_kda` call's checks, plan and launch depend on but its tensors' memory
-    and `seed`; None where the call is not recorded."""
-    if not _recordable(q):
-        return None
-    try:
-        return ("decode", _meta(num_accepted_tokens), _scalar(stochastic_rounding)) + _common(
-            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
-            state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, errors)
-    except (_Uncached, AttributeError):
-        return None
+def _key_function(fn: str, name: str, doc: str):
+    """`name`, the key of a `fn` call: one part per argument of `kda.arguments.key_names(fn)`, by its
+    `key_part`; None where the call is not recorded."""
+    keyed = [arguments.BY_NAME[n] for n in arguments.key_names(fn)]
+    parts = "".join(f", {_KEY_PART[a.key_part]}({a.name})" for a in keyed)
+    source = (f"def {name}({', '.join(a.name for a in keyed)}):\n"
+              "    if not _recordable(q):\n"
+              "        return None\n"
+              "    try:\n"
+              f"        return ({fn!r}, torch.cuda.current_device(){parts})\n"
+              "    except (_Uncached, AttributeError):\n"
+              "        return None\n")
+    made = arguments.define(name, source, globals())
+    made.__doc__ = doc
+    return made
 
 
-def chunk_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-              use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens,
-              cu_seqlens_cpu, state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out,
-              checkpoint_every, checkpoint_indices, errors) -> tuple | None:
-    """The same for a `chunk_kda` call (its plan also reads whether the stream is being captured)."""
-    if not _recordable(q):
-        return None
-    try:
-        return ("chunk", torch.cuda.is_current_stream_capturing(), _scalar(checkpoint_every),
-                _meta(checkpoint_indices)) + _common(
-            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_seqlens, cu_seqlens_cpu,
-            state_v_first, state_cache, state_indices, has_initial_state, state_dtype, out, errors)
-    except (_Uncached, AttributeError):
-        return None
+decode_key = _key_function("fused_recurrent_kda", "decode_key", """Everything a `fused_recurrent_kda` call's checks,
+    plan and launch depend on but its tensors' memory and `seed`; None where the call is not recorded.""")
+chunk_key = _key_function("chunk_kda", "chunk_key", "The same for a `chunk_kda` call.")
 
 
 def _extent(x: torch.Tensor) -> int:
-    """Bytes x spans (`kda.contract._byte_span`; 0 when empty)."""
-    start, end = _byte_span(x)
+    """Bytes x spans (`kda.contract.byte_span`; 0 when empty)."""
+    start, end = byte_span(x)
     return end - start
-
-
-class _Descriptor:
-    """What the launcher reads of a host `TensorDescriptor` (base, shape, strides, padding) over a workspace of
-    this call: the base is only asked for its address, so the descriptor stands for it."""
-
-    __slots__ = ("p", "shape", "strides", "padding")
-
-    def __init__(self, p: int, shape, strides, padding):
-        self.p = p
-        self.shape = shape
-        self.strides = strides
-        self.padding = padding
-
-    @property
-    def base(self):
-        return self
-
-    def data_ptr(self) -> int:
-        return self.p
 
 
 class Replay:
@@ -221,7 +183,7 @@ class Replay:
         self.events = {}
 
     def __call__(self, tensors: tuple, seed, bounds=None):
-        if seed is not None and (type(seed) is not int or _int_class(seed)):  # not i32: another binary
+        if seed is not None and (type(seed) is not int or int_class(seed)):  # not i32: another binary
             return None
         if self.bounds is not None and not _same_bounds(bounds, self.bounds):  # other routing and grids
             return None
@@ -252,7 +214,7 @@ class Replay:
         if self.workspaces:
             ws = torch.empty(self.workspaces, dtype=torch.uint8, device=dev)
             base = ws.data_ptr()
-        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        stream = raw_stream(self.device)
         maps = self.maps
         current = events = None
         for kind, a, b in self.order:
@@ -275,11 +237,11 @@ class Replay:
                 else:  # (role,): a caller's tensor, its alignment checked with the others'
                     p = tensors[off[0]].data_ptr()
                 if make is None:  # the launcher encodes it
-                    vals[pos] = _Descriptor(p, shape, strides, padding)
+                    vals[pos] = HostDescriptor(p, shape, strides, padding)
                     continue
                 last = maps[j]  # the workspace mostly returns to the address of the call before
                 if last[0] != p:
-                    last = (p, make(_Descriptor(p, shape, strides, padding), meta))
+                    last = (p, make(HostDescriptor(p, shape, strides, padding), meta))
                     maps[j] = last
                 vals[pos:pos + len(last[1])] = last[1]
             if seed_at is not None and seed is not None:
@@ -305,7 +267,8 @@ def replayed(key, tensors: tuple, seed, bounds=None):
 
 def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> None:
     """Record the launches a full call made (`record`: `kda.ops.launch.RECORD`'s entries) under `key`.
-    `tensors`: the call's tensors in `ROLES` order up to errors, then `out`; `result`: its (o, final state)."""
+    `tensors`: the call's tensors in `ROLES` order up to the caller's last, then `out`; `result`: its (o, final
+    state). Raises `Unrecordable` for a call whose launches a replay could not repeat."""
     if CAPACITY <= 0 or not record:
         return
     o, final = result
@@ -315,13 +278,13 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
     for r, x in enumerate(roles):
         if x is not None:
             if id(x) in role_of:  # one object in two roles: an argument would be read back into one of them
-                return
+                raise Unrecordable("one tensor in two roles")
             role_of[id(x)] = r
             # roles may share a buffer (q, k, v split from one projection); a view derived from a buffer is
             # placed by its role only where one role holds that buffer
             storage_of.setdefault(x.untyped_storage().data_ptr(), []).append(r)
     device = torch.cuda.current_device()
-    main = _launch.RECORD.main
+    main = launch.RECORD.main
     # streams other than the caller's: the torch streams the recorded waits name (the side stream of the walk
     # beside the prepare, one per device for the process), by raw handle
     sides = {x.cuda_stream: x for op in record if op[0] == "wait" for x in op[1:] if x.cuda_stream != main}
@@ -346,29 +309,25 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
             n_waits += 1
             continue
         kernel, grid, args, meta, st = op
-        if (st != main and st not in sides) or not isinstance(kernel, DirectKernel) or kernel._plain is None:
-            return
-        try:
-            kernel_key, vals = kernel.key(args, meta)
-        except _launch._Slow:
-            return
-        hit = kernel._cache.get(kernel_key)
+        if st != main and st not in sides:
+            raise Unrecordable("a launch on a stream no recorded wait names")
+        hit = kernel.compiled(args, meta) if isinstance(kernel, DirectKernel) else None
         if hit is None:
-            return
-        run, prefix, function, packed, tail = hit
+            raise Unrecordable("a launch Triton's own path made")
+        run, prefix, function, packed, tail, vals = hit
         i = len(launches)
         ws_at, desc_at = [], []
         for pos, a in enumerate(args):
             if isinstance(a, TensorDescriptor):
                 base = a.base
                 if not isinstance(base, torch.Tensor):
-                    return
+                    raise Unrecordable("a TMA descriptor over something else than a tensor")
                 r = role_of.get(id(base))
                 if r is not None:  # over a caller's tensor (the walk's v): its role's address, alignment checked
                     places.setdefault(r, [])
                     at = (r,)
                 elif base.untyped_storage().data_ptr() in storage_of:
-                    return
+                    raise Unrecordable("a TMA descriptor over a view of a caller's buffer")
                 else:
                     at = workspace(base)
                 desc_at.append((pos, at, tuple(a.shape), tuple(a.strides), a.padding))
@@ -377,17 +336,16 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
                 if r is None:  # a view of a role's tensor, at a fixed offset from it for this key
                     holders = storage_of.get(a.untyped_storage().data_ptr(), ())
                     if len(holders) > 1:
-                        return
+                        raise Unrecordable("a view of a buffer that several roles share")
                     r = holders[0] if holders else None
                 if r is not None:
                     places.setdefault(r, []).append((i, pos, a.data_ptr() - roles[r].data_ptr()))
                 else:
                     ws_at.append((pos, workspace(a)))
-        names = kernel.fn.arg_names
-        seed_at = names.index("seed") if "seed" in names else None
+        seed_at = kernel.position("seed")
         g = tuple(grid) + (1,) * (3 - len(grid))
         template = list(vals) + list(tail)
-        encoder = _launch.tma_encoder(run) if desc_at else None
+        encoder = launch.tma_encoder(run) if desc_at else None
         if encoder is not None and len(encoder[2]) != len(desc_at):
             encoder = None
         if encoder is None:
@@ -459,7 +417,7 @@ def _programmatic(order: list, launches: list) -> list:
         return order
     dep = order[fork + 1][1]  # the prepare's (last) launch, between the fork and the walk
     run, prefix, *rest = launches[dep]
-    prefix = _launch.with_pdl(prefix)
+    prefix = launch.with_pdl(prefix)
     if prefix is None:
         return order
     launches[dep] = (run, prefix, *rest)
@@ -469,10 +427,10 @@ def _programmatic(order: list, launches: list) -> list:
 def recording() -> list:
     """Start recording this thread's launches (`kda.ops.launch.RECORD`), on the current stream; `stop` ends
     it."""
-    _launch.RECORD.main = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-    _launch.RECORD.launches = []
-    return _launch.RECORD.launches
+    launch.RECORD.main = raw_stream(torch.cuda.current_device())
+    launch.RECORD.launches = []
+    return launch.RECORD.launches
 
 
 def stop() -> None:
-    _launch.RECORD.launches = None
+    launch.RECORD.launches = None

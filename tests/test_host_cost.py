@@ -43,13 +43,13 @@ def test_host_bounds_equal_the_int_conversion(bounds):
     """The fast path (int entries summed in C, no per-entry conversion) gives what converting each entry
     with int() gives, for every accepted input kind."""
     entries = bounds.tolist() if isinstance(bounds, torch.Tensor) else bounds
-    assert contract._host_bounds(bounds) == [int(x) for x in entries]
+    assert contract.host_bounds_list(bounds) == [int(x) for x in entries]
 
 
 @pytest.mark.parametrize("bounds", [[0, 2, "x"], [0, None, 2], 5, [[0, 1]], torch.tensor(3)])
 def test_host_bounds_that_are_not_ints_raise_naming_the_argument(bounds):
     with pytest.raises((TypeError, ValueError), match="cu_seqlens_cpu|int"):
-        contract._host_bounds(bounds)
+        contract.host_bounds_list(bounds)
 
 
 def _strided(shape, strides, offset=0):

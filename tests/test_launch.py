@@ -12,6 +12,7 @@ import itertools
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE
 from helpers import make_inputs, same_bits
 from triton._C.libtriton import native_specialize_impl
@@ -173,3 +174,47 @@ def test_direct_prefill_equals_tritons_launch(monkeypatch):
     for run in runs[:2]:
         for (o, s), (o_ref, s_ref) in zip(run, runs[2]):
             assert same_bits(o, o_ref) and same_bits(s, s_ref)
+
+
+@pytest.mark.parametrize("version,tested", [
+    ("3.6.0", True), ("3.6.1", True), ("3.9.0", True), ("3.9.0+git1234abcd", True), ("3.9.1rc1", True),
+    ("3.5.1", False), ("3.7.0", False), ("3.8.0", False), ("3.10.0", False), ("4.6.0", False), ("2.9.0", False),
+    ("", False), ("dev", False),
+])
+def test_the_fast_path_is_gated_on_the_tested_triton_versions(version, tested):
+    """Triton's internals that the direct path reads were read from 3.6 and 3.9 only; any other version launches
+    through Triton (`FAST_PATH` false: no direct launch, no recording)."""
+    assert launch.fast_path_tested(version) == tested
+    assert launch.FAST_PATH == launch.fast_path_tested(triton.__version__)
+
+
+def test_a_plain_launch_gives_the_bits_of_the_gated_one(monkeypatch):
+    """The decode kernel's launch of a real paged call, run again through `DirectKernel(fn, fast_path=False)`
+    (Triton's own launch, what an untested Triton version gets) and twice through the kernel as `kda` built it
+    (on the GPU the second is a direct launch of a specialisation already compiled): the same bits in every
+    tensor it writes. The call runs under KDA_DEBUG so that nothing replays and every launch is noted."""
+    monkeypatch.setenv("KDA_DEBUG", "1")
+    q, k, v, g, beta, kw = make_inputs(4, 1, 2, 2, 16, 16, dtype=torch.bfloat16, gate="lower_bound", device=DEVICE,
+                                       seed=5, beta_sigmoid=True)
+    pool = torch.randn(8, 2, 16, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    idx = torch.tensor([6, 1, 3, 0], dtype=torch.int32, device=DEVICE)
+    record = launch.RECORD.launches = []
+    try:
+        _decode((q, k, v, g, beta), pool, idx, None, **kw)
+    finally:
+        launch.RECORD.launches = None
+    launches = [op for op in record if op[0] != "wait"]
+    assert launches
+    for kernel, grid, args, meta, _ in launches:
+        plain = DirectKernel(kernel.fn, fast_path=False)
+        assert not plain.direct and plain.compiled(args, meta) is None
+        runs = []
+        for kern in (plain, kernel, kernel):
+            fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            kern[grid](*fresh, **meta)
+            runs.append(fresh)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        for run in runs[1:]:
+            for a, b in zip(runs[0], run):
+                assert not isinstance(a, torch.Tensor) or same_bits(a, b)

@@ -122,14 +122,14 @@ def test_host_bounds_recorded_are_compared_by_value():
 
 
 def test_a_recording_that_fails_never_fails_the_call(monkeypatch):
-    """The call has run when its launches are recorded: a recording that raises leaves the call's result and
-    no entry for its key."""
+    """The call has run when its launches are recorded: a recording that finds the kind unrecordable leaves the
+    call's result and no entry for its key."""
     monkeypatch.setattr(replay, "recording", lambda: [])
     monkeypatch.setattr(replay, "stop", lambda: None)
 
     def broken(*args):
         replay.CACHE["kind"] = "half-made"
-        raise RuntimeError("cannot record")
+        raise replay.Unrecordable("cannot record")
 
     monkeypatch.setattr(replay, "remember", broken)
     monkeypatch.setattr(replay, "CACHE", {})

@@ -21,7 +21,7 @@ from .config import (
     REORDER_FP32_TERM,
 )
 from .inputs import ADVERSARIAL_DOC
-from .verdict import _fmt_fit, failed_checks
+from .verdict import failed_checks, fmt_fit
 
 BOUND_TEXT = (f"error <= {KERNEL_FLOOR_FACTOR:g} x floor + {KERNEL_FP32_TERM:g} with fp32 inputs, "
               f"<= max({KERNEL_FLOOR_FACTOR:g} x floor, floor + {KERNEL_NARROW_TERM:.3g}) with fp16/bf16 inputs "
@@ -279,8 +279,8 @@ def _decode_md(report: dict, plots=PLOT_FILES) -> list[str]:
               f"gains (< 1); fp32 rows: {FP32_RATIO}.", ""]
         L += _table(["config", "output", "state", "emulation output", "emulation state",
                      "kernel/emu out @end", "kernel/emu state @end"],
-                    [[n, _fmt_fit(x["info"]["fit_out"]), _fmt_fit(x["info"]["fit_state"]),
-                      _fmt_fit(x["info"]["fit_emu_out"]), _fmt_fit(x["info"]["fit_emu_state"]),
+                    [[n, fmt_fit(x["info"]["fit_out"]), fmt_fit(x["info"]["fit_state"]),
+                      fmt_fit(x["info"]["fit_emu_out"]), fmt_fit(x["info"]["fit_emu_state"]),
                       *((FP32_RATIO, FP32_RATIO) if x["params"]["state"] == "fp32" else
                         (r(x["info"]["out_over_emulation"][-1]), r(x["info"]["state_over_emulation"][-1])))]
                      for n, x in zip(names, rs)])
@@ -320,8 +320,8 @@ def _length_md(report: dict, plots=PLOT_FILES) -> list[str]:
                  *(e(x["info"]["state_floor"][i]) for x in xs)] for i, T in enumerate(Ts)]
         L += _table(header, rows)
         L += _table(["storage", "exponent: out", "tail", "state"],
-                    [[x["params"]["state"], _fmt_fit(x["info"]["fit_out"]), _fmt_fit(x["info"]["fit_out_tail"]),
-                      _fmt_fit(x["info"]["fit_state"])] for x in xs])
+                    [[x["params"]["state"], fmt_fit(x["info"]["fit_out"]), fmt_fit(x["info"]["fit_out_tail"]),
+                      fmt_fit(x["info"]["fit_state"])] for x in xs])
     return L
 
 
@@ -378,7 +378,7 @@ def _chunked_md(report: dict, plots=PLOT_FILES) -> list[str]:
                  *(e(x["metrics"]["out_rel"][i]) for x in xs)] for i, n in enumerate(pieces)]
         L += [f"**{regime}** regime", ""] + _table(header, rows)
         L += _table(["storage", "state floor", "exponent of state error vs pieces"],
-                    [[x["params"]["state"], e(x["info"]["state_floor"]), _fmt_fit(x["info"]["fit_state"])] for x in xs])
+                    [[x["params"]["state"], e(x["info"]["state_floor"]), fmt_fit(x["info"]["fit_state"])] for x in xs])
     return L
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .config import EMULATION_RATIO_MAX, GROWING_EXPONENT, OUTPUT_FLOOR_FACTOR, PRESETS, REGIMES
 
 
-def _fmt_fit(fit: dict) -> str:
+def fmt_fit(fit: dict) -> str:
     if fit.get("slope") is None:
         return "n/a"
     if fit.get("ci_low") is None:
@@ -50,7 +50,7 @@ def decode_verdicts(entries: list[dict], target_steps: int | None = None) -> tup
                  out_rel=out, out_floor_bf16=floor, out_over_floor=over, target_steps=target_steps,
                  extrapolated_over_floor=extrapolated,
                  out_over_emulation=r_out, state_over_emulation=r_state, state_rel=e["metrics"]["state_rel"][-1],
-                 growing=growing, exponent=_fmt_fit(fit), fit_out=fit)
+                 growing=growing, exponent=fmt_fit(fit), fit_out=fit)
         per_regime.append(v)
         by_dtype.setdefault(p["state"], []).append(v)
     overall = []

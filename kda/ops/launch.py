@@ -16,21 +16,43 @@ addresses. A launch falls back to Triton's own path (which compiles on a miss) f
 other type, while a launch hook is registered (a profiler's), under the interpreter, and for a kernel whose
 signature this key cannot cover.
 
+This module is the one place that reads Triton's internals (the specialisation rules, its launchers' attributes
+and closures, its launch hooks): `kda.replay` reaches the compiled launchers only through `DirectKernel.compiled`,
+`launcher_entry`, `tma_encoder`, `with_pdl` and `HostDescriptor`. Those internals were read from the Triton
+versions in `TESTED_TRITON`; on any other version (`FAST_PATH` false) every launch is Triton's own
+`kernel[grid](...)`, and `kda.replay` records nothing.
+
 `RECORD.launches`, when a list, receives every launch this thread makes as (kernel, grid, run-time arguments,
 keywords, stream), and every `wait_stream` between streams, for `kda.replay`.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 
 import torch
+import triton
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _I32 = 2**31
 _I64 = 2**63
 
+# (major, minor) of the Triton releases the fast path was tested with (3.6.0 on the GPU machine, 3.9.0 on CPU);
+# pyproject.toml's range holds them
+TESTED_TRITON = ((3, 6), (3, 9))
+
+
+def fast_path_tested(version: str) -> bool:
+    """Whether Triton `version` (a `triton.__version__` string) is one the fast path was tested with."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return m is not None and (int(m[1]), int(m[2])) in TESTED_TRITON
+
+
+FAST_PATH = fast_path_tested(triton.__version__)
+# a device's current stream handle, without a torch Stream object (absent from CPU-only torch builds)
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 RECORD = threading.local()
 RECORD.launches = None
@@ -40,7 +62,7 @@ class _Slow(Exception):
     """An argument the key does not cover: Triton's own launch path takes the call."""
 
 
-def _int_class(x: int) -> int:
+def int_class(x: int) -> int:
     """Triton's integer type for a run-time int: 0 i32, 1 i64, 2 u64."""
     return 0 if -_I32 <= x < _I32 else (1 if -_I64 <= x < _I64 else 2)
 
@@ -61,11 +83,11 @@ def specialization(args: tuple, fixed: tuple) -> tuple[tuple, list]:
             continue
         if t is int:
             if fixed_i:
-                key.append(_int_class(x))
+                key.append(int_class(x))
             elif x == 1:
                 key.append(None)  # Triton makes an argument equal to 1 a constant
             else:
-                key.append((_int_class(x), x & 15 == 0))
+                key.append((int_class(x), x & 15 == 0))
         elif t is TensorDescriptor:  # Triton: its dtype and block shape; the launcher encodes the rest
             key.append((x.base.dtype, tuple(x.block_shape), x.padding))
         elif t is float:
@@ -83,15 +105,18 @@ def specialization(args: tuple, fixed: tuple) -> tuple[tuple, list]:
 class DirectKernel:
     """A `triton.jit` kernel launched as `kernel[grid](*args, **meta)` (run-time arguments positional, in
     the signature's order; constexprs and launch options by keyword), through the compiled kernel's
-    launcher once its specialisation has been launched through Triton. `fn` is the JIT function."""
+    launcher once its specialisation has been launched through Triton. `fn` is the JIT function;
+    `fast_path=False` (default: `FAST_PATH`, the Triton version's) launches every call through `fn`."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, fast_path: bool | None = None):
         self.fn = fn
         self._cache: dict = {}
         params = getattr(fn, "params", None)
         # None: not a JIT function we can bypass (the interpreter's), every launch goes through `fn`
         self._plain = None
-        if params is not None and not knobs.runtime.interpret:
+        if fast_path is None:
+            fast_path = FAST_PATH
+        if fast_path and params is not None and not knobs.runtime.interpret:
             runtime = [p for p in params if not p.is_constexpr]
             # the run-time arguments must come first, unannotated and specialised the default way
             if (all(not p.is_constexpr for p in params[:len(runtime)])
@@ -103,6 +128,30 @@ class DirectKernel:
     def __getitem__(self, grid):
         return lambda *args, **meta: self.launch(grid, args, meta)
 
+    @property
+    def direct(self) -> bool:
+        """Whether a launch can skip Triton's binding (the fast path on, a JIT function off the interpreter)."""
+        return self._plain is not None
+
+    def position(self, name: str) -> int | None:
+        """The position of run-time argument `name` among the launcher's arguments, or None."""
+        names = self.fn.arg_names
+        return names.index(name) if name in names else None
+
+    def compiled(self, args: tuple, meta: dict) -> tuple | None:
+        """(launcher, its prefix, function, packed metadata, constexpr tail, launcher arguments) of the binary a
+        launch with these arguments runs, as `launch` calls it: `run(gx, gy, gz, stream, function, *prefix,
+        packed, None, None, None, *arguments, *tail)`; None where that launch would go through Triton's own
+        path (the fast path off, an argument the key does not cover, a specialisation not launched yet)."""
+        if self._plain is None or len(args) != len(self._plain):
+            return None
+        try:
+            key, vals = self.key(args, meta)
+        except _Slow:
+            return None
+        hit = self._cache.get(key)
+        return None if hit is None else (*hit, vals)
+
     def key(self, args: tuple, meta: dict) -> tuple[tuple, list]:
         """(the compiled kernel's key in this kernel's cache, launcher arguments) of one launch on the current
         device; raises `_Slow` where `specialization` does."""
@@ -112,7 +161,8 @@ class DirectKernel:
     def launch(self, grid, args: tuple, meta: dict):
         record = getattr(RECORD, "launches", None)
         if record is not None:
-            record.append((self, grid, args, meta, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())))
+            stream = raw_stream(torch.cuda.current_device()) if raw_stream is not None else None
+            record.append((self, grid, args, meta, stream))
         plain = self._plain
         if plain is None or len(args) != len(plain) or knobs.runtime.launch_enter_hook.calls:
             return self.fn[grid](*args, **meta)
@@ -132,8 +182,7 @@ class DirectKernel:
         run, prefix, function, packed, tail = hit
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), function, *prefix, packed, None, None,
-            None, *vals, *tail)
+        run(grid[0], g1, g2, raw_stream(device), function, *prefix, packed, None, None, None, *vals, *tail)
         return None
 
 
@@ -175,6 +224,32 @@ def tma_encoder(run):
     return launcher, make, list(metas)
 
 
+class HostDescriptor:
+    """What a launcher reads of a host `TensorDescriptor` (base, shape, strides, padding) over memory given by
+    its address: the base is only asked for its address, so the descriptor stands for it (`kda.replay` passes
+    one per replayed descriptor, `tma_encoder`'s `encode` takes one)."""
+
+    __slots__ = ("p", "shape", "strides", "padding")
+
+    def __init__(self, p: int, shape, strides, padding):
+        self.p = p
+        self.shape = shape
+        self.strides = strides
+        self.padding = padding
+
+    @property
+    def base(self):
+        return self
+
+    def data_ptr(self) -> int:
+        return self.p
+
+
+def launch_hooked() -> bool:
+    """Whether a launch hook is registered (a profiler's): launches then go through Triton's own path."""
+    return bool(knobs.runtime.launch_enter_hook.calls)
+
+
 def wait_stream(waiter, waited) -> None:
     """`waiter.wait_stream(waited)` (torch streams), noted in `RECORD.launches` as ("wait", waiter, waited)
     while launches are recorded, so that a replay orders its streams as the call did."""
@@ -189,4 +264,6 @@ def direct(fn) -> DirectKernel:
     return DirectKernel(fn)
 
 
-__all__ = ["DirectKernel", "direct", "launcher_entry", "specialization", "tma_encoder", "wait_stream", "with_pdl"]
+__all__ = ["FAST_PATH", "RECORD", "TESTED_TRITON", "DirectKernel", "HostDescriptor", "direct", "fast_path_tested",
+           "int_class", "launch_hooked", "launcher_entry", "raw_stream", "specialization", "tma_encoder", "wait_stream",
+           "with_pdl"]
