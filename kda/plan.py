@@ -9,10 +9,10 @@ dtype, and where state is read and written (`StatePlan`). The kernel modules (`k
 keyword overrides (`chunk_plan(call, walk_BV=64)`), never by rewriting globals.
 
 Same bits whatever the batch: a choice that changes a `chunk_kda` sequence's arithmetic (the prepare's form,
-the dot precision, the workspace dtype, the gate pass's slices, `ChunkPlan.fold`, the recurrent route of short
-sequences) follows only the dtypes, the flags, the head counts, K, V, the device and the sequence's own length;
-what else is in the call moves only choices that keep the bits (V blocks, stages, TMA, the walk beside the
-prepare, grid sizes). docs/contract.md, "Batch invariance".
+the dot precision, the workspace dtype, the gate pass's slices, the walk's V block and `ChunkPlan.fold`,
+`wide_heads`, the recurrent route of short sequences) follows only the dtypes, the flags, the head counts, K,
+V, the device and the sequence's own length; what else is in the call moves only choices that keep the bits
+(stages, TMA, the walk beside the prepare, grid sizes). docs/contract.md, "Batch invariance".
 
 The numbers behind each default are in docs/performance.md. No environment variable chooses a kernel.
 """
@@ -213,14 +213,14 @@ class ChunkPlan:
     walk_stages: int = 2
     walk_tma: bool = False  # the plain walk loads its chunk tiles by TMA (ragged tensor descriptors)
     short_len: int = SHORT_LEN  # sequences of 1..short_len tokens go through the recurrent loop (`short_route`)
-    wait_chunks: int = 0  # > 0: the walk runs beside the prepare, awaiting groups of this many chunks (`_beside_bv`)
+    wait_chunks: int = 0  # > 0: the walk runs beside the prepare, awaiting groups of this many chunks (`_beside`)
     wait_in_loop: bool = False  # it awaits them inside its pipelined loop (`_chunk_state_kernel`'s WAIT_IN_LOOP)
     # > 0: the fused prepare's last late_chunks chunk programs are a second launch, and the walk beside it starts
     # after the first launch has finished (it then holds its SMs for the tail of the prepare only)
     late_chunks: int = 0
     # False (fused prepare, fp16 workspaces): the prepare stores Xb, A_qk and Kr instead of folding the inverse
     # into M and N, and the walk forms U = Xb D itself (a dot more a step, the prepare's fold dots fewer). It
-    # changes the arithmetic, so it follows the heads and the device alone (`unfolded`), never the batch.
+    # changes the arithmetic, so it follows the heads and the device alone (`wide_heads`), never the batch.
     fold: bool = True
 
 
@@ -233,15 +233,16 @@ def chunk_plan_and_route(call: KDACall, **overrides) -> tuple[ChunkPlan, tuple[i
     """`chunk_plan` and its `short_route`, from one sort of the host lengths (what `chunk_kda` runs: the
     walk's V block and the routing both depend on which sequences the recurrent loop takes)."""
     lengths = _sorted_lengths(call)
-    walk_BV = _walk_bv(call, lengths)
-    beside_BV = _beside_bv(call, walk_BV)  # the walk's V block beside the prepare, or 0
+    wide = wide_heads(call)
+    walk_BV = _walk_bv(call, wide)
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V,
-                       beside_BV or walk_BV, _tma_capable(call), unfolded(call))
-    late = 0 if beside_BV else _tail_chunks(call, walk_BV, plan)
+                       walk_BV, _tma_capable(call), wide)
+    beside = _beside(call, walk_BV)
+    late = 0 if beside else _tail_chunks(call, walk_BV, plan)
     if late:
         plan = _beside_plan(plan, False, late)
-    elif beside_BV:
-        plan = _beside_plan(plan, beside_BV == walk_BV)
+    elif beside:
+        plan = _beside_plan(plan, walk_BV != 64)
     if overrides:
         plan = replace(plan, **overrides)
         if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16):
@@ -289,11 +290,6 @@ def _route(call: KDACall, S: int, lengths: list[int] | None) -> tuple[int, int, 
     return S, N - routed, sum((n + CHUNK - 1) // CHUNK for n in lengths[first_long:])
 
 
-# A walk program with a V block of 64 steps through a chunk about 1.2x slower than with 32 (H200, K = V =
-# 128), with half the programs; one program per SM (its shared memory), so the programs run in waves.
-WALK_BV64_STEP_COST = 1.2
-
-
 def one_whole_sequence(call: KDACall) -> bool:
     """The call holds one sequence of all T tokens, known on the host: dense with B = 1, or varlen with one
     sequence and host bounds (`cu_seqlens_cpu`, checked to be [0, T]), the form a serving engine passes for
@@ -308,40 +304,31 @@ def one_whole_sequence(call: KDACall) -> bool:
 WAIT_CHUNKS = 16
 
 
-# A walk of one wave at V blocks of 32 (its programs more than half the SMs) runs beside the prepare at V blocks
-# of 64 instead where the prepare holds at least this many (chunk, head) programs: the prepare then keeps two
-# programs on only half the SMs (about 1.3x its time), which the walk's own time repays only on long prepares
-# (H200, H = 32: 1x1024 10.6% slower, 1x4096 3.8% faster; docs/performance.md). Its prepare, not its walk, is
-# the longer there, and a smaller last group follows the prepare's end sooner. A TMA walk waits inside its
-# pipelined loop, for groups of 2 (1x16384 H=32 1338 -> 1317 us, 1x8192 H=24 561 -> 497 against the outer
-# loop's groups of 4; groups of 4 in the loop 1330 / 503). A pointer walk keeps the outer loop (its loads are not
-# pipelined behind an in-loop wait), each group restarting its pipeline: groups of 4 (1x16384 H=32 groups of
-# 16 / 4 / 1: 1380 / 1338 / 1324 us; 1x8192 H=24, where the walk is the longer: 559 / 611 / 628 at 4 / 2 / 1).
+# A walk at V blocks of 64 runs beside the prepare only where the prepare holds at least this many (chunk, head)
+# programs: the prepare then keeps two programs on only half the SMs, which the walk's own time repays only on
+# long prepares. A TMA walk waits inside its pipelined loop, for groups of WAIT_CHUNKS_BV64; a pointer walk keeps
+# the outer loop (its loads are not pipelined behind an in-loop wait), for groups of WAIT_CHUNKS_BV64_OUTER
+# (docs/performance.md, "Tuning constants").
 BESIDE_BV64_CHUNKS = 2048
 WAIT_CHUNKS_BV64 = 2
 # A walk too wide to run beside the whole prepare (`_tail_chunks`) starts for its last NT * free /
 # (LATE_PER_SLOT * HV) chunks (free: the prepare slots, two an SM, its programs leave): about the walk's chunk
-# steps in one prepare program's time, the fastest of 24..8 on the H200 (docs/performance.md)
+# steps in one prepare program's time (docs/performance.md, "Tuning constants")
 LATE_PER_SLOT = 12
 WAIT_CHUNKS_BV64_OUTER = 4
 
 
-def _beside_bv(call: KDACall, walk_BV: int) -> int:
-    """The walk's V block where it runs beside the prepare (`kda.ops.chunk`), 0 where it does not: a dense
-    call (or a lone varlen prefill with host bounds, run as dense) whose walk programs, one an SM, leave at
-    least half the SMs to the prepare, so the prepare's programs always find SMs while the walk's await them;
-    `walk_BV`, or 64 for a long one-wave walk at 32 (`BESIDE_BV64_CHUNKS`). On a GPU only (the interpreter
-    runs the launches one after another)."""
+def _beside(call: KDACall, walk_BV: int) -> bool:
+    """Whether the walk runs beside the prepare (`kda.ops.chunk`): a dense call (or a lone varlen prefill with
+    host bounds, run as dense) whose walk programs, one an SM, leave at least half the SMs to the prepare, so
+    the prepare's programs always find SMs while the walk's await them; at V blocks of 64 only for long prepares
+    (`BESIDE_BV64_CHUNKS`). On a GPU only (the interpreter runs the launches one after another)."""
     if not _may_wait(call):
-        return 0
-    sms = _sm_count(call.q.device.index or 0)
+        return False
     heads = call.N * call.HV
-    if 2 * heads * cdiv(call.V, walk_BV) <= sms:
-        return walk_BV
-    if (walk_BV == 32 and call.K <= 128 and 2 * heads * cdiv(call.V, 64) <= sms
-            and heads * cdiv(call.T, CHUNK) >= BESIDE_BV64_CHUNKS):
-        return 64
-    return 0
+    if 2 * heads * cdiv(call.V, walk_BV) > _sm_count(call.q.device.index or 0):
+        return False
+    return walk_BV != 64 or heads * cdiv(call.T, CHUNK) >= BESIDE_BV64_CHUNKS
 
 
 def _may_wait(call: KDACall) -> bool:
@@ -353,49 +340,36 @@ def _may_wait(call: KDACall) -> bool:
 
 
 def _tail_chunks(call: KDACall, walk_BV: int, plan: ChunkPlan) -> int:
-    """The chunks beside which a walk too wide to run beside the whole prepare (`_beside_bv`) runs
-    (`ChunkPlan.late_chunks`; `LATE_PER_SLOT`), or 0: one sequence, the fused prepare with its gate pass, a walk
-    at V blocks of 64 (two programs an SM) whose programs leave at least a quarter of the prepare's slots. Live:
+    """The chunks beside which a walk too wide to run beside the whole prepare (`_beside`) runs
+    (`ChunkPlan.late_chunks`; `LATE_PER_SLOT`), or 0: one sequence, a long fused prepare with its gate pass
+    (`BESIDE_BV64_CHUNKS`), a walk at V blocks of 64 (two programs an SM) whose programs leave at least a quarter
+    of the prepare's slots, fewer late chunks than chunks. Live:
     with fewer than two walk programs an SM some SM holds at most one, and a prepare program fits beside one."""
+    NT = cdiv(call.T, CHUNK)
     if (not _may_wait(call) or walk_BV != 64 or call.K > 128 or plan.prepare != "fused"
-            or not plan.gate_pass or call.N != 1):
+            or not plan.gate_pass or call.N != 1 or call.HV * NT < BESIDE_BV64_CHUNKS):
         return 0
     slots = 2 * _sm_count(call.q.device.index or 0)
     free = slots - call.HV * cdiv(call.V, 64)  # the prepare slots beside the walk's programs
-    if 4 * free < slots:
-        return 0
-    return cdiv(cdiv(call.T, CHUNK) * free, LATE_PER_SLOT * call.HV)
+    late = cdiv(NT * free, LATE_PER_SLOT * call.HV)
+    return late if 4 * free >= slots and late < NT else 0
 
 
-def _walk_bv(call: KDACall, lengths: list[int] | None) -> int:
-    """The walk's V block: 32 (16 for V <= 16), or 64 where the programs at 32 would run in more waves
-    than 1.2x the waves at 64 (many sequences or heads: 4x4096 H=32 walks in 371 us instead of 558;
-    docs/performance.md). From shapes and the sorted host `lengths` (the walk holds only the sequences
-    `short_route` keeps); K <= 128 (a [K, 64] fp32 state tile in registers)."""
-    V = call.V
-    if V <= 16:
-        return 16
-    if V <= 32 or call.K > 128 or not call.q.is_cuda or interpreted():
-        return 32
-    sms = _sm_count(call.q.device.index or 0)
-    seqs = call.N
-    if seqs * call.HV * cdiv(V, 32) <= sms:
-        return 32
-    if lengths is not None:
-        seqs -= _routed(lengths, SHORT_LEN)[1]
-    waves32 = cdiv(seqs * call.HV * cdiv(V, 32), sms)
-    waves64 = cdiv(seqs * call.HV * cdiv(V, 64), sms)
-    return 64 if waves64 * WALK_BV64_STEP_COST < waves32 else 32
-
-
-def unfolded(call: KDACall) -> bool:
-    """Whether the walk applies the inverse itself (`ChunkPlan.fold` off, where the prepare is fused and the
-    workspaces fp16): for heads whose walk at V blocks of 32 would hold more than half the SMs for one
-    sequence, where the prepare bounds the call and sheds its fold dots to the walk (docs/performance.md).
-    From the heads, V and the device alone: the choice changes the arithmetic, so the batch must not move it."""
-    if not call.q.is_cuda or interpreted():
+def wide_heads(call: KDACall) -> bool:
+    """Whether the heads are too many for a walk at V blocks of 32 to run beside the prepare (its programs, one
+    an SM, would hold more than half the SMs for one sequence). Then the prepare bounds a call: the walk takes V
+    blocks of 64 (half the programs, two an SM by TMA) and applies the inverse itself (`ChunkPlan.fold` off,
+    where the prepare is fused and the workspaces fp16), shedding the prepare's fold dots. From the heads, K, V
+    and the device alone: both choices change the arithmetic (the fp16 operands' scales are a V block's), so
+    the batch must not move them. On a GPU, V > 32 and K <= 128 (a [K, 64] fp32 state tile in registers)."""
+    if call.V <= 32 or call.K > 128 or not call.q.is_cuda or interpreted():
         return False
     return 2 * call.HV * cdiv(call.V, 32) > _sm_count(call.q.device.index or 0)
+
+
+def _walk_bv(call: KDACall, wide: bool) -> int:
+    """The walk's V block: 64 for `wide_heads`, else 32 (16 for V <= 16)."""
+    return 16 if call.V <= 16 else (64 if wide else 32)
 
 
 def _tma_capable(call: KDACall) -> bool:
@@ -407,11 +381,12 @@ def _tma_capable(call: KDACall) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _beside_plan(plan: ChunkPlan, same_bv: bool, late: int = 0) -> ChunkPlan:
+def _beside_plan(plan: ChunkPlan, outer: bool, late: int = 0) -> ChunkPlan:
     """`plan` with the waits of a walk beside the prepare, cached so that every call at a shape gets the
-    same frozen object (no dataclass rebuilt per call). Another V block than the plain walk's (64) waits
-    inside the pipelined loop for TMA walks (pointer loads lose their pipelining)."""
-    if same_bv:
+    same frozen object (no dataclass rebuilt per call). `outer`: groups of WAIT_CHUNKS awaited by the walk's
+    outer loop (V blocks of 32); else (V blocks of 64) inside the pipelined loop for TMA walks (pointer loads
+    lose their pipelining behind an in-loop wait)."""
+    if outer:
         return replace(plan, wait_chunks=WAIT_CHUNKS)
     return replace(plan, wait_chunks=WAIT_CHUNKS_BV64 if plan.walk_tma else WAIT_CHUNKS_BV64_OUTER,
                    wait_in_loop=plan.walk_tma, late_chunks=late)

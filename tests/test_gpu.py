@@ -203,11 +203,11 @@ def test_walk_beside_prepare_finishes_under_launch_blocking():
 @pytest.mark.parametrize("form", ["dense", "varlen", "fp32", "wide", "tail"])
 def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     """A one-sequence call with few heads runs its walk beside the prepare (on a side stream, each group of
-    chunks awaited: `kda.plan._beside_bv`): eager calls, the replayed graph and a plan of one prepare then one
+    chunks awaited: `kda.plan._beside`): eager calls, the replayed graph and a plan of one prepare then one
     walk give the same bits, call after call (an ordering fault would show as a stale tile now and then).
     Varlen with host bounds [0, T] (an engine's lone prefill) runs as the dense form; fp32 inputs have no gate
-    pass, so their counters are zeroed by their own launch; a long call with 32 heads (one wave of walk
-    programs at V blocks of 32) runs beside it at V blocks of 64; with 48 heads (too many walk programs to run
+    pass, so their counters are zeroed by their own launch; a long call with 32 heads (`kda.plan.wide_heads`: the
+    walk at V blocks of 64) runs beside it; with 48 heads (too many walk programs to run
     beside all of it) the walk runs beside the prepare's last chunks, the prepare in two launches
     (`ChunkPlan.late_chunks`)."""
     from kda.ops.chunk import chunk_kda_fwd
@@ -215,7 +215,7 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
 
     # a short last group; 48 walk programs at H = 12
     H = {"wide": 32, "tail": 48}.get(form, 12)
-    T = {"wide": BESIDE_BV64_CHUNKS // H * 64, "tail": 2048}.get(form, 8192) + 320
+    T = (BESIDE_BV64_CHUNKS // H * 64 if form in ("wide", "tail") else 8192) + 320
     args, h0, kw = _inputs(T, H=H)
     if form == "varlen":
         kw.update(cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device="cuda"),
@@ -262,7 +262,7 @@ def test_walk_applying_the_inverse_bf16_accuracy(form):
     from kda.plan import BESIDE_BV64_CHUNKS, chunk_plan
 
     H = {"wide": 32, "tail": 48}[form]
-    T = {"wide": BESIDE_BV64_CHUNKS // H * 64, "tail": 2048}[form] + 320
+    T = BESIDE_BV64_CHUNKS // H * 64 + 320  # long enough a prepare for the walk beside it or its tail
     args, h0, kw = _inputs(T, H=H)
     plan = chunk_plan(checked_call(kda.chunk_kda, *args, initial_state=h0, output_final_state=True, **kw))
     assert not plan.fold and plan.wait_chunks > 0 and (plan.late_chunks > 0) == (form == "tail")

@@ -17,7 +17,7 @@ launched chunk by chunk across the heads, so groups complete in order). Three la
 one call; on the GPU the prepare's SMs and the walk's overlap from the first group on. The prepare is
 launched before the walk, always: the walk spins on it, and a kernel's first launch loads its module lazily,
 a load that waits on the device (a walk launched first hung there). The walk's programs keep at most half
-the SMs (`kda.plan._beside_bv`), so the prepare's always find room. A walk too wide for that (`kda.plan._tail_chunks`)
+the SMs (`kda.plan._beside`), so the prepare's always find room. A walk too wide for that (`kda.plan._tail_chunks`)
 runs beside the prepare's last chunks only: the prepare is then two launches, the walk forked between them
 (`ChunkPlan.late_chunks`).
 """
@@ -111,8 +111,10 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.T
             wait_stream(side, main)
 
     if grid_chunks > 0:  # else only empty (and routed) sequences: the walk copies the states
+        # without host lengths the gate and prepare take every chunk (the routed ones too, unread): a scan of
+        # the bounds in each of their programs would cost more than the short sequences' few chunks
         _prepare(call, plan, (q, k, v, g, beta), (kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws, x_ws), T, grid_chunks,
-                 short, varlen, ready, fork)
+                 short if kept_chunks is not None else 0, varlen, ready, fork)
     # the walk reads v (the input) itself
     walk_ws = (n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws)
     ckpt = call.checkpoint_indices

@@ -32,6 +32,7 @@ from .common import (
     guard_slot,
     kept_item,
     pow2_of,
+    pow2_scale,
     ready_counter,
     round_to,
     seq_bounds,
@@ -61,10 +62,9 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     two, so they keep tf32's significand within fp16's range, and the fp32 products are scaled back
     exactly (M and N were stored times a power of two per chunk, whose inverse the chunk's row of `sc_ws`
     holds: `chunk_prepare._store_folded`). fp16 dots run at twice the tf32 rate and the workspaces need no
-    conversion. Column by column, S's scale is its maximum's (`pow2_of`), so a column's bits do not depend on
-    the V block it is walked in; D's comes from a bound, so that no reduction of D waits on the step's chain:
-    |D| <= max|V| + sqrt(K) max|S| (each row of Kd has an l2 norm of at most 1), max|S| < 2^15 / ps, and
-    max|V| of the chunk's rows, which the prepare stored beside M's
+    conversion. S's scale is its maximum's (`pow2_scale`); D's comes from a bound, so that no reduction of
+    D waits on the step's chain (`pow2_of`): |D| <= max|V| + sqrt(K) max|S| (each row of Kd has an l2 norm
+    of at most 1), max|S| < 2^15 / ps, and max|V| of the chunk's rows, which the prepare stored beside M's
     and N's scales (loaded a chunk ahead, as gt).
     HAS_CHECKPOINTS (a sequence starting at token seq_start; `ck_row` its n_ck checkpoint slots): after a
     whole chunk that ends (j + 1) * ck_every tokens into the sequence, S (columns o_c of the state) is
@@ -145,27 +145,26 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             vt = tl.load(v_h + t0 * s_vt + v_off, mask=m_c, other=0.0)
         kd = _k_tile(kd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
         if F16:
-            # a scale per column: a column's bits never depend on the others in its V block (batch invariance)
-            ps = pow2_of(tl.max(tl.abs(S), 0))
-            Sr = (S * ps[None, :]).to(tl.float16)
+            ps = pow2_scale(S)
+            Sr = (S * ps).to(tl.float16)
             inv_ps = 1.0 / ps
-            d_bound = v_max + (K ** 0.5) * (32768.0 * inv_ps)  # |D| <= d_bound (and |U| <= R d_bound), by column
+            d_bound = v_max + (K ** 0.5) * (32768.0 * inv_ps)  # |D| <= d_bound (and |U| <= R d_bound)
             pd = pow2_of(d_bound)
             # D pd formed scaled, V pd - (Kd Sr) pd / ps: one rounding as in V - Kd S, every factor a power of two
             if KQ:
                 qd = _k_tile(qd_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
                 kq = tl.reshape(tl.permute(tl.join(kd, qd), (2, 0, 1)), [2 * BT, BK])  # [Kd; Qd]
                 kd_s, qd_s = tl.split(tl.permute(tl.reshape(tl.dot(kq, Sr), [2, BT, BC]), (1, 2, 0)))
-                Dd = kd_s * (-pd * inv_ps)[None, :]
+                Dd = kd_s * (-pd * inv_ps)
             else:
-                Dd = tl.dot(kd, Sr) * (-pd * inv_ps)[None, :]
-            Dd += vt.to(tl.float32) * pd[None, :]
+                Dd = tl.dot(kd, Sr) * (-pd * inv_ps)
+            Dd += vt.to(tl.float32) * pd
             Dr = Dd.to(tl.float16)
             inv_pd = 1.0 / pd  # one division for both products' factors
             if not FOLD:  # U = Xb D, scaled by pu into fp16: what A_qk and Kr^T multiply below
                 xt = _k_tile(x_ws, t0_32, n_in, i_hv, base_n + ws_n, row_ok[:, None], TMA)
                 pu = pow2_of(s_n * d_bound)  # s_n: R here, s_m: 1 / px
-                Dr = (tl.dot(xt, Dr) * ((pu * s_m) * inv_pd)[None, :]).to(tl.float16)
+                Dr = (tl.dot(xt, Dr) * ((pu * s_m) * inv_pd)).to(tl.float16)
                 inv_pd = 1.0 / pu
                 s_m = 1.0
                 s_n = 1.0
@@ -181,7 +180,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         if F16:
             if not KQ:
                 qd_s = tl.dot(qd, Sr)
-            out = qd_s * inv_ps[None, :] + tl.dot(nt, Dr) * (s_n * inv_pd)[None, :]
+            out = qd_s * inv_ps + tl.dot(nt, Dr) * (s_n * inv_pd)
         else:
             out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
                    + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
@@ -189,7 +188,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                  mask=m_c)
         mt = _k_tile(m_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
         if F16:
-            S = S * gt[:, None] + tl.dot(tl.trans(mt), Dr) * (s_m * inv_pd)[None, :]
+            S = S * gt[:, None] + tl.dot(tl.trans(mt), Dr) * (s_m * inv_pd)
         else:
             S = S * gt[:, None] + tl.dot(tl.trans(tf32_round(mt, DOT_PREC)), Dr, input_precision=DOT_PREC)
         if HAS_CHECKPOINTS:
