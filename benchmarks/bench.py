@@ -76,7 +76,7 @@ V_DIM = 128
 LOWER_BOUND = -5.0
 ANCHOR_BW = 4.25e12  # bytes/s, the H200's copy bandwidth measured when the targets were set
 GROUPS = ("prefill", "decode", "mixed", "varlen")  # the order rows run in: varlen last (fla's autotuning)
-# (B, T, H): issue 12's acceptance rows, in its order
+# (B, T, H): the prefill rows, in the order they run
 PREFILL_SHAPES = ((1, 4096, 12), (1, 16384, 12), (1, 4096, 32), (1, 16384, 32), (4, 4096, 32), (1, 8192, 96),
                   (1, 65536, 12))
 VARLEN_LENS = (1,) * 12 + (1100, 1300, 900)

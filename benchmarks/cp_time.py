@@ -1,4 +1,4 @@
-"""Context-parallel prefill on several GPUs against one (`kda.distributed.chunk_kda`), as issue 17 measures it.
+"""Context-parallel prefill on several GPUs against one (`kda.distributed.chunk_kda`), timed side by side.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/cp_time.py [--shapes 131072x12,65536x32] [--check 8192x4]
     torchrun --standalone --nproc-per-node 2 benchmarks/cp_time.py --device cpu --shapes 256x2 --check 200x2

@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
 
 import kda  # noqa: E402
-import kda.ops.fused_recurrent as fr  # noqa: E402
 import kda.plan as kp  # noqa: E402
 from kda import replay  # noqa: E402
 
@@ -100,7 +99,7 @@ def main() -> None:
             for name, over in PLANS.items():
                 if only and name not in only:
                     continue
-                fr.decode_plan = (lambda call, stochastic_rounding=False, over=over:
+                kp.decode_plan = (lambda call, stochastic_rounding=False, over=over:
                                   replace(planner(call, stochastic_rounding), **over))
                 replay.CACHE.clear()  # a recorded kind would replay the plan it was recorded with
                 calls = [functools.partial(
@@ -111,7 +110,7 @@ def main() -> None:
                 us = timer.steady(calls)
                 print(f"N={N} {str(pool_dtype)[6:]} {'varlen' if varlen else 'dense '} {name:24s}: {us:7.1f} us"
                       f"  floor {floor_us:6.1f}  ratio {us / floor_us:.3f}", flush=True)
-            fr.decode_plan = planner
+            kp.decode_plan = planner
             del pool
             torch.cuda.empty_cache()
 

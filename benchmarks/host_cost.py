@@ -132,7 +132,7 @@ def main() -> None:
     print(f"{'case':40s} {'check_call':>10s} {'plan':>8s} {'call':>8s}")
     for name, (fn, args, kw) in cases(a.device).items():
         check = checked(fn, args, kw)
-        planner = kplan.decode_plan if fn is kda.fused_recurrent_kda else kplan.chunk_plan
+        planner = kplan.decode_plan if fn is kda.fused_recurrent_kda else kplan.prefill_plan
         plan = functools.partial(planner, check())
         whole = functools.partial(fn, *args, **kw)
         print(f"{name:40s} {per_call_us(check, a.calls):10.1f} {per_call_us(plan, a.calls):8.1f} "

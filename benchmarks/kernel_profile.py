@@ -72,12 +72,12 @@ def make_call(op: str, args: argparse.Namespace, plan: dict | None = None):
             from kda.api import check_call_args
             from kda.contract import check_call
             from kda.ops.chunk import chunk_kda_fwd
-            from kda.plan import chunk_plan
+            from kda.plan import prefill_plan
 
             positional, keywords = check_call_args(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
             call = check_call(*positional, **keywords)
-            chosen = chunk_plan(call, **plan)
-            return lambda: chunk_kda_fwd(call, chosen)
+            chosen = prefill_plan(call, **plan)
+            return lambda: chunk_kda_fwd(call, *chosen)
         return lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)
     v_first = args.layout == "v_first"
     plane = (H, V_DIM, K_DIM) if v_first else (H, K_DIM, V_DIM)

@@ -1,4 +1,4 @@
-"""The threshold of `kda.plan.SHORT_LEN`: a mixed step of 256 sequences of L tokens and two of 2048 (H = 32,
+"""The threshold of `kda.plan.Tuning.short_len`: a mixed step of 256 sequences of L tokens and two of 2048 (H = 32,
 K = V = 128, bf16 inputs, Kimi's gate, paged fp32 V-first pool of 4N slots, host bounds given), one
 `chunk_kda` call with nothing routed (`short_len=0`) against every sequence of at most 64 tokens through
 the recurrent loop kernel (`short_len=64`), for L = 1 to 64; CUDA-graph replay (`bench.Timer.graph`).
@@ -20,7 +20,7 @@ import kda  # noqa: E402
 from kda.api import check_call_args  # noqa: E402
 from kda.contract import check_call  # noqa: E402
 from kda.ops.chunk import chunk_kda_fwd  # noqa: E402
-from kda.plan import chunk_plan  # noqa: E402
+from kda.plan import prefill_plan  # noqa: E402
 
 H, N_SHORT, LONG = 32, 256, 2048
 
@@ -47,12 +47,12 @@ def main() -> None:
                   has_initial_state=torch.ones(N, dtype=torch.bool, device=dev), state_v_first=True)
         positional, keywords = check_call_args(kda.chunk_kda, q, k, v, g, beta, **kw)
         call = check_call(*positional, **keywords)
-        plans = [chunk_plan(call, short_len=s) for s in (0, 64)]
+        plans = [prefill_plan(call, short_len=s) for s in (0, 64)]
         outs = []
         for plan in plans:  # each from the same pool
             pool.copy_(pool0)
-            outs.append(chunk_kda_fwd(call, plan)[0].float())
-        times = [timer.graph(lambda plan=plan, call=call: chunk_kda_fwd(call, plan)) for plan in plans]
+            outs.append(chunk_kda_fwd(call, *plan)[0].float())
+        times = [timer.graph(lambda plan=plan, call=call: chunk_kda_fwd(call, *plan)) for plan in plans]
         diff = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
         print(f"| {L} | {times[0]:.1f} | {times[1]:.1f} | {times[1] / times[0]:.2f} | {diff:.1e} |", flush=True)
 

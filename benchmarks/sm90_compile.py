@@ -33,19 +33,22 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kda.ops import chunk_prepare, chunk_walk, fused_recurrent  # noqa: E402
-from kda.plan import CHUNK, FUSED_SUB, WAIT_CHUNKS, WAIT_CHUNKS_BV64, _chunk_plan, _decode_plan  # noqa: E402
+from kda.plan import CHUNK, FUSED_SUB, TUNINGS, DeviceInfo, _chunk_plan, _decode_plan  # noqa: E402
 
 K = V = 128
 H_CHUNK = 32  # value heads of the prefill cases (1x16384 H=32)
 H_DECODE = 12
+H200 = DeviceInfo(132, (9, 0), 227 * 1024)
+TUNE = TUNINGS["sm90"]
+WAIT_CHUNKS, WAIT_CHUNKS_BV64 = TUNE.wait_chunks, TUNE.wait_chunks_bv64
 
 
 def _chunk(walk_bv: int = 32):
-    return _chunk_plan(torch.bfloat16, True, True, K, V, False, walk_bv, True, True)  # 1x16384 H=32: the wide gate
+    return _chunk_plan(torch.bfloat16, True, True, K, V, walk_bv, True, walk_bv == 64, H200, TUNE)
 
 
 def _decode(v_first: bool, dtype: torch.dtype):
-    return _decode_plan(K, V, v_first, dtype, True, False)
+    return _decode_plan(K, V, v_first, dtype, True, False, False)
 
 
 def gate_case(signal: int = 0):
@@ -108,7 +111,7 @@ def decode_case(v_first: bool, dtype: torch.dtype, **overrides):
 def loop_case(v_first: bool, dtype: torch.dtype, verify: bool = False):
     """The loop kernel (any tokens per sequence; varlen without host bounds, paged), as the benchmark's "no host
     bounds" decode row and speculative verify run it."""
-    plan = _decode_plan(K, V, v_first, dtype, False, False)
+    plan = _decode_plan(K, V, v_first, dtype, False, False, False)
     pool = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     ptrs = dict(q="bf16", k="bf16", v="bf16", g="fp32", beta="bf16", o="bf16", A_log="fp32", dt_bias="fp32",
                 cu_seqlens="i32", state_src=pool, state_dst=pool, slot_of_seq="i32", has_initial_state="i1",

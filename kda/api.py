@@ -14,24 +14,14 @@ against the table there."""
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 
-from . import arguments, library, replay
+from . import arguments, library, replay, run
 from .contract import check_call  # noqa: F401  (called by the compiled bodies)
 
-
-@functools.cache
-def _launchers():
-    """(chunk_kda_fwd, fused_recurrent_kda_fwd), imported at the first call, not with this module (the
-    kernels are defined on import, which must follow TRITON_INTERPRET), and looked up once: an import
-    statement in the call path costs microseconds per call."""
-    from .ops.chunk import chunk_kda_fwd
-    from .ops.fused_recurrent import fused_recurrent_kda_fwd
-
-    return chunk_kda_fwd, fused_recurrent_kda_fwd
+_launchers = (run.chunk, run.recurrent)  # plan, then launch (`kda.run`)
 
 
 def check_call_args(fn, *args, **kwargs) -> tuple[tuple, dict]:
@@ -71,8 +61,8 @@ _BODY = """\
             return result
     call = check_call({name!r}, {call}, require_has_initial_state={requires})
     if key is None:
-        return _launchers()[{launcher_index}](call{launcher})
-    return _recorded(key, tensors, cu_seqlens_cpu, _launchers()[{launcher_index}], call{launcher})
+        return _launchers[{launcher_index}](call{launcher})
+    return _recorded(key, tensors, cu_seqlens_cpu, _launchers[{launcher_index}], call{launcher})
 """
 
 

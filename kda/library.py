@@ -23,14 +23,14 @@ differs from the public signature where the dispatcher needs it:
 
 The real implementations run `kda.contract.check_call` (every check of the contract) and then the
 kernels. The fake implementations compute the final state's shape and dtype from the arguments alone, by
-the rules of `kda.plan.state_plan`, without reading any tensor's values.
+the rules of `kda.ops.buffers.state_plan`, without reading any tensor's values.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import arguments
+from . import arguments, run
 from .contract import check_call
 
 # How many times each op's real implementation ran (the tests assert that a plain call never does).
@@ -45,17 +45,14 @@ def _run(fn: str, args: dict) -> torch.Tensor:
     """The real implementation of op `fn` for its arguments `args` (by name)."""
     call = check_call(fn, require_has_initial_state=fn == "chunk_kda", **args)
     calls[fn] += 1
-    if fn == "chunk_kda":
-        from .ops.chunk import chunk_kda_fwd as fwd
-    else:
-        from .ops.fused_recurrent import fused_recurrent_kda_fwd as fwd
+    fwd = run.chunk if fn == "chunk_kda" else run.recurrent
     _, final = fwd(call, **{n: args[n] for n in arguments.launcher_names(fn)})
     return final if final is not None else _no_final(call)
 
 
 def fake_final_state(q, v, initial_state, output_final_state, cu_seqlens, state_v_first, state_cache,
                      state_dtype) -> torch.Tensor:
-    """The final state's metadata by `kda.plan.state_plan`'s rules, from shapes and dtypes only: paged or
+    """The final state's metadata by `kda.ops.buffers.state_plan`'s rules, from shapes and dtypes only: paged or
     no `output_final_state` -> `[0]`; else `[N, *plane]` with N = len(cu_seqlens) - 1 (varlen) or B, the
     plane `[HV, V, K]` (`state_v_first=True`) or `[HV, K, V]`, in `state_dtype`, else the pool's dtype,
     else fp32."""

@@ -125,14 +125,30 @@ def run_planned(fn, q, k, v, g, beta, plan_overrides: dict, **kwargs):
     """`fn`'s call run through a plan built with `plan_overrides` (tests reach a path this way, never by
     rewriting module globals). Returns (o, final_state, plan)."""
     import kda
-    from kda.ops.chunk import chunk_kda_fwd
-    from kda.ops.fused_recurrent import fused_recurrent_kda_fwd
     from kda.plan import chunk_plan, decode_plan
 
     call = checked_call(fn, q, k, v, g, beta, **kwargs)
     if fn is kda.chunk_kda:
         plan = chunk_plan(call, **plan_overrides)
-        return (*chunk_kda_fwd(call, plan), plan)
+        return (*run_chunk(call, **plan_overrides), plan)
     sr = kwargs.get("stochastic_rounding", False)
     plan = decode_plan(call, sr, **plan_overrides)
+    from kda.ops.fused_recurrent import fused_recurrent_kda_fwd
+
     return (*fused_recurrent_kda_fwd(call, plan, seed=kwargs.get("seed", 0)), plan)
+
+
+def run_chunk(call, **plan_overrides):
+    """`kda.ops.chunk.chunk_kda_fwd` of a validated call under its plan, with `plan_overrides`: (o, final_state)."""
+    from kda.ops.chunk import chunk_kda_fwd
+    from kda.plan import prefill_plan
+
+    return chunk_kda_fwd(call, *prefill_plan(call, **plan_overrides))
+
+
+def run_decode(call, **plan_overrides):
+    """`kda.ops.fused_recurrent.fused_recurrent_kda_fwd` of a validated call under its plan: (o, final_state)."""
+    from kda.ops.fused_recurrent import fused_recurrent_kda_fwd
+    from kda.plan import decode_plan
+
+    return fused_recurrent_kda_fwd(call, decode_plan(call, **plan_overrides))

@@ -20,12 +20,10 @@ import dataclasses
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import bounds_of, checked_call, make_inputs, poison_pool, poisoned_pool, rel_err, same_bits
+from helpers import bounds_of, checked_call, make_inputs, poison_pool, poisoned_pool, rel_err, run_chunk, same_bits
 
 import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
 import kda_reference as ref
-from kda.ops.chunk import chunk_kda_fwd
-from kda.plan import chunk_plan
 
 FP32_TOL = 1e-5
 CUT_TOL = 1e-6
@@ -175,7 +173,7 @@ def test_a_slot_outside_the_pool_is_never_written():
     call = checked_call(kda.chunk_kda, *x, **dict(kw, checkpoint_indices=torch.full_like(kw["checkpoint_indices"],
                                                                                            -1)))
     call = dataclasses.replace(call, checkpoint_indices=kw["checkpoint_indices"])
-    chunk_kda_fwd(call, chunk_plan(call))
+    run_chunk(call)
     assert same_bits(storage[1:], before[1:])
     assert bool(torch.isfinite(pool[0]).all()) and not same_bits(storage[0], before[0])
 

@@ -12,7 +12,17 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import bits, checked_call, make_inputs, on_cpu, poison_pool, rel_err, rounding_floor, run_planned
+from helpers import (
+    bits,
+    checked_call,
+    make_inputs,
+    on_cpu,
+    poison_pool,
+    rel_err,
+    rounding_floor,
+    run_chunk,
+    run_planned,
+)
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import kda
@@ -473,7 +483,6 @@ def test_a_slot_past_the_pool_makes_a_no_op_sequence(device):
     sequence 0 and its slot are exactly as in the good call."""
     import dataclasses
 
-    from kda.ops.chunk import chunk_kda_fwd
 
     H, HV, K, V = 1, 2, 16, 16
     bounds = [0, 150, 300]
@@ -491,7 +500,7 @@ def test_a_slot_past_the_pool_makes_a_no_op_sequence(device):
         call = checked_call(kda.chunk_kda, q, k, v, g, beta, **kw)
         if bad:
             call = dataclasses.replace(call, state_indices=torch.tensor([0, 5], dtype=torch.int32, device=device))
-        o, _ = chunk_kda_fwd(call, chunk_plan(call))
+        o, _ = run_chunk(call)
         runs[bad] = (o, storage.clone())
         storage.copy_(before)
     (o_good, s_good), (o_bad, s_bad) = runs[False], runs[True]
@@ -542,7 +551,7 @@ def test_tf32_round_is_round_to_nearest(device):
 def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(gate, device):
     """A serving step in one call: decodes (1 token), short continuations (3, 16) and longer chunks (17, 70),
     an empty sequence and a padding slot, host bounds given. Sequences of 1..`short_len` tokens go through
-    the recurrent loop kernel (`kda.plan.short_route`), the rest through the chunk kernels: against the
+    the recurrent loop kernel (`kda.plan.Route`), the rest through the chunk kernels: against the
     oracle, against the same call with nothing routed, slots not named untouched, no error bit."""
     bounds = [0, 1, 71, 71, 74, 75, 91, 108, 109]
     # lengths 1, 70, 0, 3, 1, 16, 17, 1
@@ -560,7 +569,7 @@ def test_mixed_batch_routes_short_sequences_through_the_recurrent_loop(gate, dev
     call = checked_call(kda.chunk_kda, q, k, v, g, beta, state_cache=pool0, **args)
     plan = chunk_plan(call)
     # 70, 0 and 17 tokens kept: 2 + 0 + 1 chunks
-    assert kda.plan.short_route(call, plan) == (plan.short_len, 3, 3) and plan.short_len >= 16
+    assert kda.plan.route(call, plan)[:3] == (plan.short_len, 3, 3) and plan.short_len >= 16
     results = {}
     for short_len in (plan.short_len, 0):
         pool = pool0.clone()
@@ -602,7 +611,7 @@ def test_short_route_decisions(bounds, host, expect, device):
     call = checked_call(kda.chunk_kda, q, k, v, g, beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32,
                         device=device), cu_seqlens_cpu=bounds if host else None, **kw)
     plan = chunk_plan(call)
-    short, kept, kept_chunks = kda.plan.short_route(call, plan)
+    short, kept, kept_chunks = kda.plan.route(call, plan)[:3]
     assert (short > 0, kept, kept_chunks) == expect
     o, _ = kda.chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
                          cu_seqlens_cpu=bounds if host else None, **kw)
@@ -829,7 +838,7 @@ def test_one_whole_sequence_needs_the_bounds_on_the_host(device):
 
 
 @pytest.mark.parametrize("sms", [132, 78, 16])
-def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
+def test_walk_beside_prepare_leaves_half_the_sms(sms):
     """Liveness of the walk beside the prepare: its programs spin until the prepare's have run, so the plan
     may put it there only where the walk's programs (at the V block it runs beside the prepare with) take at
     most half the SMs, only for one whole sequence per row (dense, or varlen with host bounds [0, T]), never
@@ -839,8 +848,7 @@ def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
 
     from kda import plan as P
 
-    monkeypatch.setattr(P, "interpreted", lambda: False)
-    monkeypatch.setattr(P, "device_info", lambda index: P.DeviceInfo(sms, (9, 0), 227 * 1024))
+    gpu = P.DeviceInfo(sms, (9, 0), 227 * 1024)
     dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
     beside_seen = set()
     for B in (1, 2, 4):
@@ -851,8 +859,8 @@ def test_walk_beside_prepare_leaves_half_the_sms(monkeypatch, sms):
                         call = SimpleNamespace(q=dev, B=1 if varlen else B, T=T * B if varlen else T, HV=HV,
                                                K=K, V=V, N=B, cu_seqlens=object() if varlen else None,
                                                host_bounds=(0, T) if varlen and B == 1 else None)
-                        bv = P._walk_bv(call, P.wide_heads(call))
-                        if not P._beside(call, bv):
+                        bv = P._walk_bv(call, P.wide_heads(call, gpu))
+                        if not P._beside(call, bv, gpu, P.tuning_of(gpu)):
                             continue
                         beside_seen.add(bv)
                         assert 2 * call.N * HV * P.cdiv(V, bv) <= sms
@@ -868,7 +876,7 @@ ARITHMETIC = ("prepare", "dot_prec", "ws_dtype", "BT", "BC", "prepare_BK", "cums
 
 
 @pytest.mark.parametrize("sms", [132, 78, 16])
-def test_arithmetic_choices_ignore_the_batch(monkeypatch, sms):
+def test_arithmetic_choices_ignore_the_batch(sms):
     """Batch invariance at the planner: over every batch a GPU of `sms` SMs could be handed at one model shape
     (heads, K, V, input dtype, flags), dense or varlen, with host bounds or not, one sequence or many, short or
     long, the fields that change the arithmetic are the same; only the placement fields (V blocks, stages, the
@@ -877,8 +885,7 @@ def test_arithmetic_choices_ignore_the_batch(monkeypatch, sms):
 
     from kda import plan as P
 
-    monkeypatch.setattr(P, "interpreted", lambda: False)
-    monkeypatch.setattr(P, "device_info", lambda index: P.DeviceInfo(sms, (9, 0), 227 * 1024))
+    gpu = P.DeviceInfo(sms, (9, 0), 227 * 1024)
     for dtype in (torch.bfloat16, torch.float32):
         for HV, K, V in ((4, 128, 128), (12, 128, 128), (32, 128, 128), (96, 128, 128), (8, 64, 256)):
             dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=dtype)
@@ -893,14 +900,15 @@ def test_arithmetic_choices_ignore_the_batch(monkeypatch, sms):
                     call = SimpleNamespace(q=dev, B=N if dense else 1, T=T, HV=HV, H=HV, K=K, V=V, N=N,
                                            cu_seqlens=None if dense else object(),
                                            host_bounds=bounds if host and not dense else None,
-                                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0)
-                    plan = P.chunk_plan(call)
+                                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                                           state_v_first=True, state_dtype=torch.float32)
+                    plan = P.chunk_plan(call, gpu)
                     seen.add(tuple(getattr(plan, f) for f in ARITHMETIC))
             assert len(seen) == 1, (dtype, HV, K, V, seen)
 
 
 @pytest.mark.parametrize("sms", [132, 78, 16])
-def test_walk_at_the_prepares_tail_leaves_prepare_slots(monkeypatch, sms):
+def test_walk_at_the_prepares_tail_leaves_prepare_slots(sms):
     """Liveness of the walk beside the prepare's last chunks (`ChunkPlan.late_chunks`, for walks too wide to run
     beside all of it): its programs spin until those chunks are stored, so the plan may put it there only where
     they run two an SM at V blocks of 64 and leave at least a quarter of the prepare's slots (then some SM holds
@@ -910,8 +918,7 @@ def test_walk_at_the_prepares_tail_leaves_prepare_slots(monkeypatch, sms):
 
     from kda import plan as P
 
-    monkeypatch.setattr(P, "interpreted", lambda: False)
-    monkeypatch.setattr(P, "device_info", lambda index: P.DeviceInfo(sms, (9, 0), 227 * 1024))
+    gpu = P.DeviceInfo(sms, (9, 0), 227 * 1024)
     dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16)
     seen = 0
     for B in (1, 2):
@@ -920,14 +927,15 @@ def test_walk_at_the_prepares_tail_leaves_prepare_slots(monkeypatch, sms):
                 for T in (0, 64, 4096, 16384):
                     call = SimpleNamespace(q=dev, B=B, T=T, HV=HV, H=HV, K=K, V=V, N=B, cu_seqlens=None,
                                            host_bounds=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                           lower_bound=-5.0, A_log=None, g=None)
-                    plan, _ = P.chunk_plan_and_route(call)
+                                           lower_bound=-5.0, A_log=None, g=None, state_v_first=True,
+                                           state_dtype=torch.float32)
+                    plan = P.chunk_plan(call, gpu)
                     if not plan.late_chunks:
                         continue
                     seen += 1
                     programs = HV * P.cdiv(V, 64)
                     assert plan.wait_chunks > 0 and B == 1 and T > 0 and K <= 128 and plan.gate_pass
-                    assert not P._beside(call, plan.walk_BV)  # beside all of it: from the start
+                    assert not P._beside(call, plan.walk_BV, gpu, P.tuning_of(gpu))  # beside all of it: from the start
                     assert 4 * (2 * sms - programs) >= 2 * sms and plan.walk_BV == 64
                     assert 0 < plan.late_chunks < P.cdiv(T, P.CHUNK) or P.cdiv(T, P.CHUNK) == 1
     assert seen

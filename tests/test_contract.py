@@ -82,7 +82,7 @@ def test_bad_input_raises_naming_the_argument_and_writes_nothing(fn, name, over,
     assert _names(word, str(info.value)), str(info.value)
 
 
-# The catalog of issue 15 (item 3), beyond BAD. Each case is a factory, so its tensors are built on the test
+# The catalog of bad inputs beyond BAD. Each case is a factory, so its tensors are built on the test
 # device when the case runs (views, aliases and strides must survive; `.to` would copy them).
 
 

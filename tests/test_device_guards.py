@@ -16,12 +16,9 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import bits, checked_call, make_inputs, poisoned_pool
+from helpers import bits, checked_call, make_inputs, poisoned_pool, run_chunk, run_decode
 
 import kda
-from kda.ops.chunk import chunk_kda_fwd
-from kda.ops.fused_recurrent import fused_recurrent_kda_fwd
-from kda.plan import chunk_plan
 
 H, HV, K, V = 1, 2, 16, 16
 BOUNDS = [0, 70, 140, 200]
@@ -50,9 +47,9 @@ def _run(fn, bad, device, errors=None):
     if bad is not None:
         call = dataclasses.replace(call, cu_seqlens=torch.tensor(bad, dtype=torch.int32, device=device))
     if fn is kda.chunk_kda:
-        chunk_kda_fwd(call, chunk_plan(call))
+        run_chunk(call)
     else:
-        fused_recurrent_kda_fwd(call)
+        run_decode(call)
     return out, storage
 
 
@@ -94,7 +91,7 @@ def _verify_call(device, idx_rows, accepted, errors):
                         errors=errors, **kw)
     call = dataclasses.replace(call, state_indices=torch.tensor(idx_rows, dtype=torch.int32, device=device),
                                num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32, device=device))
-    fused_recurrent_kda_fwd(call)
+    run_decode(call)
 
 
 @pytest.mark.parametrize("case,rows,accepted,expect", [
@@ -129,10 +126,10 @@ def test_slot_past_the_pool_sets_its_bit(fn, one_token, device):
                         errors=errors, **extra, **kw)
     call = dataclasses.replace(call, state_indices=torch.tensor([0, 8], dtype=torch.int32, device=device))
     if fn is kda.chunk_kda:
-        chunk_kda_fwd(call, chunk_plan(call))
+        run_chunk(call)
     else:
         assert call.one_token_per_seq == one_token
-        fused_recurrent_kda_fwd(call)
+        run_decode(call)
     assert errors.tolist() == [0, kda.ERROR_SLOT]
 
 
@@ -152,7 +149,7 @@ def test_checkpoint_slot_past_the_pool_sets_its_bit(device):
     # first, so its second entry (past the pool too) is not looked at
     call = dataclasses.replace(call, checkpoint_indices=torch.tensor([[2, 8], [4, 99]], dtype=torch.int32,
                                                                        device=device))
-    chunk_kda_fwd(call, chunk_plan(call))
+    run_chunk(call)
     assert errors.tolist() == [kda.ERROR_KEPT_SLOT, 0]
 
 

@@ -1,4 +1,4 @@
-"""GPU-only acceptance checks of `chunk_kda` (issue 3): bf16 inputs, fp32 state, K = V = 128, H = 4,
+"""GPU-only acceptance checks of `chunk_kda`: bf16 inputs, fp32 state, K = V = 128, H = 4,
 lower-bound gate, against the float64 oracle (`kda_reference.chunk_kda` in float64 on the GPU, itself
 pinned to `recurrent_kda` to 1e-12 by tests/test_reference.py). The rest of the suite also runs on the
 GPU (the `device` fixture), which covers the contracts there."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import bits, checked_call, make_inputs, rel_err, rounding_floor
+from helpers import bits, checked_call, make_inputs, rel_err, rounding_floor, run_chunk
 
 import kda
 import kda_reference as ref
@@ -31,7 +31,7 @@ def test_bf16_accuracy_against_float64(T, out_bound, state_bound):
     o, s = kda.chunk_kda(*args, initial_state=h0, output_final_state=True, **kw)
     ro, rs = ref.chunk_kda(*args, initial_state=h0.double(), output_final_state=True, **kw)
     e_o, e_s, floor = rel_err(o, ro), rel_err(s, rs), rounding_floor(ro, torch.bfloat16)
-    print(f"\n[issue-3 accuracy] T={T}: output rel L2 {e_o:.3e} (bf16 floor {floor:.3e}, fla 4.0e-3 at T=1024), "
+    print(f"\n[accuracy] T={T}: output rel L2 {e_o:.3e} (bf16 floor {floor:.3e}, fla 4.0e-3 at T=1024), "
           f"final state {e_s:.3e} (fla 2.9e-3)")
     assert e_o <= out_bound and e_s <= state_bound
 
@@ -43,7 +43,7 @@ def test_narrow_storage_error_against_fp32_state(storage):
     o, s = kda.chunk_kda(*args, initial_state=h0.to(storage), output_final_state=True, **kw)
     assert s.dtype == storage
     e = rel_err(s, s32)
-    print(f"\n[issue-3 storage] {storage}: final state vs fp32-state run {e:.3e}")
+    print(f"\n[storage] {storage}: final state vs fp32-state run {e:.3e}")
     assert e <= 2 * torch.finfo(storage).eps  # one rounding on store, plus the initial state's own
 
 
@@ -182,12 +182,12 @@ def test_walk_beside_prepare_finishes_under_launch_blocking():
         "import torch, kda, test_gpu as t\n"
         "from helpers import checked_call, bits\n"
         "from kda.ops.chunk import chunk_kda_fwd\n"
-        "from kda.plan import chunk_plan\n"
+        "from kda.plan import chunk_plan, prefill_plan\n"
         "args, h0, kw = t._inputs(8192 + 320, H=12)\n"
         "full = dict(output_final_state=True, initial_state=h0, **kw)\n"
         "call = checked_call(kda.chunk_kda, *args, **full)\n"
         "assert chunk_plan(call).wait_chunks > 0\n"
-        "one_o, one_s = chunk_kda_fwd(call, chunk_plan(call, wait_chunks=0, wait_in_loop=False, late_chunks=0))\n"
+        "one_o, one_s = chunk_kda_fwd(call, *prefill_plan(call, wait_chunks=0, wait_in_loop=False, late_chunks=0))\n"
         "for _ in range(3):\n"
         "    o, s = kda.chunk_kda(*args, **full)\n"
         "    assert torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s))\n"
@@ -210,12 +210,11 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     walk at V blocks of 64) runs beside it; with 48 heads (too many walk programs to run
     beside all of it) the walk runs beside the prepare's last chunks, the prepare in two launches
     (`ChunkPlan.late_chunks`)."""
-    from kda.ops.chunk import chunk_kda_fwd
-    from kda.plan import BESIDE_BV64_CHUNKS, chunk_plan
+    from kda.plan import TUNINGS, chunk_plan
 
     # a short last group; 48 walk programs at H = 12
     H = {"wide": 32, "tail": 48}.get(form, 12)
-    T = (BESIDE_BV64_CHUNKS // H * 64 if form in ("wide", "tail") else 8192) + 320
+    T = (TUNINGS["sm90"].beside_bv64_chunks // H * 64 if form in ("wide", "tail") else 8192) + 320
     args, h0, kw = _inputs(T, H=H)
     if form == "varlen":
         kw.update(cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device="cuda"),
@@ -231,7 +230,7 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     # a short prepare ends before their walk would pay for its slower programs: not beside it
     wide, wide_h0, wide_kw = _inputs(128, H=32)
     assert chunk_plan(checked_call(kda.chunk_kda, *wide, initial_state=wide_h0, **wide_kw)).wait_chunks == 0
-    one_o, one_s = chunk_kda_fwd(call, chunk_plan(call, wait_chunks=0, wait_in_loop=False, late_chunks=0))
+    one_o, one_s = run_chunk(call, wait_chunks=0, wait_in_loop=False, late_chunks=0)
     out = torch.empty_like(one_o)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -257,12 +256,12 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
 @pytest.mark.parametrize("form", ["wide", "tail"])
 def test_walk_applying_the_inverse_bf16_accuracy(form):
     """The forms whose walk applies the inverse by default (`ChunkPlan.fold` off: the BV-64 walk beside the
-    prepare, the walk beside the prepare's tail) within the issue's bf16-input bounds against the float64
-    oracle."""
-    from kda.plan import BESIDE_BV64_CHUNKS, chunk_plan
+    prepare, the walk beside the prepare's tail) within the bf16-input bounds of the accuracy checks above,
+    against the float64 oracle."""
+    from kda.plan import TUNINGS, chunk_plan
 
     H = {"wide": 32, "tail": 48}[form]
-    T = BESIDE_BV64_CHUNKS // H * 64 + 320  # long enough a prepare for the walk beside it or its tail
+    T = TUNINGS["sm90"].beside_bv64_chunks // H * 64 + 320  # long enough a prepare for the walk beside it or its tail
     args, h0, kw = _inputs(T, H=H)
     plan = chunk_plan(checked_call(kda.chunk_kda, *args, initial_state=h0, output_final_state=True, **kw))
     assert not plan.fold and plan.wait_chunks > 0 and (plan.late_chunks > 0) == (form == "tail")

@@ -1,4 +1,4 @@
-"""The cheap host path (issue 13 item 1) keeps every check and every result.
+"""The cheap host path keeps every check and every result.
 
 Validation runs fast conditions first and names the argument only once one fails; plans are cached on what
 determines them; host bounds are checked with C-level passes. Each test here states what such shortcuts
@@ -186,8 +186,9 @@ def test_cached_plans_are_frozen_and_overrides_leave_them_alone():
     assert plan.chunk_plan(call) is p and p.prepare == "fused"
     # the GPU's walk beside the prepare: one cached object a shape too (p is already one on a GPU)
     alone = dataclasses.replace(p, wait_chunks=0, wait_in_loop=False, late_chunks=0)
-    beside = plan._beside_plan(alone, True)
-    assert beside is plan._beside_plan(alone, True) and beside.wait_chunks == plan.WAIT_CHUNKS
+    tune = plan.TUNINGS["sm90"]
+    beside = plan._beside_plan(alone, True, tune)
+    assert beside is plan._beside_plan(alone, True, tune) and beside.wait_chunks == tune.wait_chunks
     assert dataclasses.replace(beside, wait_chunks=0) == alone and alone.wait_chunks == 0
     unbounded = checked_call(kda.chunk_kda, q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                              **{**kw, "lower_bound": -6.0})

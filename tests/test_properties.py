@@ -1,4 +1,4 @@
-"""Property-based checks (issue 15, item 5): random valid serving layouts for both functions against the
+"""Property-based checks: random valid serving layouts for both functions against the
 float64 oracle. Hypothesis draws the sequence lengths (zeros included), which slots of a poisoned pool the
 sequences take (a permutation, with padding sequences), `has_initial_state`, the pool's dtype and layout,
 the GVA ratio and K, V (powers of two and not). Every real output row equals the oracle's, every written

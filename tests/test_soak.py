@@ -1,10 +1,10 @@
-"""A short serving soak (issue 15, item 6): requests are admitted into a poisoned pool, prefilled in chunks,
+"""A short serving soak: requests are admitted into a poisoned pool, prefilled in chunks,
 decoded, preempted and finished over many steps; each step is one `chunk_kda` varlen call (prefill chunks
 and one-token decodes mixed, as an engine batches them) or, when only decodes are left, one
 `fused_recurrent_kda` call. A float64 shadow pool runs the same calls through the oracle. After every step:
 outputs and every live slot within fp32 rounding of the shadow, every free slot bitwise unchanged.
 
-40 steps in the suite; `KDA_SOAK_STEPS=5000` runs the long soak (on the GPU machine: issue 15 item 6)."""
+40 steps in the suite; `KDA_SOAK_STEPS=5000` runs the long soak (on the GPU machine)."""
 
 from __future__ import annotations
 

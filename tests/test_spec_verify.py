@@ -1,4 +1,4 @@
-"""Speculative verify (issue 14 item 2): `state_indices` `[N, T_max]` keeps the state after every token,
+"""Speculative verify: `state_indices` `[N, T_max]` keeps the state after every token,
 `num_accepted_tokens` `[N]` starts each sequence from the state of its last accepted draft.
 
 Properties: the oracle's verify call equals its tokens decoded one oracle call at a time (exactly, float64
@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import bounds_of, make_inputs, poison_pool, rel_err, same_bits
+from helpers import bounds_of, make_inputs, poison_pool, rel_err, run_decode, same_bits
 
 import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
 import kda_reference as ref
@@ -314,7 +314,6 @@ def test_device_values_out_of_range_are_guarded_no_ops(bad):
     other slot are exactly as in the good call."""
     from helpers import checked_call
 
-    from kda.ops.fused_recurrent import fused_recurrent_kda_fwd
 
     x = _inputs([3, 2], seed=7)
     cu, bounds = _cu([3, 2])
@@ -327,7 +326,7 @@ def test_device_values_out_of_range_are_guarded_no_ops(bad):
                             state_indices=idx, num_accepted_tokens=acc, state_v_first=False)
         if mutate:
             mutate(idx, acc)
-        o, _ = fused_recurrent_kda_fwd(call)
+        o, _ = run_decode(call)
         return o, pool
 
     good_rows = [[0, 1, 2], [3, 4, 5]]
@@ -346,7 +345,7 @@ def test_device_values_out_of_range_are_guarded_no_ops(bad):
         call = checked_call(kda.fused_recurrent_kda, *x, cu_seqlens=cu, state_cache=pool,
                             state_indices=_idx(good_rows), num_accepted_tokens=_idx([1, 1]), state_v_first=False)
         call = dataclasses.replace(call, state_indices=wide[:, :2])
-        o, _ = fused_recurrent_kda_fwd(call)
+        o, _ = run_decode(call)
         assert same_bits(o, o_good)
         assert same_bits(pool[[0, 1, 3, 4]], pool_good[[0, 1, 3, 4]])
         untouched = [s for s in range(SLOTS) if s not in (0, 1, 3, 4)]

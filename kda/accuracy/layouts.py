@@ -146,7 +146,7 @@ def paged_vs_dense(ctx: Context, part: dict | None = None) -> list[dict]:
     (`odd_out_rounding`, `odd_state_rounding`; the differences are in info `odd_*_diff_rel`); the slots
     the call must not write keep their bits at both strides, for both kernels. chunk_kda's odd-stride calls
     (and the dense calls they are compared with) run without host bounds: with them, its sequences of
-    1..16 tokens go to the recurrent loop kernel (`kda.plan.short_route`), whose contract is
+    1..16 tokens go to the recurrent loop kernel (`kda.plan.Route`), whose contract is
     fused_recurrent_kda's; the aligned-stride calls keep them."""
     P, dev = ctx.preset, ctx.device
     lengths = [min(n, P.varlen_max_len) for n in (3, 0, 17, 1, 9)]

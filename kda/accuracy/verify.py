@@ -1,4 +1,4 @@
-"""Speculative verify (issue 14 item 4): a verify step with rejected drafts, then a continuation from the
+"""Speculative verify: a verify step with rejected drafts, then a continuation from the
 last accepted draft, through a paged pool stored in each dtype, against the float64 oracle and against the
 same tokens decoded one call at a time.
 

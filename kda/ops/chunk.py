@@ -32,21 +32,8 @@ from triton.tools.ragged_tma import create_ragged_descriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..contract import KDACall
-from ..plan import (
-    SUB,
-    ChunkPlan,
-    StatePlan,
-    cdiv,
-    chunk_plan_and_route,
-    gate_args,
-    interpreted,
-    next_power_of_2,
-    one_whole_sequence,
-    output_buffer,
-    short_plan,
-    short_route,
-    state_plan,
-)
+from ..plan import SUB, ChunkPlan, Route, cdiv, next_power_of_2
+from .buffers import StatePlan, gate_args, output_buffer, state_plan
 from .chunk_prepare import (
     _chunk_gate_kernel,
     _chunk_intra_kernel,
@@ -60,25 +47,20 @@ from .fused_recurrent import fused_recurrent_kda_fwd
 from .launch import wait_stream
 
 
-def chunk_kda_fwd(call: KDACall, plan: ChunkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run a validated call (`kda.contract.check_call`) as planned. Returns (o, final_state)."""
-    if plan is None:
-        plan, (short, kept, kept_chunks) = chunk_plan_and_route(call)
-    else:
-        short, kept, kept_chunks = short_route(call, plan)
+def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a validated call (`kda.contract.check_call`) as planned (`kda.plan.prefill_plan`). Returns
+    (o, final_state)."""
+    short, kept, kept_chunks, varlen = route.short, route.kept, route.kept_chunks, route.varlen
     B, T, HV, K, N = call.B, call.T, call.HV, call.K, call.N
     if kept == 0:  # every sequence is short: the recurrent loop alone (never the one-token kernel: same bits)
-        return fused_recurrent_kda_fwd(call, short_plan(call))
+        return fused_recurrent_kda_fwd(call, route.loop)
     o = output_buffer(call)
     st = state_plan(call)
     if N == 0:
         return o, st.final_state
     if short:
-        fused_recurrent_kda_fwd(call, short_plan(call), short=short, o=o, st=st)
+        fused_recurrent_kda_fwd(call, route.loop, short=short, o=o, st=st)
     BT, dev = plan.BT, call.q.device
-    # a lone varlen prefill with host bounds [0, T] runs as the dense call it equals: the same bits, and the
-    # varlen kernels' bound loads and extra chunk program per head cost 5% (docs/performance.md)
-    varlen = call.cu_seqlens is not None and not one_whole_sequence(call)
     total = B * T
     NT = cdiv(T, BT)
     BK = max(16, next_power_of_2(K))  # the K tile that covers K (walk) or its slices (split prepare)
@@ -191,7 +173,7 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
         HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
         WAIT_CHUNKS=0 if ready is None else plan.wait_chunks, WAIT_IN_LOOP=plan.wait_in_loop,
-        SPIN=ready is not None and not interpreted(), FOLD=plan.fold,
+        SPIN=ready is not None and plan.spin, FOLD=plan.fold,
         num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 
@@ -256,7 +238,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
                 *strides, *v_strides, *g_beta, T, N, NT, p0, call.scale, lower_bound,
                 H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, **gate,
                 CUMSUM_DTYPE=tl.float64 if plan.cumsum_fp64 else tl.float32, B2_FROM_WS=plan.gate_pass,
-                SIGNAL_CHUNKS=signal, FOLD=plan.fold, LAST_WAITS=signal > 0 and not interpreted(),
+                SIGNAL_CHUNKS=signal, FOLD=plan.fold, LAST_WAITS=signal > 0 and plan.spin,
                 num_warps=plan.prepare_warps, num_stages=1, **common,
             )
     else:

@@ -67,7 +67,7 @@ from .launch import direct
 def _locate_chunk(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr, SHORT: tl.constexpr):
     """`locate_block` for the chunk programs (sequence, the chunk's first token, the sequence's end), plus the
     chunk's index in the full grid, where its gt row lives (the walk reads it there). With SHORT > 0 (varlen,
-    `kda.plan.short_route`) the grid holds only the chunks of the sequences not routed to the recurrent
+    `kda.plan.Route`) the grid holds only the chunks of the sequences not routed to the recurrent
     loop (`kept_item`)."""
     if SHORT > 0:
         i_n, i_t = kept_item(cu_seqlens, i_p, N, SHORT, BT)

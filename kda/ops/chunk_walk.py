@@ -343,7 +343,7 @@ def _chunk_state_kernel(
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
     by pointers (token stride s_vt, head stride s_vh).
     SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
-    (`short_route`), and program i_n walks the i_n-th of the others (`kept_item`).
+    (`kda.plan.Route`), and program i_n walks the i_n-th of the others (`kept_item`).
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
     s_ck, n_ck columns, one every ck_every tokens) stored into the pool `state_dst` of n_slots slots as
     the walk passes them (`_walk`).

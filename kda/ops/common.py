@@ -186,7 +186,7 @@ def guard_slot(slot, n_slots, eos):
 
 @triton.jit
 def kept_item(cu_seqlens, i, N, SHORT: tl.constexpr, BT: tl.constexpr):
-    """Item i (from 0) among the sequences whose length is not in 1..SHORT (those `kda.plan.short_route`
+    """Item i (from 0) among the sequences whose length is not in 1..SHORT (those `kda.plan.Route`
     does not send to the recurrent loop), in order: with BT == 0 one item per such sequence (empty ones
     included: the walk's programs), else one per BT-token block of the longer ones (the chunk programs).
     Returns (its sequence, or -1 past the last item; the item's index within the sequence), by a scan of

@@ -68,7 +68,8 @@ import triton
 import triton.language as tl
 
 from ..contract import KDACall, interpreting
-from ..plan import DecodePlan, StatePlan, cdiv, decode_plan, gate_args, output_buffer, state_plan
+from ..plan import DecodePlan, cdiv
+from .buffers import StatePlan, gate_args, output_buffer, state_plan
 from .common import (
     ERROR_ACCEPTED,
     ERROR_KEPT_SLOT,
@@ -287,7 +288,7 @@ def _fused_recurrent_kda_kernel(
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)  # GVA: the q/k head of this value head
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    if SHORT > 0:  # inside `chunk_kda`: only its sequences of 1..SHORT tokens (`kda.plan.short_route`)
+    if SHORT > 0:  # inside `chunk_kda`: only its sequences of 1..SHORT tokens (`kda.plan.Route`)
         if (eos - bos < 1) | (eos - bos > SHORT):
             return
     o_v, v_ok, tile_off, tile_ok = _tile(i_v, BV, BK, K, V, V_FIRST)
@@ -685,7 +686,7 @@ def _fused_recurrent_one_token_kernel(
 
 
 def fused_recurrent_kda_fwd(
-    call: KDACall, plan: DecodePlan | None = None, *, stochastic_rounding: bool = False, seed: int = 0,
+    call: KDACall, plan: DecodePlan, *, seed: int = 0,
     short: int = 0, o: torch.Tensor | None = None, st: StatePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a validated call (`kda.contract.check_call`) as planned (`kda.plan.decode_plan`). Returns
@@ -693,7 +694,6 @@ def fused_recurrent_kda_fwd(
     final state was asked for. `short` > 0 (from `chunk_kda_fwd`, with its `o` and state plan `st`): the
     loop kernel takes only the sequences of 1..short tokens, the chunk kernels the others (never with the
     one-token plan: a call whose sequences all hold one token comes here whole)."""
-    plan = plan or decode_plan(call, stochastic_rounding)
     o = output_buffer(call) if o is None else o
     st = state_plan(call) if st is None else st
     N = call.N
