@@ -21,6 +21,7 @@ What differs from the synthetic study, and why:
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -198,3 +199,36 @@ def _entries(layer, cps, sq, ref2, floor2, emu2, st, st_ref, emu_st, P, D) -> li
         out.append(entry("captured", f"{layer.name}/{config_name(st_name, sr)}", params,
                          dict(out_rel=out_rel, state_rel=state_rel), info))
     return out
+
+
+def run(directory: str, device: str = "cpu", progress=lambda msg: None) -> dict:
+    """The report of a capture directory (before `report.sanitize`): per layer its shape, dtypes, sequences,
+    prefill errors and decode entries, the verdicts per layer and for the model, and the notes on what the
+    capture cannot decide."""
+    from . import captured, captured_verdict
+    from .config import thresholds
+    from .measure import environment
+
+    layers, index = captured.load(directory)
+    entries, summaries = [], []
+    for layer in layers:
+        summary = dict(name=layer.name, calls=layer.calls, input_dtype=layer.input_dtype,
+                       state_dtype=layer.state_dtype, sequences=len(layer.sequences), left_out=layer.left_out,
+                       prefill_lengths=[s.prefill_len for s in layer.sequences],
+                       decode_steps=max((s.decode_len for s in layer.sequences), default=0),
+                       options={n: x for n, x in layer.options.items() if n not in ("A_log", "dt_bias")},
+                       gate_parameters=[n for n in ("A_log", "dt_bias") if n in layer.options])
+        if layer.sequences:
+            summary.update(layer.shape)
+            got, measured = study_layer(layer, device, progress)
+            entries += got
+            summary.update(measured)
+        summaries.append(summary)
+    per_layer = captured_verdict.layer_verdicts(entries)
+    capture = {n: index.get(n) for n in ("stopped", "tokens", "bytes", "calls_seen", "calls_recorded", "max_tokens",
+                                         "max_bytes")}
+    meta = dict(kind="captured inputs", inputs=os.path.basename(os.path.normpath(directory)), capture=capture,
+                configs=[config_name(*c) for c in CONFIGS], horizon=captured_verdict.HORIZON,
+                thresholds=thresholds(), environment=environment(device, 0))
+    return dict(meta=meta, verdicts=captured_verdict.model_verdicts(per_layer), verdicts_per_layer=per_layer,
+                notes=captured_verdict.notes(summaries, index), layers=summaries, entries=entries)
