@@ -116,9 +116,8 @@ def _direct(directory: Path, layer: str, dtype: torch.dtype) -> dict:
         x = {n: full[n].float() if n in ("q", "k", "v") else full[n] for n in full}
         pool = torch.full((2, *s_ref.shape[1:]), float("nan"), dtype=dtype)
         one = dict(state_cache=pool, state_indices=torch.tensor([1], dtype=torch.int32), state_v_first=True, **opts)
-        args = lambda sl: tuple(x[n][:, sl].contiguous() for n in ("q", "k", "v", "g", "beta"))  # noqa: E731
-        kda.chunk_kda(*args(slice(0, P)), has_initial_state=torch.tensor([False]), **one)
-        outs = [kda.fused_recurrent_kda(*args(slice(t, t + 1)), **one)[0][0, 0] for t in range(P, P + STEPS)]
+        kda.chunk_kda(*_tokens(x, slice(0, P)), has_initial_state=torch.tensor([False]), **one)
+        outs = [kda.fused_recurrent_kda(*_tokens(x, slice(t, t + 1)), **one)[0][0, 0] for t in range(P, P + STEPS)]
         for s in range(STEPS - window(STEPS), STEPS):
             exact = o_ref[0, P + s]
             num += (outs[s].double() - exact).square().sum().item()
@@ -126,7 +125,12 @@ def _direct(directory: Path, layer: str, dtype: torch.dtype) -> dict:
             floor += (exact.to(torch.bfloat16).double() - exact).square().sum().item()
         st_num += (pool[1].double().transpose(-1, -2) - s_ref[0]).square().sum().item()
         st_den += s_ref[0].square().sum().item()
-    return dict(out_rel=math.sqrt(num / den), out_floor_bf16=math.sqrt(floor / den), state_rel=math.sqrt(st_num / st_den))
+    return dict(out_rel=math.sqrt(num / den), out_floor_bf16=math.sqrt(floor / den),
+                state_rel=math.sqrt(st_num / st_den))
+
+
+def _tokens(x: dict, tokens: slice) -> tuple:
+    return tuple(x[n][:, tokens].contiguous() for n in ("q", "k", "v", "g", "beta"))
 
 
 @pytest.mark.parametrize("layer,dtype", [("layer1", torch.bfloat16), ("layer0", torch.float16)])

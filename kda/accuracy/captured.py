@@ -125,6 +125,11 @@ def _same(a: dict, b: dict) -> list[str]:
     return sorted(out)
 
 
+def _join(pieces: list[dict], first: dict) -> dict:
+    """The pieces' tensors joined along time (empty, shaped like `first`'s, when there are none)."""
+    return {n: torch.cat([p[n] for p in pieces]) if pieces else first[n][:0] for n in TENSORS}
+
+
 def load(directory: str) -> tuple[list[Layer], dict]:
     """(layers, index) of a capture directory (module docstring), layers in the order they were first called."""
     index = _load_index(directory)
@@ -164,8 +169,8 @@ def load(directory: str) -> tuple[list[Layer], dict]:
         cut = len(parts)
         while cut > 0 and parts[cut - 1]["q"].shape[0] == 1:
             cut -= 1
-        join = lambda ps: {n: torch.cat([p[n] for p in ps]) if ps else parts[0][n][:0] for n in TENSORS}  # noqa: E731
-        layer.sequences.append(Sequence(seq, parts[0].get("initial_state"), join(parts[:cut]), join(parts[cut:])))
+        layer.sequences.append(Sequence(seq, parts[0].get("initial_state"), _join(parts[:cut], parts[0]),
+                                        _join(parts[cut:], parts[0])))
     for layer in layers.values():
         if not layer.sequences:
             layer.left_out.append("no sequence to replay")

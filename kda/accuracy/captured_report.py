@@ -75,13 +75,15 @@ def _verdict_md(result: dict) -> list[str]:
     for v in per:
         fp32 = v["state"] == "fp32"
         x = v.get("extrapolated_over_floor")
-        rows.append([v["state"], v["layer"], v["steps"], e(v["out_rel"]), e(v["out_floor_bf16"]), r(v["out_over_floor"]),
+        rows.append([v["state"], v["layer"], v["steps"], e(v["out_rel"]), e(v["out_floor_bf16"]),
+                     r(v["out_over_floor"]),
                      synthetic.FP32_RATIO if fp32 else r(v["out_over_emulation"]),
                      synthetic.FP32_RATIO if fp32 else r(v["state_over_emulation"]), e(v["state_rel"]),
                      v["exponent"] + (" (growing)" if v["growing"] else ""),
                      r(x) if x is not None else "not growing",
                      "pass" if v["passes"] else "**FAIL**: " + "; ".join(v["reasons"])])
-    L += table(["storage", "layer", "steps", "output err", "bf16 out floor", f"err / floor (<= {OUTPUT_FLOOR_FACTOR:g})",
+    L += table(["storage", "layer", "steps", "output err", "bf16 out floor",
+                f"err / floor (<= {OUTPUT_FLOOR_FACTOR:g})",
                 f"kernel/emu out (<= {EMULATION_RATIO_MAX:g})", f"kernel/emu state (<= {EMULATION_RATIO_MAX:g})",
                 "state err", "output exponent [95% CI]", f"x floor at {horizon}", "verdict"], rows)
     return L
@@ -119,9 +121,8 @@ def _decode_md(result: dict) -> list[str]:
             rows = [[s, *(e(x["metrics"][key][i]) for x in rs), *(e(x["info"][emu_key][i]) for x in emus.values()),
                      *([e(rs[0]["info"]["out_floor_bf16"][i])] if what == "output" else [])]
                     for i, s in enumerate(steps)]
-            L += [f"**{name}**: {what} error", "",
-                  *table(["step", *names, *(f"emu {d}" for d in emus), *(["bf16 out floor"] if what == "output" else [])],
-                         rows)]
+            floor = ["bf16 out floor"] if what == "output" else []
+            L += [f"**{name}**: {what} error", "", *table(["step", *names, *(f"emu {d}" for d in emus), *floor], rows)]
         L += [f"**{name}**: fitted exponents (output, state) and kernel / emulation at the last step (`+sr` rows: "
               "against the round-to-nearest emulation, i.e. what stochastic rounding costs (> 1) or gains (< 1))", "",
               *table(["config", "output", "state", "kernel/emu out @end", "kernel/emu state @end"],

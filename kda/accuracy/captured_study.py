@@ -35,13 +35,14 @@ from .kernels import call
 from .measure import fit_exponent, rel_l2
 
 F64 = torch.float64
+NAMES = ("q", "k", "v", "g", "beta")
 CONFIGS = (("fp32", False), ("fp16", False), ("bf16", False), ("fp16", True), ("bf16", True))
 
 
 def _padded(layer: Layer, part: str, length: int) -> dict:
     """The sequences' `part` ("prefill" or "decode") stacked to `[N, length, ...]`, zero-padded."""
     out = {}
-    for n in ("q", "k", "v", "g", "beta"):
+    for n in NAMES:
         xs = [getattr(s, part)[n] for s in layer.sequences]
         buf = torch.zeros(len(xs), length, *xs[0].shape[1:], dtype=xs[0].dtype)
         for i, x in enumerate(xs):
@@ -52,7 +53,7 @@ def _padded(layer: Layer, part: str, length: int) -> dict:
 
 def _kernel_inputs(x: dict, device: str) -> tuple:
     """(q, k, v, g, beta) on the device, q, k, v in fp32 (module docstring)."""
-    return tuple((x[n].float() if n in ("q", "k", "v") else x[n]).to(device).contiguous() for n in ("q", "k", "v", "g", "beta"))
+    return tuple((x[n].float() if n in ("q", "k", "v") else x[n]).to(device).contiguous() for n in NAMES)
 
 
 def oracle(layer: Layer) -> list[dict]:
@@ -60,7 +61,7 @@ def oracle(layer: Layer) -> list[dict]:
     and its exact state after the prefill `S0` `[HV, K, V]`."""
     out = []
     for s in layer.sequences:
-        xs = [torch.cat([s.prefill[n], s.decode[n]]).unsqueeze(0) for n in ("q", "k", "v", "g", "beta")]
+        xs = [torch.cat([s.prefill[n], s.decode[n]]).unsqueeze(0) for n in NAMES]
         init = (dict(initial_state=s.initial_state.to(F64).unsqueeze(0)) if s.initial_state is not None
                 else dict(state_dtype=F64))
         o, _ = ref.recurrent_kda(*xs, output_final_state=True, **init, **layer.options)
@@ -92,7 +93,7 @@ def study_layer(layer: Layer, device: str = "cpu", progress=lambda msg: None) ->
 
     # float64 state carried over the continuation (padded sequences step on zeros: never measured)
     dec = _padded(layer, "decode", steps)
-    qd, kd, vd, gd, bd = ref.prepare_inputs(*(dec[n] for n in ("q", "k", "v", "g", "beta")),
+    qd, kd, vd, gd, bd = ref.prepare_inputs(*(dec[n] for n in NAMES),
                                            **{n: x for n, x in layer.options.items() if n != "scale"})
     carried = Recurrence(S0, H, scale)
     emus = {d: Recurrence(S0, H, scale, store_dtype=DTYPES[d]) for d in ("fp16", "bf16")}
@@ -103,7 +104,7 @@ def study_layer(layer: Layer, device: str = "cpu", progress=lambda msg: None) ->
     bounds = [0]
     for p in P:
         bounds.append(bounds[-1] + p)
-    pre = {n: torch.cat([s.prefill[n] for s in seqs]).unsqueeze(0) for n in ("q", "k", "v", "g", "beta")}
+    pre = {n: torch.cat([s.prefill[n] for s in seqs]).unsqueeze(0) for n in NAMES}
     pools, prefill = {}, {}
     o_pre_ref = torch.cat([x["o"][:p] for x, p in zip(exact, P)])
     for c in CONFIGS:
@@ -138,7 +139,7 @@ def study_layer(layer: Layer, device: str = "cpu", progress=lambda msg: None) ->
         for d, emu in emus.items():
             emu2[d][s, active] = (emu.step(qd[:, s], kd[:, s], vd[:, s], gd[:, s], bd[:, s])[active]
                                   - o_ref).square().flatten(1).sum(1)
-        tok = {n: torch.stack([seqs[i].decode[n][s] for i in active]).unsqueeze(0) for n in ("q", "k", "v", "g", "beta")}
+        tok = {n: torch.stack([seqs[i].decode[n][s] for i in active]).unsqueeze(0) for n in NAMES}
         one = list(range(len(active) + 1))
         for c, pool in pools.items():
             o, _ = call("fused_recurrent", *_kernel_inputs(tok, device), cu_seqlens=torch.tensor(one, device=device),

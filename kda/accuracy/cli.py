@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cpu runs the Triton kernels in the interpreter (TRITON_INTERPRET=1 is set if unset)")
     p.add_argument("--seed", type=int, default=0, help="seed of every random input (default 0)")
     p.add_argument("--out-dir", "--out", default=None,
-                   help="default: accuracy_reports/<preset>-<device>/, or accuracy_reports/inputs-<name>/ with --inputs")
+                   help="default: accuracy_reports/<preset>-<device>/ (with --inputs: accuracy_reports/inputs-<name>/)")
     p.add_argument("--inputs", metavar="DIRECTORY", default=None,
                    help="replay the activations kda.accuracy.capture recorded in DIRECTORY instead of the synthetic "
                         "studies: per layer and for the model, the decode verdict per state dtype (docs/accuracy.md)")
