@@ -236,7 +236,8 @@ def main(argv=None) -> int:
 
 def main_inputs(args: argparse.Namespace) -> int:
     """`--inputs DIRECTORY`: the replay of a capture (kda.accuracy.captured_study), its report written to
-    accuracy_reports/inputs-<name>/ or --out-dir; exit 2 with the message when the directory is not a capture."""
+    accuracy_reports/inputs-<name>/ or --out-dir; exit 1 with the message (naming the file) when the directory
+    cannot be replayed."""
     from . import captured_report, captured_study, report
     from .captured import CaptureError
     from .context import Context
