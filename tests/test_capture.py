@@ -253,3 +253,15 @@ def test_fla_path(tmp_path):
     assert same_bits(plain, got)
     index = json.loads((tmp_path / "fla" / "index.json").read_text())
     assert [c["source"] for c in index["calls"]] == ["fla"]
+
+
+def test_readme_commands(tmp_path, monkeypatch, capsys):
+    """The README's commands, in-process from a fresh directory: the example's main under capture, then the
+    replay into accuracy_reports/inputs-<name>/."""
+    monkeypatch.chdir(tmp_path)
+    assert example.main(["--capture", "captures/example", "--prompts", "5,3", "--steps", "2"]) == 0
+    assert "captured 6 of 6 KDA calls" in capsys.readouterr().out
+    assert cli.main(["--inputs", "captures/example", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "inputs-example" in out and "bf16 state:" in out
+    assert (tmp_path / "accuracy_reports" / "inputs-example" / "report.md").is_file()

@@ -34,7 +34,9 @@ def require_dependencies(argv) -> None:
     """Exit 2 with the install command when an optional dependency is missing (see missing_dependencies)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--no-plots", action="store_true")
-    plots = not pre.parse_known_args(argv)[0].no_plots
+    pre.add_argument("--inputs", default=None)
+    known = pre.parse_known_args(argv)[0]
+    plots = not (known.no_plots or known.inputs)  # the captured-input report draws no plots
     missing = missing_dependencies(plots)
     if missing:
         needs = "; ".join(f"{m} ({REPORT_DEPS[m]})" for m in missing)

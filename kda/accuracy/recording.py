@@ -23,7 +23,9 @@ but marked unsupported: the replay leaves them out and says so.
 
 Budget. Before a call is written its tokens (the rows of its non-padding sequences) and bytes (the tensors
 saved) are added to what was recorded; past `max_tokens` or `max_bytes` the capture stops recording (the
-model runs on), warns once, and `index.json` says where and why (`stopped`).
+model runs on), warns once, and `index.json` says where and why (`stopped`). A call whose arguments the
+capture cannot follow but the kernel accepts stops the recording the same way (the index would otherwise
+miss a piece of a sequence).
 
 Cost: every call copies its inputs and the state planes it reads and writes to the host (a sync). A
 capture is for a diagnostic run, not for serving traffic, and runs eagerly (not under torch.compile).
@@ -193,23 +195,26 @@ class Capture:
                 a.update(a.pop(p.name, {}))
         if self.stopped is not None:
             return original(*args, **kwargs)
-        plan = self._plan(layer, a)
+        try:
+            plan = self._plan(layer, a)
+        except Exception as exc:  # arguments the original will reject, or a form this capture cannot follow
+            result = original(*args, **kwargs)  # raises the contract's own error, if any
+            self._stop_on(f"call {self.calls_seen} could not be recorded ({type(exc).__name__}: {exc})")
+            return result
         if plan is None:  # not the tensors of a KDA call: let the original judge
             return original(*args, **kwargs)
-        tensors = {n: a[n].detach().cpu().clone() for n in TENSORS}
-        for n in ("A_log", "dt_bias", "cu_seqlens"):
-            if isinstance(a.get(n), torch.Tensor):
-                tensors[n] = a[n].detach().cpu().clone()
-        tensors.update(plan.pop("initial"))
-        tokens = plan.pop("tokens")
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        sources = {n: a[n] for n in (*TENSORS, "A_log", "dt_bias", "cu_seqlens") if isinstance(a.get(n), torch.Tensor)}
+        initial, tokens = plan.pop("initial"), plan.pop("tokens")
+        nbytes = sum(t.numel() * t.element_size() for t in (*sources.values(), *initial.values()))
         if self.tokens + tokens > self.max_tokens or self.bytes + nbytes > self.max_bytes:
-            self._stop(tokens, nbytes)
+            self._stop_on(f"budget: recording call {self.calls_seen} would reach {self.tokens + tokens} tokens "
+                          f"(max_tokens {self.max_tokens}) and {self.bytes + nbytes} bytes "
+                          f"(max_bytes {self.max_bytes})")
             return original(*args, **kwargs)
+        tensors = {n: x.detach().cpu().clone() for n, x in sources.items()} | initial  # before the call writes
         result = original(*args, **kwargs)
         self._after(a, plan, result)
-        index = len(self._records)
-        file = f"calls/{index:05d}.pt"
+        file = f"calls/{len(self._records):05d}.pt"
         torch.save(tensors, os.path.join(self.directory, file))
         self._records.append(dict(file=file, function=fn_name, source=source, layer=layer, forward=forward,
                                   tokens=tokens, bytes=nbytes, **plan))
@@ -218,13 +223,11 @@ class Capture:
         self.bytes += nbytes
         return result
 
-    def _stop(self, tokens: int, nbytes: int) -> None:
-        self.stopped = dict(reason=f"budget: recording call {self.calls_seen} would reach {self.tokens + tokens} "
-                                   f"tokens (max_tokens {self.max_tokens}) and {self.bytes + nbytes} bytes "
-                                   f"(max_bytes {self.max_bytes})", at_call=self.calls_seen,
-                            calls_recorded=self.calls_recorded)
-        warnings.warn(f"kda.accuracy.capture: stopped recording ({self.stopped['reason']}); the model runs on "
-                      f"unrecorded; {self.calls_recorded} calls are in {self.directory}", stacklevel=4)
+    def _stop_on(self, reason: str) -> None:
+        """Stop recording (the model runs on): warn once and write the index with the reason."""
+        self.stopped = dict(reason=reason, at_call=self.calls_seen, calls_recorded=self.calls_recorded)
+        warnings.warn(f"kda.accuracy.capture: stopped recording ({reason}); the model runs on unrecorded; "
+                      f"{self.calls_recorded} calls are in {self.directory}", stacklevel=5)
         self.write_index()
 
     def _plan(self, layer: str, a: dict) -> dict | None:
