@@ -5,7 +5,8 @@ While the context is open, every module global bound to `kda.chunk_kda`, `kda.fu
 `fla.ops.kda.chunk_kda` / `fla.ops.kda.fused_recurrent_kda`, is replaced by a wrapper that copies the
 call's inputs to the CPU, calls the original with the very same arguments and returns its result
 unchanged. On exit (also on an exception) the originals are put back and `index.json` is written. A
-reference taken before the context opened (a bound method, a dict, a closure) is not seen.
+reference held some other way (a bound method, a dict, a closure) is not seen, nor are other copies of
+fla's kernels (a serving engine's vendored `fla` ops).
 
 Layers. A call's layer is the name of the innermost open `cap.layer(name)` context when there is one;
 else `layer<i>`, i the call's position within the current forward. A forward ends at `cap.step()`, or
@@ -55,7 +56,8 @@ OPTIONS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_beta_s
            "use_gate_in_kernel", "lower_bound", "state_v_first", "stochastic_rounding")
 IGNORED = {"cu_seqlens_cpu", "state_cache", "state_indices", "has_initial_state", "initial_state", "out", "errors",
            "A_log", "dt_bias", "cu_seqlens", "state_dtype", "seed", "checkpoint_every", "checkpoint_indices",
-           "transpose_state_layout", "cp_context", "disable_recompute", *TENSORS}
+           "transpose_state_layout", "cp_context", "disable_recompute", "return_intermediate_states",
+           "safe_gate", *TENSORS}  # fla's safe_gate: a kernel path for lower-bounded gates, the same math
 
 
 def _originals() -> dict:
