@@ -34,7 +34,9 @@ def require_dependencies(argv) -> None:
     """Exit 2 with the install command when an optional dependency is missing (see missing_dependencies)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--no-plots", action="store_true")
-    plots = not pre.parse_known_args(argv)[0].no_plots
+    pre.add_argument("--inputs", default=None)
+    known = pre.parse_known_args(argv)[0]
+    plots = not (known.no_plots or known.inputs)  # the captured-input report draws no plots
     missing = missing_dependencies(plots)
     if missing:
         needs = "; ".join(f"{m} ({REPORT_DEPS[m]})" for m in missing)
@@ -57,7 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu runs the Triton kernels in the interpreter (TRITON_INTERPRET=1 is set if unset)")
     p.add_argument("--seed", type=int, default=0, help="seed of every random input (default 0)")
-    p.add_argument("--out-dir", default=None, help="default: accuracy_reports/<preset>-<device>/")
+    p.add_argument("--out-dir", "--out", default=None,
+                   help="default: accuracy_reports/<preset>-<device>/ (with --inputs: accuracy_reports/inputs-<name>/)")
+    p.add_argument("--inputs", metavar="DIRECTORY", default=None,
+                   help="replay the activations kda.accuracy.capture recorded in DIRECTORY instead of the synthetic "
+                        "studies: per layer and for the model, the decode verdict per state dtype (docs/accuracy.md)")
     p.add_argument("--check", metavar="BASELINE", default=None,
                    help="exit 1 when an error grows more than 2x (+5e-7) over this baseline report, or a "
                         "check that held there fails; prints the entries that failed. BASELINE: a report.json, "
@@ -205,6 +211,8 @@ def main(argv=None) -> int:
     require_dependencies(sys.argv[1:] if argv is None else argv)  # before torch is even imported
     args = parse_args(argv)
     prepare_device(args.device)
+    if args.inputs:
+        return main_inputs(args)
     from . import check, report
 
     out_dir = args.out_dir or os.path.join("accuracy_reports", f"{args.preset}-{args.device}")
@@ -225,4 +233,31 @@ def main(argv=None) -> int:
             print(f"  FAIL {f}")
         return 1
     print(f"kda.accuracy --check {args.check}: passed ({compared} values compared; {report.check_rule()})")
+    return 0
+
+
+def main_inputs(args: argparse.Namespace) -> int:
+    """`--inputs DIRECTORY`: the replay of a capture (kda.accuracy.captured_study), its report written to
+    accuracy_reports/inputs-<name>/ or --out-dir; exit 1 with the message (naming the file) when the directory
+    cannot be replayed."""
+    from . import captured_report, captured_study, report
+    from .captured import CaptureError
+    from .context import Context
+    from .measure import run_metadata
+
+    run_meta = run_metadata()
+    ctx = Context(None, args.device, args.seed, quiet=args.quiet)
+    try:
+        result = captured_study.run(args.inputs, args.device, ctx.progress)
+    except CaptureError as exc:
+        raise SystemExit(f"kda.accuracy --inputs: {exc}") from exc
+    name = os.path.basename(os.path.normpath(args.inputs))
+    out_dir = args.out_dir or os.path.join("accuracy_reports", f"inputs-{name}")
+    run_meta.update(elapsed_s=round(ctx.elapsed(), 1), jobs=1, section_s={"captured": round(ctx.elapsed(), 1)})
+    written = captured_report.write(report.sanitize(result), run_meta, out_dir)
+    print(f"kda.accuracy: wrote {', '.join(written)} to {os.path.abspath(out_dir)}/ in {run_meta['elapsed_s']:.0f} s")
+    for v in result["verdicts"]:
+        print(f"  {v['state']} state: {v['text']}")
+    for n in result["notes"]:
+        print(f"  note: {n}")
     return 0
