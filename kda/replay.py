@@ -77,8 +77,8 @@ def _scalar(x):
 
 def _bounds(x):
     """What of `cu_seqlens_cpu` the key holds: its length (and dtype); the values are compared by the
-    recording itself (`_same_bounds`), which hashes nothing (a tuple of 1025 bounds took 10 us to build
-    and hash, twice the comparison)."""
+    recording itself (`_same_bounds`), which hashes nothing (building and hashing a tuple of the bounds costs
+    more than comparing them)."""
     if x is None:
         return None
     t = type(x)

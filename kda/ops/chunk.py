@@ -182,7 +182,7 @@ def _ragged(base: torch.Tensor, rows: int, cols: int, shape: tuple | None = None
             strides: tuple | None = None) -> TensorDescriptor:
     """The ragged descriptor of `base` seen as `[tokens, HV, C]` (`shape`, `strides`; default: a fresh
     contiguous workspace as it is), its layout cached: building one with `create_ragged_descriptor` costs
-    about 10 us of host time, and its checks (alignment, strides) hold for every workspace this module
+    host time every call, and its checks (alignment, strides) hold for every workspace this module
     allocates and for the v that `_v_tiles` passes."""
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.padding = base, "zero"

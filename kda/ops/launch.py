@@ -2,8 +2,7 @@
 
 `kernel[grid](*args, **meta)` on a `triton.jit` function binds every argument, specialises each one in
 native code, builds a cache key from the options and only then calls the compiled kernel's C launcher:
-about 55 us of host time a launch on the H200 machine's host, against 9 us for the launcher alone
-(docs/performance.md, "Host cost per call"). `direct` wraps a kernel so that a launch whose
+several times the launcher's own host time (docs/performance.md, "Host cost per call"). `direct` wraps a kernel so that a launch whose
 specialisation was seen before goes straight to the compiled kernel's launcher.
 
 The specialisation key is computed here, per argument, as Triton computes it (`native_specialize_impl`,
@@ -190,8 +189,7 @@ def launcher_entry(run) -> tuple:
     """(entry, prefix): calling `entry(gx, gy, gz, stream, function, *prefix, packed metadata, launch metadata,
     enter hook, exit hook, *arguments)` launches as `run(gx, gy, gz, stream, function, packed metadata, ...)`
     does. Triton 3.6's `CudaLauncher.__call__` only allocates scratch (none when the kernel asks for none) and
-    passes its cooperative-grid and PDL flags on to `launch`: called directly, about 1.3 us less Python a
-    launch. Any other launcher (Triton 3.9's binds annotations in Python) is called as it is."""
+    passes its cooperative-grid and PDL flags on to `launch`: called directly, a Python frame less a launch. Any other launcher (Triton 3.9's binds annotations in Python) is called as it is."""
     if (type(run).__name__ == "CudaLauncher" and not hasattr(run, "kernel_signature")
             and getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
             and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
