@@ -298,8 +298,9 @@ def wide_heads(call: KDACall, device: DeviceInfo) -> bool:
     blocks of 64 (half the programs, two an SM by TMA) and applies the inverse itself (`ChunkPlan.fold` off,
     where the prepare is fused and the workspaces fp16), shedding the prepare's fold dots. From the heads, K, V
     and the device alone: both choices change the arithmetic (the fp16 operands' scales are a V block's), so
-    the batch must not move them. On a GPU, V > 32 and K <= 128 (a [K, 64] fp32 state tile in registers)."""
-    if call.V <= 32 or call.K > 128 or device.interpreter:
+    the batch must not move them. On a GPU with TMA (a pointer walk at V blocks of 64 spills: sm_80 in
+    benchmarks/results/offline-compile.md), V > 32 and K <= 128 (a [K, 64] fp32 state tile in registers)."""
+    if call.V <= 32 or call.K > 128 or device.interpreter or not device.tma:
         return False
     return 2 * call.HV * cdiv(call.V, 32) > device.sm_count
 
