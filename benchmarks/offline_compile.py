@@ -158,6 +158,8 @@ def compile_launch(fn, args: tuple, meta: dict, target: Target, maxnreg: int | N
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     flags = {k: meta[k] for k in FLAGS if k in meta and meta[k] not in (False, 0, None)}
+    if "state_src" in signature:  # the pool's dtype (the walk's and the decode kernels' state pointers)
+        flags["state"] = signature["state_src"].lstrip("*")
     flags.update(warps=options.num_warps, stages=options.num_stages)
     row = dict(kernel=fn.__name__, flags=flags)
     t0 = time.time()
@@ -203,7 +205,9 @@ def _ptxas(ptx: str, target: Target, out: Path | None, label: str) -> dict:
                ptx=("wgmma" if "wgmma.mma_async" in ptx else "tcgen05" if "tcgen05.mma" in ptx
                     else "mma" if "mma.sync" in ptx else "-")
                + (", tma" if "cp.async.bulk.tensor" in ptx else "")
-               + (", inline spin" if "ld.acquire.gpu.global.b32" in ptx else ""))
+               + (", PTX spin" if "ld.acquire.gpu.global.b32" in ptx else "")
+               + (", proxy fence" if "fence.proxy.async.global" in ptx else "")
+               + (", griddepcontrol" if "griddepcontrol" in ptx else ""))
     cuobjdump = Path(ptxas).parent / "cuobjdump"
     if out is not None and cuobjdump.exists() and cubin.exists():
         sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
@@ -313,19 +317,21 @@ def _markdown(rows: list, targets: list[Target], maxnreg: int | None) -> str:
                      + " |")
     lines += ["", "## Each compile", "",
               "| target | kernel | launch flags (constexprs, warps, stages) | registers | spill bytes | shared bytes | "
-              "fits | code | compile s |", "|---|---|---|---|---|---|---|---|---|"]
-    done = set()
+              "launches | code |", "|---|---|---|---|---|---|---|---|"]
+    done = set()  # one row per distinct line: specialisations that differ only in integers' values compile alike
     for _case, _pool, target, r in rows:
-        if id(r) in done:
+        line = (target.name, r["kernel"], _flags(r["flags"]), r.get("error"), r.get("registers"), r.get("spills"),
+                r.get("shared"))
+        if line in done:
             continue
-        done.add(id(r))
+        done.add(line)
         if "error" in r:
             lines.append(f"| {target.name} | `{r['kernel']}` | {_flags(r['flags'])} | compile failed: "
-                         f"{r['error'].replace('|', '/')} | | | no | | |")
+                         f"{r['error'].replace('|', '/')} | | | no | |")
             continue
         regs = f"{r['registers']}" + (f" (+{r['sgprs']} SGPRs)" if "sgprs" in r else "")
         lines.append(f"| {target.name} | `{r['kernel']}` | {_flags(r['flags'])} | {regs} | {r['spills']} | "
-                     f"{r['shared']} | {'yes' if r['fits'] else '**no**'} | {r['ptx']} | {r['seconds']} |")
+                     f"{r['shared']} | {'yes' if r['fits'] else '**no**'} | {r['ptx']} |")
     return "\n".join(lines) + "\n"
 
 
