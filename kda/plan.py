@@ -82,6 +82,26 @@ class DeviceInfo:
         """Programmatic dependent launch (Hopper and later on NVIDIA)."""
         return not self.interpreter and not self.hip and self.capability >= (9, 0)
 
+    @property
+    def ptx(self) -> bool:
+        """Inline PTX may run (NVIDIA GPUs): the decode's paired bf16 conversion. Never on HIP, never in the
+        interpreter."""
+        return not self.interpreter and not self.hip
+
+    @property
+    def spin(self) -> bool:
+        """A walk may spin on the prepare's counters beside it: its wait is PTX with Hopper's proxy fence, and
+        the kernels around it take PDL's griddepcontrol (sm_90 and later on NVIDIA; sm_80's ptxas refuses both)."""
+        return self.pdl
+
+    @property
+    def tf32(self) -> bool:
+        """tf32 dots: NVIDIA from Ampere (sm_80) on; on AMD CDNA3 (gfx942, capability 9.4) as xf32. Triton has no
+        tf32 for gfx950 (CDNA4)."""
+        if self.interpreter:
+            return False
+        return self.capability == (9, 4) if self.hip else self.capability >= (8, 0)
+
 
 INTERPRETER = DeviceInfo(sm_count=1, capability=(0, 0), max_smem=227 * 1024, interpreter=True)
 
@@ -127,10 +147,11 @@ def tuning_of(device: DeviceInfo) -> Tuning:
 
 
 def dot_precision(input_dtype: torch.dtype, device: DeviceInfo) -> str:
-    """Precision of the fp32 dots: exact ("ieee") for fp32 inputs and in the interpreter (a caller passing
-    fp32 asks for fp32 accuracy); tf32 for bf16/fp16 inputs, with every fp32 operand rounded to nearest
-    tf32 before the dot (`kda.ops.common.tf32_round`), so its 2^-11 rounding stays below the inputs' own."""
-    if device.interpreter or input_dtype == torch.float32:
+    """Precision of the fp32 dots: exact ("ieee") for fp32 inputs, in the interpreter and on devices without
+    tf32 dots (`DeviceInfo.tf32`; a caller passing fp32 asks for fp32 accuracy); tf32 for bf16/fp16 inputs, with
+    every fp32 operand rounded to nearest tf32 before the dot (`kda.ops.common.tf32_round`), so its 2^-11
+    rounding stays below the inputs' own."""
+    if not device.tf32 or input_dtype == torch.float32:
         return "ieee"
     return "tf32"
 
@@ -185,7 +206,7 @@ class ChunkPlan:
     # into M and N, and the walk forms U = Xb D itself (a dot more a step, the prepare's fold dots fewer). It
     # changes the arithmetic, so it follows the heads and the device alone (`wide_heads`), never the batch.
     fold: bool = True
-    spin: bool = True  # a waiting walk spins in PTX (off in the interpreter, which runs launches one by one)
+    spin: bool = True  # a waiting walk spins in PTX (`DeviceInfo.spin`: sm_90 and later, not HIP or the interpreter)
 
 
 class Route(NamedTuple):
@@ -236,8 +257,7 @@ def route(call: KDACall, plan: ChunkPlan, device: DeviceInfo | None = None) -> R
     lengths = _sorted_lengths(call)
     if S == 0:
         return Route(0, N, None, varlen, None)
-    loop = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, False, False,
-                        (device or device_of(call)).interpreter)
+    loop = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, False, False, device or device_of(call))
     if lengths is None:
         return Route(S if call.cu_seqlens is not None else 0, N, None, varlen, loop)
     first_long, routed = _routed(lengths, S)
@@ -278,8 +298,9 @@ def wide_heads(call: KDACall, device: DeviceInfo) -> bool:
     blocks of 64 (half the programs, two an SM by TMA) and applies the inverse itself (`ChunkPlan.fold` off,
     where the prepare is fused and the workspaces fp16), shedding the prepare's fold dots. From the heads, K, V
     and the device alone: both choices change the arithmetic (the fp16 operands' scales are a V block's), so
-    the batch must not move them. On a GPU, V > 32 and K <= 128 (a [K, 64] fp32 state tile in registers)."""
-    if call.V <= 32 or call.K > 128 or device.interpreter:
+    the batch must not move them. On a GPU with TMA (a pointer walk at V blocks of 64 spills: sm_80 in
+    benchmarks/results/offline-compile.md), V > 32 and K <= 128 (a [K, 64] fp32 state tile in registers)."""
+    if call.V <= 32 or call.K > 128 or device.interpreter or not device.tma:
         return False
     return 2 * call.HV * cdiv(call.V, 32) > device.sm_count
 
@@ -290,9 +311,10 @@ def _walk_bv(call: KDACall, wide: bool) -> int:
 
 
 def _may_wait(call: KDACall, device: DeviceInfo) -> bool:
-    """Whether a walk may await the prepare's chunks at all: on a GPU (the interpreter runs the launches one
-    after another), a prepare to fork after (T > 0), dense rows or one whole varlen sequence."""
-    if call.T == 0 or device.interpreter:
+    """Whether a walk may await the prepare's chunks at all: on an NVIDIA GPU from Hopper on (`DeviceInfo.spin`;
+    the interpreter runs the launches one after another), a prepare to fork after (T > 0), dense rows or one whole
+    varlen sequence."""
+    if call.T == 0 or not device.spin:
         return False
     return call.cu_seqlens is None or one_whole_sequence(call)
 
@@ -358,7 +380,7 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
         gate_BK=min(64, BK),
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
         walk_BV=walk_BV, walk_stages=stages, walk_tma=walk_tma, short_len=tune.short_len,
-        fold=not (wide and fused and ws_dtype == torch.float16), spin=not device.interpreter,
+        fold=not (wide and fused and ws_dtype == torch.float16), spin=device.spin,
     )
 
 
@@ -374,6 +396,7 @@ class DecodePlan:
     kc: int = 0  # K-first one-token kernel: rows of K per chunk, the plane read twice (0: the whole tile once)
     heads_fastest: bool = False  # one-token kernel: grid (V block, value head, sequence), not (.., sequence, head)
     packed: bool = False  # K-first one-token kernel: the V block read once and held (bf16: as 32-bit words)
+    ptx: bool = False  # packed bf16 words converted by one PTX instruction (`DeviceInfo.ptx`), else two casts
 
 
 def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: DeviceInfo | None = None,
@@ -392,13 +415,13 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
     `overrides` replace any field (tests)."""
     device = device_of(call) if device is None else device
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
-                        bool(stochastic_rounding), device.interpreter)
+                        bool(stochastic_rounding), device)
     return replace(plan, **overrides) if overrides else plan
 
 
 @functools.lru_cache(maxsize=1024)
 def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_token_per_seq: bool,
-                 stochastic_rounding: bool, interpreter: bool) -> DecodePlan:
+                 stochastic_rounding: bool, device: DeviceInfo) -> DecodePlan:
     """`decode_plan` from what determines it, cached: one frozen plan shared by every call that agrees."""
     state_bytes = state_dtype.itemsize
     BK = max(16, next_power_of_2(K))
@@ -417,11 +440,12 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     # warps); fp16 halves took more registers that way and ran no faster than the row chunks
     packed = bool(nsub) and not v_first and (state_dtype == torch.float32 or (bool(kc) and V % 2 == 0
                                                                               and state_dtype == torch.bfloat16))
-    if interpreter:
+    if device.interpreter:
         num_warps = 1
     elif packed and state_bytes == 2:
         num_warps = 4
     else:
         num_warps = 1 if kc else max(1, min(8, BK * BV // per_warp))
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
-    return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first, packed=packed)
+    return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first, packed=packed,
+                      ptx=packed and state_dtype == torch.bfloat16 and device.ptx)

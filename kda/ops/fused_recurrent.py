@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import KDACall, interpreting
+from ..contract import KDACall
 from ..plan import DecodePlan, cdiv
 from .buffers import StatePlan, gate_args, output_buffer, state_plan
 from .common import (
@@ -84,8 +84,6 @@ from .common import (
     token_head_strides,
 )
 from .launch import direct
-
-_INTERPRETING = tl.constexpr(interpreting())
 
 # store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
 # 1 stochastic bf16, 2 stochastic fp16
@@ -443,13 +441,14 @@ def _unpack_pairs(x):
 
 
 @triton.jit
-def _pack_pairs(lo, hi, c_lo, seed, SR: tl.constexpr):
+def _pack_pairs(lo, hi, c_lo, seed, SR: tl.constexpr, PTX: tl.constexpr):
     """(even, odd) fp32 columns rounded to bf16 (nearest even, or stochastically with Philox counters c_lo and
-    c_lo + 1) and packed into 32-bit words, the inverse of `_unpack_pairs`."""
+    c_lo + 1) and packed into 32-bit words, the inverse of `_unpack_pairs`. PTX (`DecodePlan.ptx`): one
+    conversion of both halves; else (HIP, the interpreter) the explicit rounding of `round_to`."""
     if SR != 0:
         lo = _round_state(lo, c_lo, seed, SR)
         hi = _round_state(hi, c_lo + 1, seed, SR)
-    if _INTERPRETING:  # no PTX; the explicit rounding of `round_to`
+    if not PTX:
         b_lo = round_to(lo, tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
         b_hi = round_to(hi, tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
         y = b_lo | (b_hi << 16)
@@ -526,7 +525,8 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
                         slot, i_hv, seed, zero, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                         USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-                        HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr):
+                        HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
+                        PTX: tl.constexpr):
     """`_one_token_k_held` on a bf16 K-first V block held as 32-bit words (two columns each): kept packed (half
     a register an element) across the reductions over K, unpacked again for the update. `zero` is a run-time 0:
     the second unpacking reads x ^ zero, so the compiler cannot reuse the first's fp32 values and keeps the
@@ -555,7 +555,7 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
         lo = lo * d[:, None] + k_t[:, None] * u_lo[None, :]
         hi = hi * d[:, None] + k_t[:, None] * u_hi[None, :]
         c_lo = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + 2 * o_p[None, :]
-        y = _pack_pairs(lo, hi, c_lo, seed, SR)
+        y = _pack_pairs(lo, hi, c_lo, seed, SR, PTX)
         dst = dst_plane.to(tl.pointer_type(tl.uint32), bitcast=True)
         tl.store(dst + tile_off, y, mask=None if FULL_TILE else k_ok[:, None] & p_ok[None, :],
                  eviction_policy="evict_first")
@@ -577,6 +577,7 @@ def _fused_recurrent_one_token_kernel(
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr, HAS_ERRORS: tl.constexpr = False,
     KC: tl.constexpr = 0, HEADS_FASTEST: tl.constexpr = False, PACKED: tl.constexpr = False,
+    PTX: tl.constexpr = False,
 ):
     """Exactly one token per sequence, token n for sequence n (`KDACall.one_token_per_seq`: dense q of shape
     [N, 1, H, K], or varlen [1, N, H, K] with host bounds 0, 1, ..., N; the flattened token axis is the
@@ -629,7 +630,7 @@ def _fused_recurrent_one_token_kernel(
             o_lo, o_hi, o_p, p_ok = _one_token_k_packed(
                 src_plane, read, dst_plane, q_t, k_t, g_t, b_t, v_t, dt_bias, a, scale, lower_bound, i_vb, slot,
                 i_hv, seed, zero, HV, K, V, BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM,
-                USE_BETA_SIGMOID, HAS_SRC, HAS_DST, SR, FULL_TILE)
+                USE_BETA_SIGMOID, HAS_SRC, HAS_DST, SR, FULL_TILE, PTX)
             tl.store(o_h + t * s_ot + 2 * o_p, round_to(o_lo, o_h.dtype.element_ty), mask=p_ok)
             tl.store(o_h + t * s_ot + 2 * o_p + 1, round_to(o_hi, o_h.dtype.element_ty), mask=p_ok)
         else:
@@ -734,7 +735,7 @@ def fused_recurrent_kda_fwd(
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
             lower_bound, seed,
             int(st.paged), 0, NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc,
-            HEADS_FASTEST=plan.heads_fastest, PACKED=packed,
+            HEADS_FASTEST=plan.heads_fastest, PACKED=packed, PTX=plan.ptx,
             **(flags if packed == plan.packed else dict(flags, num_warps=1)),  # the row chunks' one warp
         )
     else:

@@ -1,0 +1,122 @@
+"""Plans for GPUs other than the one the suite runs on (docs/platforms.md): built on the CPU from meta tensors for
+an A100, an H200, and AMD's MI300X and MI355X, over a grid of calls. No NVIDIA-only feature is chosen where the
+target lacks it (TMA, the walk beside the prepare with its PTX spin, PDL, inline PTX on HIP), the dots run at a
+precision Triton allows on the target, and every walk's stages fit the target's shared memory."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from helpers import checked_call
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+
+import kda
+from kda import plan as P
+
+A100 = P.DeviceInfo(108, (8, 0), 166912)
+H200 = P.DeviceInfo(132, (9, 0), 232448)
+MI300X = P.DeviceInfo(304, (9, 4), 65536, hip=True)
+MI355X = P.DeviceInfo(256, (9, 5), 163840, hip=True)
+TARGETS = {"sm_80": (A100, GPUTarget("cuda", 80, 32)), "sm_90": (H200, GPUTarget("cuda", 90, 32)),
+           "gfx942": (MI300X, GPUTarget("hip", "gfx942", 64)), "gfx950": (MI355X, GPUTarget("hip", "gfx950", 64))}
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _calls(fn):
+    """`fn`'s validated calls (meta tensors) over dense and varlen batches (with host bounds or not), one sequence
+    or many, short or long, few heads or many, K = V = 128 or 64, bf16 or fp32 inputs, Kimi's gate or a raw one,
+    V-first or K-first pools of fp32 or bf16."""
+    decode = fn is kda.fused_recurrent_kda
+    shapes = ([(None, 1, n) for n in (1, 64, 512)] + [([1] * 8, None, None), ([1, 3, 2], None, None)] if decode
+              else [(None, 1, 4096), (None, 4, 1000), (None, 1, 32768), ([3000], None, None),
+                    ([1024] * 8 + [8] * 8, None, None), ([5, 70000], None, None)])
+    for (lengths, B, T), H, KV, dtype, gate, v_first, pool, host in itertools.product(
+            shapes, (4, 32, 96), (128, 64), (torch.bfloat16, torch.float32), ("kimi", "raw"), (True, False),
+            (torch.float32, torch.bfloat16), (True, False)):
+        if lengths is None and not host:
+            continue
+        N = B if lengths is None else len(lengths)
+        if lengths is not None:
+            B, T = 1, sum(lengths)
+        if decode:  # dense decode: [N, 1]
+            B, T = N, 1
+        shape_qk, shape_v = (B, T, H, KV), (B, T, H, KV)
+        kw = dict(state_cache=_meta(N + 1, H, KV, KV, dtype=pool), state_indices=_meta(N, dtype=torch.int32),
+                  has_initial_state=_meta(N, dtype=torch.bool),
+                  state_v_first=v_first, output_final_state=False)
+        if gate == "kimi":
+            g = _meta(*shape_qk, dtype=dtype)
+            kw.update(A_log=_meta(H, dtype=torch.float32), dt_bias=_meta(H * KV, dtype=torch.float32),
+                      lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                      use_beta_sigmoid_in_kernel=True)
+        else:
+            g = _meta(*shape_qk, dtype=torch.float32)
+        if lengths is not None and not decode:
+            bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            kw["cu_seqlens"] = bounds.to("meta")
+            if host:
+                kw["cu_seqlens_cpu"] = bounds
+        yield checked_call(fn, _meta(*shape_qk, dtype=dtype), _meta(*shape_qk, dtype=dtype),
+                           _meta(*shape_v, dtype=dtype), g, _meta(B, T, H, dtype=dtype), **kw)
+
+
+def _walk_smem(plan: P.ChunkPlan, K: int, device: P.DeviceInfo) -> int:
+    """Shared memory the walk's stages take, as `kda.plan._chunk_plan` counts it: Kd, Qd, M, N in the workspace
+    dtype and V at 4 bytes a chunk in flight, beside `Tuning.walk_smem_reserve`. One stage holds no chunk in flight."""
+    BK = max(16, P.next_power_of_2(K))
+    per_stage = (3 * plan.BT * BK + plan.BT * plan.BT) * plan.ws_dtype.itemsize + plan.BT * plan.walk_BV * 4
+    return P.tuning_of(device).walk_smem_reserve + (per_stage * plan.walk_stages if plan.walk_stages > 1 else 0)
+
+
+@pytest.fixture(scope="module")
+def prefill_calls():
+    return list(_calls(kda.chunk_kda))
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_prefill_plans_use_only_what_the_target_has(name, prefill_calls):
+    """On HIP no TMA, no walk beside the prepare (its spin, proxy fence and griddepcontrol are PTX), no PDL, no
+    inline PTX in the routed loop kernel; on sm_80 no TMA and no walk beside the prepare (ptxas refuses the
+    griddepcontrol and proxy fence before sm_90). On every target the dots' precision is one Triton allows there
+    and the walk's stages fit its shared memory. On the H200 the grid reaches TMA and the walk beside the
+    prepare, so what the others lack is not absent from the grid by accident."""
+    device, target = TARGETS[name]
+    allowed = make_backend(target).parse_options({}).allowed_dot_input_precisions
+    seen = set()
+    for call in prefill_calls:
+        plan, route = P.prefill_plan(call, device=device)
+        seen.update({"tma"} if plan.walk_tma else set(), {"beside"} if plan.wait_chunks else set(),
+                    {"tail"} if plan.late_chunks else set())
+        assert plan.dot_prec in allowed, (name, plan.dot_prec)
+        assert plan.walk_stages == 1 or _walk_smem(plan, call.K, device) <= device.max_smem, (name, plan)
+        if device.hip or device.capability < (9, 0):
+            assert not plan.walk_tma and plan.wait_chunks == 0 and plan.late_chunks == 0
+            assert not plan.wait_in_loop and not plan.spin and not device.pdl
+        if device.hip:
+            assert route.loop is None or not route.loop.ptx
+    if name == "sm_90":
+        assert seen == {"tma", "beside", "tail"}
+    else:
+        assert not seen
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_decode_plans_use_no_ptx_on_hip(name):
+    """The decode kernels' one inline PTX instruction (the packed bf16 pool's paired conversion,
+    `DecodePlan.ptx`) is planned on NVIDIA only; where the plan holds words of a bf16 pool elsewhere, the kernel
+    converts each half by itself."""
+    device, _ = TARGETS[name]
+    packed = 0
+    for call in _calls(kda.fused_recurrent_kda):
+        plan = P.decode_plan(call, device=device)
+        assert not plan.ptx or (plan.packed and call.state_dtype == torch.bfloat16 and not device.hip)
+        packed += plan.packed and call.state_dtype == torch.bfloat16
+        if plan.packed and call.state_dtype == torch.bfloat16:
+            assert plan.ptx == (not device.hip)
+    assert packed  # the grid reaches the packed bf16 kernel on every target
