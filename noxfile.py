@@ -1,5 +1,6 @@
 """nox sessions. Torch is pinned to the CPU wheel that pip finds on these machines (`torch==2.13.0`), installed
-before the package: never let an install pull a multi-GB CUDA build. On a GPU machine, use scripts/gpu_suite.sh instead."""
+before the package: never let an install pull a multi-GB CUDA build. On a GPU machine, use scripts/gpu_suite.sh
+instead."""
 
 import os
 import shutil
@@ -80,8 +81,8 @@ def package(session):
     """Build the sdist and the wheel (`python -m build`: the wheel is built from the sdist), check what the
     sdist carries (kda, kda_reference, README.md, LICENSE, pyproject.toml; not the tests, which need the
     reports in git), install the wheel into this session's virtualenv (the CPU torch first, then the wheel
-    without its dependencies, then triton, and numpy for the Triton interpreter on CPU) and run one tiny `kda.chunk_kda` call against the oracle from
-    outside the checkout."""
+    without its dependencies, then triton, and numpy for the Triton interpreter on CPU) and run one tiny
+    `kda.chunk_kda` call against the oracle from outside the checkout."""
     session.install("build")
     dist = os.path.join(session.create_tmp(), "dist")
     shutil.rmtree(dist, ignore_errors=True)
