@@ -119,13 +119,13 @@ def test_float64_noise_is_written_as_a_bound_or_zero():
     raw = dict(meta=dict(x=1.23456), entries=[dict(
         metrics=dict(out_rel=[1.23456e-3, -0.0]),
         info=dict(fit_state=dict(slope=2.93e-32, stderr=2.87e-16, ci_low=-7.37e-16, ci_high=7.37e-16, r2=2.09e-33),
-                  fit_out=dict(slope=1.31415, ci_low=0.48349, ci_high=-1e-20)))])
+                  fit_out=dict(slope=1.31415, ci_low=0.0648, ci_high=-1e-20)))])
     clean = report.sanitize(raw)
     assert clean["meta"] == dict(x=1.23456)
     ent = clean["entries"][0]
     assert ent["metrics"]["out_rel"] == [1.23e-3, 0.0]
     assert ent["info"]["fit_state"] == dict(slope=0.0, stderr=0.0, ci_low=0.0, ci_high=0.0, r2=0.0)
-    assert ent["info"]["fit_out"] == dict(slope=1.31, ci_low=0.483, ci_high=0.0)
+    assert ent["info"]["fit_out"] == dict(slope=1.31, ci_low=0.0648, ci_high=0.0)
     assert "-0.0" not in json.dumps(clean)
     assert report.fmt_fit(dict(slope=-1e-32, ci_low=-1e-16, ci_high=1e-16)) == "0.00 [0.00, 0.00]"
 

@@ -29,10 +29,11 @@ BOUND_TEXT = (f"error <= {KERNEL_FLOOR_FACTOR:g} x floor + {KERNEL_FP32_TERM:g} 
 
 
 SIGNIFICANT = 3  # digits every measured number keeps, in report.json and report.md alike
-# Fit statistics (growth exponents, their intervals, r^2) are read to 2 decimals; they keep 3 decimals at most,
-# so a fit of a constant curve (slope ~1e-32, pure float64 noise) is written as 0.
+# Fit statistics (growth exponents, their intervals, r^2) below FIT_NOISE are written as 0: a fit of a constant
+# curve gives a slope of ~1e-32 and an interval of ~1e-15, float64 noise whose digits vary with the machine, and
+# an exponent of 1e-6 changes an error by 1e-5 relative over 2^20 steps: nothing to read there.
 FIT_KEYS = ("slope", "stderr", "ci_low", "ci_high", "r2")
-FIT_DECIMALS = 3
+FIT_NOISE = 1e-6
 # Quantities that only measure float64 rounding (the oracle's self-check) are written as a power-of-ten
 # bound, never below this one: their digits change with the machine's BLAS and thread count.
 NOISE_BOUND = 1e-14
@@ -62,16 +63,16 @@ def _clean(x, rounded: bool, key: str = ""):
             return None
         if not rounded:
             return x
-        if key in FIT_KEYS:
-            x = round(x, FIT_DECIMALS)
+        if key in FIT_KEYS and abs(x) < FIT_NOISE:
+            return 0.0
         return sig(x) + 0.0  # + 0.0: no "-0.0"
     return x
 
 
 def sanitize(report: dict) -> dict:
     """JSON-safe copy: tuples to lists, non-finite floats to None, every measured float (all but `meta`:
-    the preset and the thresholds stay exact) rounded to SIGNIFICANT digits, fit statistics to FIT_DECIMALS
-    decimals too. Rounded here, where report.json is written, so report.md prints what report.json holds and
+    the preset and the thresholds stay exact) rounded to SIGNIFICANT digits, fit statistics below FIT_NOISE
+    to 0. Rounded here, where report.json is written, so report.md prints what report.json holds and
     a rerun at the same commit writes both byte for byte."""
     return {k: _clean(v, rounded=k != "meta") for k, v in report.items()}
 
