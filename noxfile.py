@@ -1,7 +1,9 @@
-"""nox sessions. Torch is pinned to the CPU wheel that pip finds on these machines (`torch==2.13.0`):
-never let an install pull a multi-GB CUDA build. On a GPU machine, use scripts/gpu_suite.sh instead."""
+"""nox sessions. Torch is pinned to the CPU wheel that pip finds on these machines (`torch==2.13.0`), installed
+before the package: never let an install pull a multi-GB CUDA build. On a GPU machine, use scripts/gpu_suite.sh
+instead."""
 
 import os
+import shutil
 
 import nox
 
@@ -27,7 +29,7 @@ def _interpreter_env(session) -> dict:
 
 @nox.session
 def tests(session):
-    """The test suite (on CPU the Triton kernels run in the interpreter), about 6 min on 2 cores.
+    """The test suite (on CPU the Triton kernels run in the interpreter; run time: README).
 
     Installs the `reports` extra too: the harness tests write the plots."""
     _install(session, "test,reports")
@@ -37,9 +39,10 @@ def tests(session):
 
 @nox.session
 def accuracy(session):
-    """The accuracy harness, quick preset on CPU (about 8 min on 2 cores); `-- --preset full --device cuda` on a GPU.
+    """The accuracy harness, quick preset on CPU (run time: README); `-- --preset full --device cuda` on a GPU.
 
-    Writes accuracy_reports/<preset>-<device>/ (docs/accuracy.md)."""
+    Writes accuracy_reports/<preset>-<device>/ (docs/accuracy.md): at unchanged kernels report.json, report.md
+    and the plots as committed, meta.json (commit, date, host, run time) rewritten."""
     _install(session, "test,reports")
     session.run("python", "-m", "kda.accuracy", *session.posargs, env=_interpreter_env(session))
 
@@ -50,6 +53,61 @@ def bench(session):
     It lives in benchmarks/, outside the package: it needs fla, which the package does not."""
     _install(session, "test")
     session.run("python", "benchmarks/bench.py", *session.posargs)
+
+
+# The package session's smoke test, run from outside the checkout: one tiny chunk_kda call (the interpreter on
+# CPU) against the float64 oracle, with the kda imported from the installed wheel.
+SMOKE = """
+import kda, kda_reference, torch
+assert "site-packages" in kda.__file__ and "site-packages" in kda_reference.__file__, kda.__file__
+gen = torch.Generator().manual_seed(0)
+B, T, H, K, V = 1, 24, 1, 16, 16
+q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
+k = torch.nn.functional.normalize(k, dim=-1)
+v = torch.randn(B, T, H, V, generator=gen)
+g = -0.5 * torch.rand(B, T, H, K, generator=gen)
+beta = torch.rand(B, T, H, generator=gen)
+o, s = kda.chunk_kda(q, k, v, g, beta, output_final_state=True)
+o64, s64 = kda_reference.recurrent_kda(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                       output_final_state=True)
+err = max(((o.double() - o64).norm() / o64.norm()).item(), ((s.double() - s64).norm() / s64.norm()).item())
+assert err < 1e-5, err
+print(f"kda {kda.__file__}: chunk_kda vs kda_reference.recurrent_kda, relative error {err:.1e}")
+"""
+
+
+@nox.session
+def package(session):
+    """Build the sdist and the wheel (`python -m build`: the wheel is built from the sdist), check what the
+    sdist carries (kda, kda_reference, README.md, LICENSE, pyproject.toml; not the tests, which need the
+    reports in git), install the wheel into this session's virtualenv (the CPU torch first, then the wheel
+    without its dependencies, then triton, and numpy for the Triton interpreter on CPU) and run one tiny
+    `kda.chunk_kda` call against the oracle from outside the checkout."""
+    session.install("build")
+    dist = os.path.join(session.create_tmp(), "dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", dist)
+    sdists = [f for f in os.listdir(dist) if f.endswith(".tar.gz")]
+    wheels = [f for f in os.listdir(dist) if f.endswith(".whl")]
+    assert len(sdists) == 1 and len(wheels) == 1, os.listdir(dist)
+    session.run("python", "-c", SDIST_CHECK, os.path.join(dist, sdists[0]))
+    session.install(TORCH_CPU)
+    session.install("--no-deps", "--force-reinstall", os.path.join(dist, wheels[0]))
+    session.install("triton>=3.6,<3.10")
+    if "TRITON_INTERPRET" in _interpreter_env(session):
+        session.install("numpy")  # the Triton interpreter imports numpy, which triton does not declare
+    session.chdir(session.create_tmp())
+    session.run("python", "-c", SMOKE, env=_interpreter_env(session))
+
+
+SDIST_CHECK = """
+import sys, tarfile
+names = tarfile.open(sys.argv[1]).getnames()
+top = {n.split("/")[1] for n in names if n.count("/") >= 1}
+expected = {"kda", "kda_reference", "README.md", "LICENSE", "pyproject.toml", "PKG-INFO", ".gitignore"}
+assert top == expected, sorted(top ^ expected)
+print(f"sdist: {len(names)} entries, top level {sorted(top)}")
+"""
 
 
 @nox.session

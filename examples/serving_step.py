@@ -15,8 +15,8 @@ What a serving engine does with `kda` each step, in the open:
 At every step each request's outputs and its slot's state are compared with `kda_reference.recurrent_kda`
 (float64) run on the request's full token history: fp32 within 1e-4 relative; bf16 within its rounding
 (each store of the state rounds it by at most 2^-9 relative, so after n stores the error stays within
-n * 2^-8, a 2x margin). Runs on CPU under the Triton interpreter (set automatically without a GPU; about
-half a minute) or on a GPU:
+n * 2^-8, a 2x margin). Runs on CPU under the Triton interpreter (set automatically without a GPU; its run
+time: README) or on a GPU:
 
     python examples/serving_step.py [--steps N] [--device cpu|cuda]
 """

@@ -128,6 +128,9 @@ def chunk_kda(
     input with `use_gate_in_kernel`); beta `[B, T, HV]`. Returns `(o, final_state)`, o `[B, T, HV, V]`
     in v's dtype (written into `out` when given).
 
+    Gate (`use_gate_in_kernel`): `kda_reference.kda_gate` of g; `A_log` `[HV]` None means `exp(A_log) = 1`
+    (no per-head rate), `dt_bias` None means 0.
+
     Sequences: a dense batch (N = B), or varlen with `B == 1` and `cu_seqlens` `[N+1]` on the device;
     empty sequences are legal anywhere. `cu_seqlens_cpu` is accepted and checked, never needed: chunks are
     mapped to sequences on the device, so no call syncs.

@@ -161,7 +161,7 @@ PRESETS = {
         adversarial_T=16, adversarial_cases=("strong_decay", "correlated_keys"), adversarial_inputs=("fp32",),
         adversarial_states=("fp32",),
     ),
-    # CPU through the Triton interpreter: under 10 minutes on 2 cores.
+    # CPU through the Triton interpreter (its run time on 2 cores: README).
     "quick": Preset(
         name="quick", purpose="a CPU proxy (the Triton interpreter) of the full preset: the same studies, regimes "
                            "and thresholds at small sizes",

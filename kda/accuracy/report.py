@@ -29,9 +29,14 @@ BOUND_TEXT = (f"error <= {KERNEL_FLOOR_FACTOR:g} x floor + {KERNEL_FP32_TERM:g} 
 
 
 SIGNIFICANT = 3  # digits every measured number keeps, in report.json and report.md alike
-# The one block of report.md that differs between two runs of one commit (meta.json holds the same data).
-META_BEGIN = "<!-- run metadata: the only lines that differ between runs of one commit (also in meta.json) -->"
-META_END = "<!-- end of run metadata -->"
+# Fit statistics (growth exponents, their intervals, r^2) below FIT_NOISE are written as 0: a fit of a constant
+# curve gives a slope of ~1e-32 and an interval of ~1e-15, float64 noise whose digits vary with the machine, and
+# an exponent of 1e-6 changes an error by 1e-5 relative over 2^20 steps: nothing to read there.
+FIT_KEYS = ("slope", "stderr", "ci_low", "ci_high", "r2")
+FIT_NOISE = 1e-6
+# Quantities that only measure float64 rounding (the oracle's self-check) are written as a power-of-ten
+# bound, never below this one: their digits change with the machine's BLAS and thread count.
+NOISE_BOUND = 1e-14
 PLOT_FILES = ("decode_output_error.png", "decode_state_error.png", "length_error.png", "chunked_prefill.png")
 REPORT_FILES = ("report.md", "report.json", "meta.json")
 
@@ -41,21 +46,34 @@ def sig(x: float) -> float:
     return float(f"{x:.{SIGNIFICANT}g}")
 
 
-def _clean(x, rounded: bool):
+def noise_bound(x: float) -> float:
+    """A bound on a float64-noise quantity: the power of ten at or above `x`, at least NOISE_BOUND."""
+    if not x > NOISE_BOUND:
+        return NOISE_BOUND
+    return float(f"1e{math.ceil(math.log10(x))}")
+
+
+def _clean(x, rounded: bool, key: str = ""):
     if isinstance(x, dict):
-        return {str(k): _clean(v, rounded) for k, v in x.items()}
+        return {str(k): _clean(v, rounded, str(k)) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v, rounded) for v in x]
+        return [_clean(v, rounded, key) for v in x]
     if isinstance(x, float):
         if not math.isfinite(x):
             return None
-        return sig(x) if rounded else x
+        if not rounded:
+            return x
+        if key in FIT_KEYS and abs(x) < FIT_NOISE:
+            return 0.0
+        return sig(x) + 0.0  # + 0.0: no "-0.0"
     return x
 
 
 def sanitize(report: dict) -> dict:
     """JSON-safe copy: tuples to lists, non-finite floats to None, every measured float (all but `meta`:
-    the preset and the thresholds stay exact) rounded to SIGNIFICANT digits."""
+    the preset and the thresholds stay exact) rounded to SIGNIFICANT digits, fit statistics below FIT_NOISE
+    to 0. Rounded here, where report.json is written, so report.md prints what report.json holds and
+    a rerun at the same commit writes both byte for byte."""
     return {k: _clean(v, rounded=k != "meta") for k, v in report.items()}
 
 
@@ -68,7 +86,8 @@ def write_json(obj: dict, path: str) -> None:
 def write_all(report: dict, run_meta: dict, out_dir: str, plots: bool = True) -> list[str]:
     """Write report.json, meta.json, the plots (unless `plots` is false) and report.md into `out_dir`, after
     removing what an earlier run of the harness left there (its reports and plots; nothing else), so the
-    directory holds one run. Returns the names written."""
+    directory holds one run. Only meta.json holds `run_meta` (commit, date, host, run time); the other files
+    are functions of `report` alone. Returns the names written."""
     os.makedirs(out_dir, exist_ok=True)
     for name in (*REPORT_FILES, *PLOT_FILES):
         path = os.path.join(out_dir, name)
@@ -78,15 +97,8 @@ def write_all(report: dict, run_meta: dict, out_dir: str, plots: bool = True) ->
     write_json(run_meta, os.path.join(out_dir, "meta.json"))
     drawn = draw_plots(report, out_dir) if plots else []
     with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(markdown(report, run_meta, drawn))
+        f.write(markdown(report, drawn))
     return ["report.md", "report.json", "meta.json", *drawn]
-
-
-def strip_run_metadata(md: str) -> str:
-    """report.md without its run-metadata block: equal between two runs of one commit, seed and device."""
-    head, _, rest = md.partition(META_BEGIN)
-    _, _, tail = rest.partition(META_END)
-    return head + tail
 
 
 def e(x) -> str:
@@ -122,8 +134,8 @@ def _by_section(report: dict, section: str) -> list[dict]:
 # --- markdown -------------------------------------------------------------------------------------------
 
 
-def markdown(report: dict, run_meta: dict, plots: list[str] = PLOT_FILES) -> str:
-    """report.md: everything but the run-metadata block is a function of report.json alone."""
+def markdown(report: dict, plots: list[str] = PLOT_FILES) -> str:
+    """report.md: a function of report.json alone (the run's commit, date, host and run time are in meta.json)."""
     meta, env, P = report["meta"], report["meta"]["environment"], report["meta"]["preset"]
     L = [f"# KDA accuracy report: preset `{P['name']}` on `{env['device']}`", ""]
     L += ["Every error is measured in float64 against the float64 oracle (`kda_reference`, state never rounded) on "
@@ -132,9 +144,9 @@ def markdown(report: dict, run_meta: dict, plots: list[str] = PLOT_FILES) -> str
           "it is stored in (computed here, not assumed): no kernel can beat it. Numbers keep "
           f"{SIGNIFICANT} significant digits. Regenerate with "
           f"`python -m kda.accuracy --preset {P['name']} --device {env['device']} --seed {env['seed']}` "
-          "(docs/accuracy.md explains how to read it).", ""]
+          "(docs/accuracy.md explains how to read it). The run that wrote it (commit, date, host, run time) is "
+          "in `meta.json` beside this file.", ""]
     L += [f"**Preset `{P['name']}`**: {P['purpose']}. {_sizes(P)}", ""]
-    L += _run_md(run_meta)
     L += ["## Environment", ""]
     L += _table(["", ""], [[k, f"`{env[k]}`"] for k in (
         "device", "device_name", "torch", "triton", "numpy", "scipy", "python", "seed", "triton_interpret",
@@ -168,17 +180,6 @@ def _proxy_note(P: dict) -> str:
             f"cuda`, committed in `accuracy_reports/{F.name}-cuda/`), whose verdict is the one to act on. The "
             f"regimes and thresholds are the same; an error that still grows at {P['decode_steps']} steps keeps "
             f"growing up to {F.decode_steps}, so a verdict here can be milder than there, never a substitute.")
-
-
-def _run_md(run_meta: dict) -> list[str]:
-    dirty = run_meta.get("git_dirty")
-    tree = "unknown" if dirty is None else ("with uncommitted changes" if dirty else "clean")
-    seconds = ", ".join(f"{k} {v:.0f}" for k, v in run_meta.get("section_s", {}).items())
-    rows = [["commit", f"`{run_meta.get('git_commit')}` ({tree})"], ["date", run_meta.get("date")],
-            ["host", f"{run_meta.get('host')}; load average {run_meta.get('load_average')} at the start"],
-            ["run time", f"{run_meta.get('elapsed_s', 0):.0f} s wall, {run_meta.get('jobs')} parallel job(s); "
-                         f"seconds of work per section: {seconds}"]]
-    return [META_BEGIN, "## Run", "", *_table(["", ""], rows), META_END, ""]
 
 
 def _verdict_md(report: dict) -> list[str]:
@@ -248,7 +249,7 @@ def _decode_md(report: dict, plots=PLOT_FILES) -> list[str]:
     L += [f"Prefill of {p0['prefill']} tokens (`kda.chunk_kda` into the pool), then {p0['steps']} decode steps "
           f"(`kda.fused_recurrent_kda`, one token per call, V-first pool planes, permuted slots), "
           f"{p0['reps']} sequence(s) per regime, K = V = {p0['K']}, HV = {p0['HV']}. Vectorised float64 oracle vs "
-          f"`kda_reference.recurrent_kda`: {e(s['oracle_selfcheck_rel'])} relative.", ""]
+          f"`kda_reference.recurrent_kda`: {_selfcheck(s)}.", ""]
     L += ["Columns of the error tables: `step` s; one column per kernel configuration (storage dtype; `+sr`: "
           "stochastic rounding, seed = step); `emu <dtype>`: the float64 emulation of that storage dtype (rounded "
           "to nearest after every token), which the kernel column of the same dtype should match; output error "
@@ -285,6 +286,13 @@ def _decode_md(report: dict, plots=PLOT_FILES) -> list[str]:
                         (r(x["info"]["out_over_emulation"][-1]), r(x["info"]["state_over_emulation"][-1])))]
                      for n, x in zip(names, rs)])
     return L
+
+
+def _selfcheck(summary: dict) -> str:
+    bound = summary.get("oracle_selfcheck_rel_bound")
+    if bound is None:  # a report written before the bound
+        bound = noise_bound(summary["oracle_selfcheck_rel"])
+    return f"relative difference at most {bound:g}" + (" (float64 rounding)" if bound <= NOISE_BOUND else "")
 
 
 def _same(curves: list[list]) -> bool:

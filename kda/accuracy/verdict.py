@@ -6,11 +6,13 @@ from .config import EMULATION_RATIO_MAX, GROWING_EXPONENT, OUTPUT_FLOOR_FACTOR, 
 
 
 def fmt_fit(fit: dict) -> str:
+    """The slope and its 95% interval to 2 decimals (a fit of a constant curve reads 0.00, never -0.00)."""
     if fit.get("slope") is None:
         return "n/a"
-    if fit.get("ci_low") is None:
-        return f"{fit['slope']:.2f}"
-    return f"{fit['slope']:.2f} [{fit['ci_low']:.2f}, {fit['ci_high']:.2f}]"
+    f = {k: round(fit[k], 2) + 0.0 for k in ("slope", "ci_low", "ci_high") if fit.get(k) is not None}
+    if "ci_low" not in f:
+        return f"{f['slope']:.2f}"
+    return f"{f['slope']:.2f} [{f['ci_low']:.2f}, {f['ci_high']:.2f}]"
 
 
 def decode_verdicts(entries: list[dict], target_steps: int | None = None) -> tuple[list[dict], list[dict]]:
