@@ -10,7 +10,7 @@ from . import report as synthetic
 from .config import EMULATION_RATIO_MAX, FIT_MIN_STEP, OUTPUT_FLOOR_FACTOR, OUTPUT_WINDOW
 from .verdict import fmt_fit
 
-e, r, table = synthetic.e, synthetic.r, synthetic._table
+e, r, table = synthetic.e, synthetic.r, synthetic.table
 
 
 def write(result: dict, run_meta: dict, out_dir: str) -> list[str]:
@@ -20,12 +20,12 @@ def write(result: dict, run_meta: dict, out_dir: str) -> list[str]:
     synthetic.write_json(result, os.path.join(out_dir, "report.json"))
     synthetic.write_json(run_meta, os.path.join(out_dir, "meta.json"))
     with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(markdown(result, run_meta))
+        f.write(markdown(result))
     return ["report.md", "report.json", "meta.json"]
 
 
-def markdown(result: dict, run_meta: dict) -> str:
-    """report.md: everything but the run-metadata block is a function of report.json alone."""
+def markdown(result: dict) -> str:
+    """report.md: a function of report.json alone (the run's commit, date, host and run time are in meta.json)."""
     meta, env = result["meta"], result["meta"]["environment"]
     L = [f"# KDA accuracy on captured inputs: `{meta['inputs']}` on `{env['device']}`", ""]
     L += ["The decode study of the synthetic report (`python -m kda.accuracy`, docs/accuracy.md) run on a model's own "
@@ -36,7 +36,7 @@ def markdown(result: dict, run_meta: dict) -> str:
           "flags) on the same tokens. q, k, v run in fp32 (their captured values, exactly), so the output error is "
           "what the state storage causes. Same thresholds and wording as the synthetic verdict. Regenerate with "
           f"`python -m kda.accuracy --inputs <capture directory> --device {env['device']}`.", ""]
-    L += synthetic._run_md(run_meta)
+    L += ["The run's commit, date, host and run time are in `meta.json` beside this file.", ""]
     L += _capture_md(meta["capture"])
     if result["notes"]:
         L += ["## What this capture cannot decide", ""] + [f"- {n}" for n in result["notes"]] + [""]

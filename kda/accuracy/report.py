@@ -122,7 +122,7 @@ def r(x) -> str:
 FP32_RATIO = "n/a (fp32: no storage rounding)"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
 
@@ -148,7 +148,7 @@ def markdown(report: dict, plots: list[str] = PLOT_FILES) -> str:
           "in `meta.json` beside this file.", ""]
     L += [f"**Preset `{P['name']}`**: {P['purpose']}. {_sizes(P)}", ""]
     L += ["## Environment", ""]
-    L += _table(["", ""], [[k, f"`{env[k]}`"] for k in (
+    L += table(["", ""], [[k, f"`{env[k]}`"] for k in (
         "device", "device_name", "torch", "triton", "numpy", "scipy", "python", "seed", "triton_interpret",
         "kda_dot_precision")])
     L += _verdict_md(report)
@@ -225,7 +225,7 @@ def _verdict_md(report: dict) -> list[str]:
             row.append(r(x) if x is not None else "not growing")
         row.append("pass" if v["passes"] else "**FAIL**: " + "; ".join(v["reasons"]))
         rows.append(row)
-    L += _table(["storage", "regime", "output err", "bf16 out floor", f"err / floor (<= {OUTPUT_FLOOR_FACTOR:g})",
+    L += table(["storage", "regime", "output err", "bf16 out floor", f"err / floor (<= {OUTPUT_FLOOR_FACTOR:g})",
                  f"kernel/emu out (<= {EMULATION_RATIO_MAX:g})", f"kernel/emu state (<= {EMULATION_RATIO_MAX:g})",
                  "state err", "output exponent [95% CI]", *([f"x floor at {target} (extrapolated)"] if target else []),
                  "verdict"], rows)
@@ -273,12 +273,12 @@ def _decode_md(report: dict, plots=PLOT_FILES) -> list[str]:
                 if what == "output":
                     row.append(e(rs[0]["info"]["out_floor_bf16"][i]))
                 rows.append(row)
-            L += _table(header, rows)
+            L += table(header, rows)
         L += [f"**{regime}**: fitted growth exponent of error vs steps (steps >= {rs[0]['info']['fit_steps'][0]}; "
               "slope of the log-log fit, 95% CI). `kernel/emu @end`: kernel error / emulation error at the last step; "
               "for `+sr` rows against the round-to-nearest emulation, i.e. what stochastic rounding costs (> 1) or "
               f"gains (< 1); fp32 rows: {FP32_RATIO}.", ""]
-        L += _table(["config", "output", "state", "emulation output", "emulation state",
+        L += table(["config", "output", "state", "emulation output", "emulation state",
                      "kernel/emu out @end", "kernel/emu state @end"],
                     [[n, fmt_fit(x["info"]["fit_out"]), fmt_fit(x["info"]["fit_state"]),
                       fmt_fit(x["info"]["fit_emu_out"]), fmt_fit(x["info"]["fit_emu_state"]),
@@ -326,8 +326,8 @@ def _length_md(report: dict, plots=PLOT_FILES) -> list[str]:
         rows = [[T, *(e(x["metrics"]["out_rel"][i]) for x in outs), e(xs[0]["info"]["out_floor"][i]),
                  e(xs[0]["metrics"]["out_tail_rel"][i]), *(e(x["metrics"]["state_rel"][i]) for x in xs),
                  *(e(x["info"]["state_floor"][i]) for x in xs)] for i, T in enumerate(Ts)]
-        L += _table(header, rows)
-        L += _table(["storage", "exponent: out", "tail", "state"],
+        L += table(header, rows)
+        L += table(["storage", "exponent: out", "tail", "state"],
                     [[x["params"]["state"], fmt_fit(x["info"]["fit_out"]), fmt_fit(x["info"]["fit_out_tail"]),
                       fmt_fit(x["info"]["fit_state"])] for x in xs])
     return L
@@ -353,7 +353,7 @@ def _matrix_md(report: dict) -> list[str]:
              _bounds(x),
              e(x["checks"]["out_within_bound"] and x["checks"]["state_within_bound"] and x["checks"]["finite"])]
             for x in ents]
-    L += _table(["kernel", "gate", "input", "state", "out rel", "out max abs", "out floor", "state rel",
+    L += table(["kernel", "gate", "input", "state", "out rel", "out max abs", "out floor", "state rel",
                  "state max abs", "state floor", "bound (out / state)", "within"], rows)
     return L
 
@@ -384,8 +384,8 @@ def _chunked_md(report: dict, plots=PLOT_FILES) -> list[str]:
                   *(f"out ({x['params']['state']})" for x in xs)]
         rows = [[n, *(f"{e(x['metrics']['state_rel'][i])} / {e(x['info']['emu_state_rel'][i])}" for x in xs),
                  *(e(x["metrics"]["out_rel"][i]) for x in xs)] for i, n in enumerate(pieces)]
-        L += [f"**{regime}** regime", ""] + _table(header, rows)
-        L += _table(["storage", "state floor", "exponent of state error vs pieces"],
+        L += [f"**{regime}** regime", ""] + table(header, rows)
+        L += table(["storage", "state floor", "exponent of state error vs pieces"],
                     [[x["params"]["state"], e(x["info"]["state_floor"]), fmt_fit(x["info"]["fit_state"])] for x in xs])
     return L
 
@@ -404,7 +404,7 @@ def _varlen_md(report: dict) -> list[str]:
              e(x["info"]["max_seq_out_rel"]), e(x["info"]["max_seq_state_rel"]),
              e(x["checks"]["empty_keep_state_bits"]), e(x["checks"]["within_bound"]), e(x["checks"]["finite"])]
             for x in ents]
-    L += _table(["layout", "lengths", "kernel", "state", "max seq out err", "max seq state err",
+    L += table(["layout", "lengths", "kernel", "state", "max seq out err", "max seq state err",
                  "empty: state bits kept", "bound", "finite"], rows)
     return L
 
@@ -427,7 +427,7 @@ def _spec_verify_md(report: dict) -> list[str]:
     rows = [[x["params"]["state"], e(x["metrics"]["verify_out_rel"]), e(x["metrics"]["continue_out_rel"]),
              e(x["metrics"]["state_rel"]), e(x["info"]["step_out_bitwise"]), e(x["info"]["step_state_bitwise"]),
              *(e(x["checks"][n]) for n in names)] for x in ents]
-    L += _table(["state", "verify out err", "continuation out err", "state err", "step out bitwise",
+    L += table(["state", "verify out err", "continuation out err", "state err", "step out bitwise",
                  "step state bitwise", *names], rows)
     return L
 
@@ -449,7 +449,7 @@ def _checkpoints_md(report: dict) -> list[str]:
     rows = [[x["params"]["state"], e(x["metrics"]["out_rel"]), e(x["metrics"]["checkpoint_rel"]),
              e(x["metrics"]["final_state_rel"]), e(x["info"]["step_diff_rel"]), e(x["info"]["step_bound"]),
              e(x["info"]["step_bitwise"]), *(e(x["checks"][n]) for n in names)] for x in ents]
-    L += _table(["state", "out err", "checkpoint err", "final state err", "step diff", "step bound",
+    L += table(["state", "out err", "checkpoint err", "final state err", "step diff", "step bound",
                  "step bitwise", *names], rows)
     return L
 
@@ -485,7 +485,7 @@ def _paged_md(report: dict) -> list[str]:
     L += [f"**Stride {p['slot_stride']}** (a multiple of 16 elements): every check bit for bit, both kernels.", ""]
     rows = [[x["params"]["kernel"], x["params"]["state"], e(x["metrics"]["out_rel"]),
              *(e(x["checks"][n]) for n in names)] for x in ents]
-    L += _table(["kernel", "state", "out err (dense)", *names], rows)
+    L += table(["kernel", "state", "out err (dense)", *names], rows)
     if "odd_slot_stride" not in p:
         return L
     L += [f"**Stride {p['odd_slot_stride']}** (not a multiple of 16): `out diff`, `state diff`: relative L2 "
@@ -513,7 +513,7 @@ def _paged_md(report: dict) -> list[str]:
                      e(c["odd_out_rounding"] and c["odd_state_rounding"]), bitwise,
                      e(c["odd_untouched_bits"]), e(c["odd_dirty_finite"]), e(c["odd_padding_rows_zero"]),
                      e(c["odd_padding_untouched_bits"])])
-    L += _table(["kernel", "state", "out diff", "state diff", "bound (out / state)", "within bound", "bitwise",
+    L += table(["kernel", "state", "out diff", "state diff", "bound (out / state)", "within bound", "bitwise",
                  "untouched_bits", "dirty_finite", "padding_rows_zero", "padding_untouched_bits"], rows)
     return L
 
@@ -539,7 +539,7 @@ def _adversarial_md(report: dict) -> list[str]:
              e(x["metrics"]["out_rel"]), r(x["info"]["out_over_floor"]), e(x["metrics"]["state_rel"]),
              r(x["info"]["state_over_floor"]), _bounds(x), e(x["checks"]["finite"]),
              e(x["checks"]["out_within_bound"] and x["checks"]["state_within_bound"])] for x in ents]
-    L += _table(["case", "kernel", "input", "state", "out rel", "out / floor", "state rel", "state / floor",
+    L += table(["case", "kernel", "input", "state", "out rel", "out / floor", "state rel", "state / floor",
                  "bound (out / state)", "finite", "within"], rows)
     return L
 
