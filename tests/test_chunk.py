@@ -939,3 +939,16 @@ def test_walk_at_the_prepares_tail_leaves_prepare_slots(sms):
                     assert 4 * (2 * sms - programs) >= 2 * sms and plan.walk_BV == 64
                     assert 0 < plan.late_chunks < P.cdiv(T, P.CHUNK) or P.cdiv(T, P.CHUNK) == 1
     assert seen
+
+
+def test_the_interpreter_warns_of_no_overflow(device):
+    """The fused prepare's off-diagonal quadrants overflow by design and are dropped by a select; under the
+    interpreter that arithmetic is numpy's, which must not warn a user of it (any other warning stays an error)."""
+    import warnings
+
+    q, k, v, g, beta, kw = make_inputs(1, 200, 2, 2, 32, 32, dtype=torch.bfloat16, gate="lower_bound", device=device,
+                                       seed=3, beta_sigmoid=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, s = kda.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+    assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()

@@ -496,7 +496,9 @@ def _b2_row(b2_ws, ws_base, r, n_rows, cols, HV: tl.constexpr, K: tl.constexpr):
     return tl.load(b2_ws + ws_base + tl.minimum(r, n_rows - 1) * (HV * K) + cols, mask=cols < K, other=0.0)
 
 
-@direct
+# the diagonal quadrants' one dot also forms the off-diagonal ones, up to 2^230 (inf, and inf - inf, in fp32), and
+# their factors' exp2 the other half's anchors: lanes a select then drops
+@direct(drops_overflow=True)
 @triton.jit
 def _chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,

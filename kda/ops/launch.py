@@ -105,11 +105,14 @@ class DirectKernel:
     """A `triton.jit` kernel launched as `kernel[grid](*args, **meta)` (run-time arguments positional, in
     the signature's order; constexprs and launch options by keyword), through the compiled kernel's
     launcher once its specialisation has been launched through Triton. `fn` is the JIT function;
-    `fast_path=False` (default: `FAST_PATH`, the Triton version's) launches every call through `fn`."""
+    `fast_path=False` (default: `FAST_PATH`, the Triton version's) launches every call through `fn`.
+    `drops_overflow`: the kernel computes lanes that may overflow to inf and then drops them by a select (`direct`);
+    under the interpreter its launches run with numpy's overflow and invalid-value warnings off."""
 
-    def __init__(self, fn, fast_path: bool | None = None):
+    def __init__(self, fn, fast_path: bool | None = None, drops_overflow: bool = False):
         self.fn = fn
         self._cache: dict = {}
+        self._quiet = drops_overflow and knobs.runtime.interpret
         params = getattr(fn, "params", None)
         # None: not a JIT function we can bypass (the interpreter's), every launch goes through `fn`
         self._plain = None
@@ -163,6 +166,11 @@ class DirectKernel:
             stream = raw_stream(torch.cuda.current_device()) if raw_stream is not None else None
             record.append((self, grid, args, meta, stream))
         plain = self._plain
+        if self._quiet:
+            import numpy as np  # the interpreter's arithmetic
+
+            with np.errstate(over="ignore", invalid="ignore"):  # inf, and inf - inf, in the dropped lanes
+                return self.fn[grid](*args, **meta)
         if plain is None or len(args) != len(plain) or knobs.runtime.launch_enter_hook.calls:
             return self.fn[grid](*args, **meta)
         try:
@@ -189,7 +197,8 @@ def launcher_entry(run) -> tuple:
     """(entry, prefix): calling `entry(gx, gy, gz, stream, function, *prefix, packed metadata, launch metadata,
     enter hook, exit hook, *arguments)` launches as `run(gx, gy, gz, stream, function, packed metadata, ...)`
     does. Triton 3.6's `CudaLauncher.__call__` only allocates scratch (none when the kernel asks for none) and
-    passes its cooperative-grid and PDL flags on to `launch`: called directly, a Python frame less a launch. Any other launcher (Triton 3.9's binds annotations in Python) is called as it is."""
+    passes its cooperative-grid and PDL flags on to `launch`: called directly, a Python frame less a launch.
+    Any other launcher (Triton 3.9's binds annotations in Python) is called as it is."""
     if (type(run).__name__ == "CudaLauncher" and not hasattr(run, "kernel_signature")
             and getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
             and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
@@ -257,8 +266,11 @@ def wait_stream(waiter, waited) -> None:
         record.append(("wait", waiter, waited))
 
 
-def direct(fn) -> DirectKernel:
-    """Decorator, above `@triton.jit`: launches through `DirectKernel`."""
+def direct(fn=None, *, drops_overflow: bool = False):
+    """Decorator, above `@triton.jit` (`@direct`, or `@direct(drops_overflow=True)`): launches through
+    `DirectKernel`."""
+    if fn is None:
+        return lambda f: DirectKernel(f, drops_overflow=drops_overflow)
     return DirectKernel(fn)
 
 
