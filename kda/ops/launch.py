@@ -101,6 +101,11 @@ def specialization(args: tuple, fixed: tuple) -> tuple[tuple, list]:
     return tuple(key), vals
 
 
+# Compile options every kernel states rather than inherits, so that its numerics do not follow Triton's defaults:
+# fused multiply-adds (Triton 3.9 warns that 3.10 turns its default off)
+NUMERICS = {"enable_fp_fusion": True}
+
+
 class DirectKernel:
     """A `triton.jit` kernel launched as `kernel[grid](*args, **meta)` (run-time arguments positional, in
     the signature's order; constexprs and launch options by keyword), through the compiled kernel's
@@ -170,17 +175,17 @@ class DirectKernel:
             import numpy as np  # the interpreter's arithmetic
 
             with np.errstate(over="ignore", invalid="ignore"):  # inf, and inf - inf, in the dropped lanes
-                return self.fn[grid](*args, **meta)
+                return self.fn[grid](*args, **meta, **NUMERICS)
         if plain is None or len(args) != len(plain) or knobs.runtime.launch_enter_hook.calls:
-            return self.fn[grid](*args, **meta)
+            return self.fn[grid](*args, **meta, **NUMERICS)
         try:
             key, vals = self.key(args, meta)
         except _Slow:
-            return self.fn[grid](*args, **meta)
+            return self.fn[grid](*args, **meta, **NUMERICS)
         device = key[0]
         hit = self._cache.get(key)
         if hit is None:
-            compiled = self.fn[grid](*args, **meta)  # compiles on a miss, and launches
+            compiled = self.fn[grid](*args, **meta, **NUMERICS)  # compiles on a miss, and launches
             if getattr(compiled, "packed_metadata", None) is not None:
                 run, prefix = launcher_entry(compiled.run)  # .run: a property that loads the binary if needed
                 tail = tuple(meta.get(name, default) for name, default in self._constexprs)
@@ -274,6 +279,6 @@ def direct(fn=None, *, drops_overflow: bool = False):
     return DirectKernel(fn)
 
 
-__all__ = ["FAST_PATH", "RECORD", "TESTED_TRITON", "DirectKernel", "HostDescriptor", "direct", "fast_path_tested",
+__all__ = ["FAST_PATH", "NUMERICS", "RECORD", "TESTED_TRITON", "DirectKernel", "HostDescriptor", "direct", "fast_path_tested",
            "int_class", "launch_hooked", "launcher_entry", "raw_stream", "specialization", "tma_encoder", "wait_stream",
            "with_pdl"]
