@@ -152,7 +152,9 @@ def compile_launch(fn, args: tuple, meta: dict, target: Target, maxnreg: int | N
     """Compile one caught launch for `target` as Triton's launch would specialise it; its resources."""
     backend = make_backend(target.target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = dict(meta)
+    from kda.ops.launch import NUMERICS
+
+    kwargs = {**meta, **NUMERICS}  # the options every launch states
     if maxnreg and target.target.backend == "cuda":
         kwargs["maxnreg"] = maxnreg
     bound, specialization, options = binder(*args, **kwargs)
