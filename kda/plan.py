@@ -60,7 +60,8 @@ def interpreted() -> bool:
     return interpreting()
 
 
-@dataclass(frozen=True)
+# eq=False: hashed by identity, one object per device (`device_info`), so the plans' caches key on it for free
+@dataclass(frozen=True, eq=False)
 class DeviceInfo:
     """What the plan needs of a device, read once per device: its SM count, compute capability, shared memory a
     block may opt into, and the features that follow from them. The interpreter is a device of its own
@@ -122,7 +123,7 @@ def device_of(call: KDACall) -> DeviceInfo:
     return device_info(call.q.device.index or 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity, as DeviceInfo: one object per architecture
 class Tuning:
     """The plan's tuning constants for one architecture; docs/performance.md ("Tuning constants") has the
     measurement behind each, by this name."""
@@ -254,9 +255,9 @@ def route(call: KDACall, plan: ChunkPlan, device: DeviceInfo | None = None) -> R
     has them, which only trim the grids; else every varlen call routes on the device over the full grids."""
     S, N = plan.short_len, call.N
     varlen = call.cu_seqlens is not None and not one_whole_sequence(call)
-    lengths = _sorted_lengths(call)
     if S == 0:
         return Route(0, N, None, varlen, None)
+    lengths = _sorted_lengths(call)
     loop = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, False, False, device or device_of(call))
     if lengths is None:
         return Route(S if call.cu_seqlens is not None else 0, N, None, varlen, loop)

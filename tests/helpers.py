@@ -125,12 +125,14 @@ def run_planned(fn, q, k, v, g, beta, plan_overrides: dict, **kwargs):
     """`fn`'s call run through a plan built with `plan_overrides` (tests reach a path this way, never by
     rewriting module globals). Returns (o, final_state, plan)."""
     import kda
-    from kda.plan import chunk_plan, decode_plan
+    from kda.plan import decode_plan, prefill_plan
 
     call = checked_call(fn, q, k, v, g, beta, **kwargs)
     if fn is kda.chunk_kda:
-        plan = chunk_plan(call, **plan_overrides)
-        return (*run_chunk(call, **plan_overrides), plan)
+        from kda.ops.chunk import chunk_kda_fwd
+
+        plan, route = prefill_plan(call, **plan_overrides)
+        return (*chunk_kda_fwd(call, plan, route), plan)
     sr = kwargs.get("stochastic_rounding", False)
     plan = decode_plan(call, sr, **plan_overrides)
     from kda.ops.fused_recurrent import fused_recurrent_kda_fwd
