@@ -26,6 +26,8 @@ from kda.accuracy.measure import same_bits
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, STEPS = (20, 9), 6
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # as conftest's: the interpreter on CPU
+REPLAY = ["--device", DEVICE, "--quiet"]
 
 
 def _example():
@@ -42,9 +44,9 @@ example = _example()
 def captured(tmp_path_factory):
     """The example model run twice, without and with a capture: (outputs, captured outputs, capture dir)."""
     directory = tmp_path_factory.mktemp("cap") / "example"
-    plain = example.run_model(PROMPTS, STEPS)
+    plain = example.run_model(PROMPTS, STEPS, device=DEVICE)
     with capture(directory, layers_per_forward=2) as cap:
-        recorded = example.run_model(PROMPTS, STEPS)
+        recorded = example.run_model(PROMPTS, STEPS, device=DEVICE)
     assert cap.calls_recorded == cap.calls_seen == 2 * (1 + STEPS) and cap.stopped is None
     return plain, recorded, directory
 
@@ -53,7 +55,7 @@ def captured(tmp_path_factory):
 def replayed(captured, tmp_path_factory):
     """The README's replay command on the capture: report.json."""
     out = tmp_path_factory.mktemp("report")
-    assert cli.main(["--inputs", str(captured[2]), "--out", str(out), "--quiet"]) == 0
+    assert cli.main(["--inputs", str(captured[2]), "--out", str(out), *REPLAY]) == 0
     return json.loads((out / "report.json").read_text()), out
 
 
@@ -101,7 +103,7 @@ def _direct(directory: Path, layer: str, dtype: torch.dtype) -> dict:
     for c in index["calls"]:
         if c["layer"] != layer:
             continue
-        t = torch.load(directory / c["file"], weights_only=True)
+        t = torch.load(directory / c["file"], weights_only=True, map_location=DEVICE)
         opts = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                     lower_bound=-5.0, A_log=t["A_log"], dt_bias=t["dt_bias"])
         for p in c["pieces"]:
@@ -114,9 +116,9 @@ def _direct(directory: Path, layer: str, dtype: torch.dtype) -> dict:
         o_ref, s_ref = ref.recurrent_kda(*(full[n] for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
                                          state_dtype=torch.float64, **opts)
         x = {n: full[n].float() if n in ("q", "k", "v") else full[n] for n in full}
-        pool = torch.full((2, *s_ref.shape[1:]), float("nan"), dtype=dtype)
-        one = dict(state_cache=pool, state_indices=torch.tensor([1], dtype=torch.int32), state_v_first=True, **opts)
-        kda.chunk_kda(*_tokens(x, slice(0, P)), has_initial_state=torch.tensor([False]), **one)
+        pool = torch.full((2, *s_ref.shape[1:]), float("nan"), dtype=dtype, device=DEVICE)
+        one = dict(state_cache=pool, state_indices=torch.tensor([1], dtype=torch.int32, device=DEVICE), state_v_first=True, **opts)
+        kda.chunk_kda(*_tokens(x, slice(0, P)), has_initial_state=torch.tensor([False], device=DEVICE), **one)
         outs = [kda.fused_recurrent_kda(*_tokens(x, slice(t, t + 1)), **one)[0][0, 0] for t in range(P, P + STEPS)]
         for s in range(STEPS - window(STEPS), STEPS):
             exact = o_ref[0, P + s]
@@ -163,16 +165,16 @@ def test_replay_report(replayed):
 
 def test_budget_stops_recording(tmp_path):
     directory = tmp_path / "small"
-    plain = example.run_model(PROMPTS, 1)
+    plain = example.run_model(PROMPTS, 1, device=DEVICE)
     with pytest.warns(UserWarning, match="stopped recording"):
         with capture(directory, max_tokens=sum(PROMPTS) + 1, layers_per_forward=2) as cap:
-            recorded = example.run_model(PROMPTS, 1)
+            recorded = example.run_model(PROMPTS, 1, device=DEVICE)
     assert all(same_bits(a, b) for a, b in zip(plain, recorded))  # the model ran on
     index = json.loads((directory / "index.json").read_text())
     assert cap.calls_recorded == 1 and index["calls_recorded"] == 1 and index["calls_seen"] == 4
     assert index["stopped"]["at_call"] == 2 and "max_tokens" in index["stopped"]["reason"]
     out = tmp_path / "report"
-    assert cli.main(["--inputs", str(directory), "--out", str(out), "--quiet"]) == 0
+    assert cli.main(["--inputs", str(directory), "--out", str(out), *REPLAY]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["verdicts"] == [] and any("stopped recording" in n for n in report["notes"])
     assert any("no decode steps" in n for n in report["notes"])
@@ -204,19 +206,20 @@ def test_missing_or_mangled_file_named(captured, tmp_path):
     d = _broken(captured, tmp_path, "index")
     (d / "index.json").write_text("{ truncated")
     with pytest.raises(SystemExit, match=r"index\.json: not readable as JSON"):
-        cli.main(["--inputs", str(d), "--quiet"])
+        cli.main(["--inputs", str(d), *REPLAY])
     (d / "index.json").unlink()
     with pytest.raises(SystemExit, match=r"index\.json: missing"):
-        cli.main(["--inputs", str(d), "--quiet"])
+        cli.main(["--inputs", str(d), *REPLAY])
 
 
 def test_dense_continuation_by_state_bits_and_named_layers(tmp_path):
     """Dense calls: a piece continues the sequence whose final state it starts from, whatever its batch row;
     `cap.layer(name)` names the calls; a module that imported the function by name is captured too."""
     gen = torch.Generator().manual_seed(1)
-    x = lambda T: (torch.randn(2, T, 1, 8, generator=gen), torch.randn(2, T, 1, 8, generator=gen),  # noqa: E731
-                   torch.randn(2, T, 1, 8, generator=gen), -torch.rand(2, T, 1, 8, generator=gen),
-                   torch.rand(2, T, 1, generator=gen))
+    x = lambda T: tuple(t.to(DEVICE) for t in (  # noqa: E731
+        torch.randn(2, T, 1, 8, generator=gen), torch.randn(2, T, 1, 8, generator=gen),
+        torch.randn(2, T, 1, 8, generator=gen), -torch.rand(2, T, 1, 8, generator=gen),
+        torch.rand(2, T, 1, generator=gen)))
     user = types.ModuleType("user_model")
     user.chunk_kda = kda.chunk_kda  # `from kda import chunk_kda`
     sys.modules["user_model"] = user
@@ -261,7 +264,8 @@ def test_readme_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert example.main(["--capture", "captures/example", "--prompts", "5,3", "--steps", "2"]) == 0
     assert "captured 6 of 6 KDA calls" in capsys.readouterr().out
-    assert cli.main(["--inputs", "captures/example", "--quiet"]) == 0
+    # the README's replay command (on a GPU machine, where kda's kernels are not interpreted, with --device cuda)
+    assert cli.main(["--inputs", "captures/example", "--quiet", *(["--device", "cuda"] if DEVICE == "cuda" else [])]) == 0
     out = capsys.readouterr().out
     assert "inputs-example" in out and "bf16 state:" in out
     assert (tmp_path / "accuracy_reports" / "inputs-example" / "report.md").is_file()
