@@ -24,6 +24,8 @@ Decisions where the contract is silent (also in `docs/contract.md`):
   no call reads `cu_seqlens` back to the host. When given, it is checked against `T` and its shape
   (host-only checks); under `KDA_DEBUG` it is also compared with the device copy. One use: bounds
   0, 1, ..., N (a decode batch) let `fused_recurrent_kda` take its one-token kernel.
+- Trailing rows: varlen bounds may end below T (`cu_seqlens[-1] <= T`; engines pad the token count for
+  CUDA graphs). The rows past the last bound are zero in `o`, written by the kernels on the device.
 - `KDA_DEBUG` (read at every call) adds the checks that need a device-to-host read (a sync):
   `cu_seqlens` values, slot indices in range and unique among non-padding sequences. It accepts only
   unset, "", 0/false/off/no (off) and 1/true/on/yes (on), in any case; anything else raises.
@@ -693,7 +695,9 @@ def host_bounds_list(cu_seqlens_cpu) -> list[int]:
 
 
 def _check_bounds(name: str, bounds: list[int], T: int) -> None:
-    if bounds[0] != 0 or bounds[-1] != T:
-        raise ValueError(f"{name} must start at 0 and end at T={T}, got {bounds[0]} .. {bounds[-1]}")
+    """Varlen bounds: from 0, non-decreasing, ending at most at T (the rows past the last bound, padding for a
+    CUDA graph, are zero in o)."""
+    if bounds[0] != 0 or bounds[-1] > T:
+        raise ValueError(f"{name} must start at 0 and end at most at T={T}, got {bounds[0]} .. {bounds[-1]}")
     if sorted(bounds) != bounds:  # one C pass over sorted input
         raise ValueError(f"{name} must be non-decreasing")

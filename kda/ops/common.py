@@ -127,6 +127,26 @@ def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def zero_rows(o_h, s_ot, t_begin, t_end, o_v, v_ok, BT: tl.constexpr, BV: tl.constexpr):
+    """Output rows [t_begin, t_end) of one head's V columns `o_v` (`v_ok` in range): zeros, BT rows a store."""
+    for t0 in range(t_begin, t_end, BT):
+        rows = t0 + tl.arange(0, BT)
+        m = (rows < t_end)[:, None] & v_ok[None, :]
+        tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], tl.zeros([BT, BV], dtype=o_h.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def zero_trailing_rows(o_h, s_ot, cu_seqlens, N, T, o_v, v_ok, BT: tl.constexpr, BV: tl.constexpr):
+    """The rows of a varlen call past its last bound, [cu_seqlens[N], T) (a token count padded for a CUDA
+    graph), set to zero for one head's V columns `o_v`. A last bound outside [0, T] (values the host does not
+    read) zeroes nothing: the guards of `seq_bounds` leave such rows unwritten. The caller is the one program of
+    each (V block, head) that owns them, so no other program writes these rows."""
+    last = tl.load(cu_seqlens + N).to(tl.int64)
+    last = tl.where((last < 0) | (last > T), T, last)
+    zero_rows(o_h, s_ot, last, T, o_v, v_ok, BT, BV)
+
+
+@triton.jit
 def decay_rate(A_log, i_hv, HAS_A_LOG: tl.constexpr):
     """a = exp(A_log) of value head i_hv for the in-kernel gate, or 1."""
     a = 1.0
