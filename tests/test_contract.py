@@ -27,10 +27,10 @@ def _readable(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type != "meta" and x.is_floating_point()
 
 
-def _call(fn, **over):
-    """A valid paged call with `over` replacing arguments; asserts it raises ValueError/TypeError and that
-    the default pool and `out`, and any pool or `out` passed in `over`, keep their bits. Returns the
-    pytest.raises info."""
+def case_args(**over) -> tuple[dict, list]:
+    """The catalogs' base call, valid: varlen sequences of 2 and 4 tokens (T = 6) in slots 1 and 2 of a
+    poisoned V-first fp32 pool, `has_initial_state` false, `out` filled with 7; `over` replaces arguments.
+    Returns (every argument by name, [the default pool, the default out])."""
     q, k, v, g, beta, _ = make_inputs(1, 6, 1, 2, 8, 8, seed=1, device=DEVICE)
     pool = poison_pool(4, (2, 8, 8), torch.float32, DEVICE)
     out = torch.full((1, 6, 2, 8), 7.0, device=DEVICE)
@@ -39,11 +39,25 @@ def _call(fn, **over):
                 has_initial_state=torch.tensor([False, False], device=DEVICE),
                 cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE), state_v_first=True, out=out)
     args.update({n: _to_device(n, x) for n, x in over.items()})
-    watched = [pool, out] + [args[n] for n in ("state_cache", "initial_state", "out") if _readable(args.get(n))]
-    before = [bits(x) for x in watched]
+    return args, [pool, out]
+
+
+def call_with(fn, args: dict):
+    """`fn` called with `case_args`' arguments (q, k, v, g, beta positional)."""
+    args = dict(args)
     pos = [args.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    return fn(*pos, **args)
+
+
+def _call(fn, **over):
+    """A valid paged call with `over` replacing arguments; asserts it raises ValueError/TypeError and that
+    the default pool and `out`, and any pool or `out` passed in `over`, keep their bits. Returns the
+    pytest.raises info."""
+    args, defaults = case_args(**over)
+    watched = defaults + [args[n] for n in ("state_cache", "initial_state", "out") if _readable(args.get(n))]
+    before = [bits(x) for x in watched]
     with pytest.raises((ValueError, TypeError)) as info:
-        fn(*pos, **args)
+        call_with(fn, args)
     for x, b in zip(watched, before):
         assert torch.equal(bits(x), b), "a failed call wrote the pool or out"
     return info
