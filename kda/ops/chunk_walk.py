@@ -337,7 +337,7 @@ def _chunk_state_kernel(
     by pointers (token stride s_vt, head stride s_vh).
     SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
     (`kda.plan.Route`), and program i_n walks the i_n-th of the others (`kept_item`).
-    IS_VARLEN: the programs of the grid's last sequence index (one per V block and head) also zero the rows past
+    IS_VARLEN: the programs of the grid's first sequence index (one per V block and head) also zero the rows past
     the last bound, [cu_seqlens[N], T) (`zero_trailing_rows`); the walk runs in every varlen call that has a
     sequence for it, so the loop kernel does this only where it runs alone.
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
@@ -357,7 +357,7 @@ def _chunk_state_kernel(
     i_hv = tl.program_id(1)
     i_n = tl.program_id(2)
     if IS_VARLEN:
-        if i_n == tl.num_programs(2) - 1:  # the rows past the last bound (padding for a CUDA graph): zeros
+        if i_n == 0:  # the rows past the last bound (padding for a CUDA graph): zeros, by programs dispatched first
             o_v = tl.program_id(0) * BV + tl.arange(0, BV)
             zero_trailing_rows(o + i_hv * s_oh, s_ot, cu_seqlens, N, T, o_v, o_v < V, BT, BV)
         i_n = tl.num_programs(2) - 1 - i_n  # the last sequence first: serving batches put decodes before prefills

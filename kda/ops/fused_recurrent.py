@@ -283,15 +283,16 @@ def _fused_recurrent_kda_kernel(
     rounds it, so the call equals its tokens decoded one call at a time) and stored to slot
     `slot_of_seq[n, j]` when that is >= 0. There is no final store then: the last token's slot is it.
 
-    IS_VARLEN without SHORT (the kernel runs the whole call): the programs of the last sequence also zero the
-    rows past the last bound, [cu_seqlens[N], T) (`zero_trailing_rows`); inside `chunk_kda` the walk does."""
+    IS_VARLEN without SHORT (the kernel runs the whole call): the programs of sequence 0 (dispatched first) also
+    zero the rows past the last bound, [cu_seqlens[N], T) (`zero_trailing_rows`); inside `chunk_kda` the walk
+    does."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)  # GVA: the q/k head of this value head
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     if IS_VARLEN and SHORT == 0:
-        if i_n == tl.num_programs(1) - 1:  # the rows past the last bound (padding for a CUDA graph): zeros
+        if i_n == 0:  # the rows past the last bound (padding for a CUDA graph): zeros
             o_tail = i_v * BV + tl.arange(0, BV)
             zero_trailing_rows(o + i_hv * s_oh, s_ot, cu_seqlens, tl.num_programs(1), T, o_tail, o_tail < V, 16, BV)
     if SHORT > 0:  # inside `chunk_kda`: only its sequences of 1..SHORT tokens (`kda.plan.Route`)
