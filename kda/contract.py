@@ -152,8 +152,6 @@ class KDACall:
         return (self.HV, self.V, self.K) if self.state_v_first else (self.HV, self.K, self.V)
 
 
-
-
 class Dtypes(NamedTuple):
     """The dtypes a call may use: q, k, v (`inputs`), g, beta and the gate's parameters (`floats`), the state
     (`states`)."""
