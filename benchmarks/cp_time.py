@@ -164,7 +164,8 @@ def main(argv=None) -> int:
         dist.all_reduce(s_many)  # only the last rank holds the final state
         if rank == 0:
             cpu = {n: (v.double().cpu() if isinstance(v, torch.Tensor) else v) for n, v in gate.items()}
-            ro, rs = ref.chunk_kda(*(t.double().cpu() for t in x), None, h0.double().cpu(), True, **cpu)
+            ro, rs = ref.chunk_kda(*(t.double().cpu() for t in x), None, h0.double().cpu(), True,
+                                   allow_float64=True, **cpu)
             o_many = torch.cat(parts, dim=1)
             check = dict(T=T, H=H, world=world, o_one=rel(o_one, ro), o_many=rel(o_many, ro),
                          s_one=rel(s_one, rs), s_many=rel(s_many, rs))

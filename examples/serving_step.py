@@ -83,7 +83,7 @@ def token_inputs(n: int, gen: torch.Generator) -> tuple:
 def oracle(req: Request, layer: int, upto: int):
     """recurrent_kda (float64) on the request's tokens [0, upto): outputs [upto, HV, V], state [HV, V, K]."""
     x = [t[:upto].unsqueeze(0).double() for t in req.inputs[layer]]
-    o, s = ref.recurrent_kda(*x, output_final_state=True, **KW)
+    o, s = ref.recurrent_kda(*x, output_final_state=True, allow_float64=True, **KW)
     return o[0], s[0]
 
 

@@ -132,8 +132,9 @@ def chunk_kda(
     (no per-head rate), `dt_bias` None means 0.
 
     Sequences: a dense batch (N = B), or varlen with `B == 1` and `cu_seqlens` `[N+1]` on the device;
-    empty sequences are legal anywhere. `cu_seqlens_cpu` is accepted and checked, never needed: chunks are
-    mapped to sequences on the device, so no call syncs.
+    empty sequences are legal anywhere, and the bounds may end below T (a token count padded for a CUDA
+    graph: the rows past the last bound are zero in o). `cu_seqlens_cpu` is accepted and checked, never
+    needed: chunks are mapped to sequences on the device, so no call syncs.
 
     State (one contract at a time): none; dense `initial_state` `[N, HV, K, V]` (`[N, HV, V, K]` with
     `state_v_first=True`), final state in the same layout and dtype (else in `state_dtype`, default fp32)

@@ -24,6 +24,11 @@ Decisions where the contract is silent (also in `docs/contract.md`):
   no call reads `cu_seqlens` back to the host. When given, it is checked against `T` and its shape
   (host-only checks); under `KDA_DEBUG` it is also compared with the device copy. One use: bounds
   0, 1, ..., N (a decode batch) let `fused_recurrent_kda` take its one-token kernel.
+- Trailing rows: varlen bounds may end below T (`cu_seqlens[-1] <= T`; engines pad the token count for
+  CUDA graphs). The rows past the last bound are zero in `o`, written by the kernels on the device.
+- The oracle (`kda_reference`) validates through this same `check_call` with `oracle=True`: no Triton, any
+  device, and the device values always read (as under KDA_DEBUG), so it accepts and rejects what `kda`
+  does; `allow_float64=True` (the oracle's exact mode, never `kda`'s) adds float64 to every float dtype.
 - `KDA_DEBUG` (read at every call) adds the checks that need a device-to-host read (a sync):
   `cu_seqlens` values, slot indices in range and unique among non-padding sequences. It accepts only
   unset, "", 0/false/off/no (off) and 1/true/on/yes (on), in any case; anything else raises.
@@ -50,11 +55,13 @@ import math
 import operator
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 # checkpoint_every must be a multiple of the walk's chunk (kda.plan.CHUNK), so that a checkpoint lands on a
 # chunk boundary of the walk
@@ -145,7 +152,18 @@ class KDACall:
         return (self.HV, self.V, self.K) if self.state_v_first else (self.HV, self.K, self.V)
 
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+class Dtypes(NamedTuple):
+    """The dtypes a call may use: q, k, v (`inputs`), g, beta and the gate's parameters (`floats`), the state
+    (`states`)."""
+
+    inputs: tuple
+    floats: tuple
+    states: tuple
+
+
+KDA_DTYPES = Dtypes(INPUT_DTYPES, FLOAT_DTYPES, STATE_DTYPES)
+# the oracle's exact mode (`kda_reference`, allow_float64=True): float64 as well, everywhere
+ORACLE_F64_DTYPES = Dtypes(*(d + (torch.float64,) for d in KDA_DTYPES))
 
 
 def _require_tensor(name: str, x) -> torch.Tensor:
@@ -182,14 +200,15 @@ def _check_token_layout(name: str, x: torch.Tensor, B: int, T: int, last_unit: b
 
 
 def _check_plane_pool(name: str, pool: torch.Tensor, plane: tuple[int, int, int], what: str) -> None:
-    """A pool of dense planes: dims 1..3 contiguous, the slot stride at least one plane."""
+    """A pool of dense planes: dims 1..3 contiguous, the slot stride at least one plane (an empty pool, which
+    no kernel reads, may have any strides: torch keeps a transpose's strides through `.contiguous()`)."""
     shape = pool.shape
     if len(shape) != 4 or shape[1:] != plane:
         raise ValueError(f"{name} must have shape {what} = [*, {', '.join(map(str, plane))}], "
                          f"got {list(shape)}")
     hv, a, b = plane
     st = pool.stride()
-    if (b > 1 and st[3] != 1) or (a > 1 and st[2] != b) or (hv > 1 and st[1] != a * b):
+    if ((b > 1 and st[3] != 1) or (a > 1 and st[2] != b) or (hv > 1 and st[1] != a * b)) and pool.numel() > 0:
         raise ValueError(f"{name} must hold dense [{hv}, {a}, {b}] planes (strides [*, {a * b}, {b}, 1]), "
                          f"got strides {list(st)}")
     if shape[0] > 1 and st[0] < hv * a * b:
@@ -197,11 +216,11 @@ def _check_plane_pool(name: str, pool: torch.Tensor, plane: tuple[int, int, int]
 
 
 def _check_state_pool(name: str, pool, plane: tuple[int, int, int], what: str, device: torch.device,
-                      state_dtype) -> None:
+                      state_dtype, states: tuple = STATE_DTYPES) -> None:
     """A state pool (initial_state or state_cache): fp32/fp16/bf16 dense planes on the call's device, whose
     dtype is the storage dtype (a different `state_dtype` would be silently ignored, so it raises)."""
     _require_tensor(name, pool)
-    _require_float(name, pool, STATE_DTYPES)
+    _require_float(name, pool, states)
     if pool.device != device:
         raise ValueError(f"{name} must be on {device}, got {pool.device}")
     _check_plane_pool(name, pool, plane, what)
@@ -260,20 +279,26 @@ def check_call(
     checkpoint_every=None,
     checkpoint_indices=None,
     errors=None,
+    oracle: bool = False,
+    allow_float64: bool = False,
 ) -> KDACall:
     """Validate one call of `fn` ("chunk_kda" or "fused_recurrent_kda") and return its `KDACall`.
     `stochastic_rounding`, `seed` and `num_accepted_tokens` are `fused_recurrent_kda`'s (the defaults stand
-    for `chunk_kda`); `checkpoint_every` and `checkpoint_indices` are `chunk_kda`'s; `errors` both's."""
-    debug = debug_enabled()
-    B, T, H, HV, K, V = _check_inputs(fn, q, k, v, g, beta)
+    for `chunk_kda`); `checkpoint_every` and `checkpoint_indices` are `chunk_kda`'s; `errors` both's.
+    `oracle`: the call is `kda_reference`'s (module docstring): CPU tensors need no interpreter and the device
+    values are always checked, whatever `KDA_DEBUG` says; `allow_float64` (oracle only) adds float64 to every
+    float dtype."""
+    debug = oracle or debug_enabled()
+    dtypes = ORACLE_F64_DTYPES if allow_float64 else KDA_DTYPES
+    B, T, H, HV, K, V = _check_inputs(fn, q, k, v, g, beta, dtypes, oracle)
     device = q.device
     scale = _check_scale(scale, K)
-    lower_bound = _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, device)
+    lower_bound = _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, device, dtypes.floats)
     N, one_token_per_seq, host_bounds = _check_sequences(cu_seqlens, cu_seqlens_cpu, q, B, T, debug)
     state_v_first = _check_state_layout(state_v_first, state_cache)
     mode, state_in, final_dtype = _check_state(
         fn, initial_state, output_final_state, state_cache, state_indices, has_initial_state, state_dtype,
-        state_v_first, require_has_initial_state, HV, K, V, N, device, debug)
+        state_v_first, require_has_initial_state, HV, K, V, N, device, debug, dtypes.states)
     verify = mode == "paged" and state_indices.dim() == 2
     if verify or num_accepted_tokens is not None:
         _check_verify(fn, verify, state_indices, num_accepted_tokens, state_cache, cu_seqlens, host_bounds,
@@ -309,10 +334,11 @@ def check_call(
     )
 
 
-def _check_inputs(fn: str, q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
-    """q, k, v, g, beta: tensors on one device (CPU only in the interpreter), dtypes, shapes, head dims and
-    token strides. Returns (B, T, H, HV, K, V). Each check is one condition on the hot path; the loops that
-    name the offending argument run only once a condition fails."""
+def _check_inputs(fn: str, q, k, v, g, beta, dtypes: Dtypes = KDA_DTYPES,
+                  oracle: bool = False) -> tuple[int, int, int, int, int, int]:
+    """q, k, v, g, beta: tensors on one device (CPU only in the interpreter, or for the oracle), dtypes,
+    shapes, head dims and token strides. Returns (B, T, H, HV, K, V). Each check is one condition on the hot
+    path; the loops that name the offending argument run only once a condition fails."""
     named = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))
     Tensor = torch.Tensor
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and isinstance(g, Tensor)
@@ -324,19 +350,19 @@ def _check_inputs(fn: str, q, k, v, g, beta) -> tuple[int, int, int, int, int, i
         for name, x in named[1:]:
             if x.device != device:
                 raise ValueError(f"{name} is on {x.device} but q is on {device}; all tensors must share a device")
-    if q.is_cpu and not interpreting():
+    if q.is_cpu and not oracle and not interpreting():
         raise ValueError(
             f"kda.{fn} got CPU tensors: the Triton kernels run on CPU only in the interpreter "
             "(set TRITON_INTERPRET=1 before importing kda; slow), or use the PyTorch oracle "
             f"kda_reference.{'chunk_kda' if fn == 'chunk_kda' else 'recurrent_kda'}")
     dtype = q.dtype
-    _require_float("q", q, INPUT_DTYPES)
+    _require_float("q", q, dtypes.inputs)
     if k.dtype != dtype or v.dtype != dtype:
         for name, x in (("k", k), ("v", v)):
             if x.dtype != dtype:
                 raise TypeError(f"{name} must have q's dtype {dtype}, got {x.dtype}")
-    _require_float("g", g)
-    _require_float("beta", beta)
+    _require_float("g", g, dtypes.floats)
+    _require_float("beta", beta, dtypes.floats)
     q_shape, v_shape = q.shape, v.shape
     if len(q_shape) != 4:
         raise ValueError(f"q must be 4-D [B, T, H, K], got shape {list(q_shape)}")
@@ -377,7 +403,8 @@ def _check_scale(scale, K: int) -> float:
     return float(scale)
 
 
-def _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int, K: int, device) -> float | None:
+def _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int, K: int, device,
+                     floats: tuple = FLOAT_DTYPES) -> float | None:
     """The in-kernel gate's parameters: only with `use_gate_in_kernel`; A_log `[HV]`, dt_bias `[HV*K]` or
     `[HV, K]`, lower_bound finite and < 0. Returns lower_bound as a float (or None)."""
     if not use_gate_in_kernel:
@@ -388,7 +415,7 @@ def _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int, K
         return None
     if A_log is not None:
         _require_tensor("A_log", A_log)
-        _require_float("A_log", A_log)
+        _require_float("A_log", A_log, floats)
         if A_log.numel() != HV or A_log.device != device:
             raise ValueError(f"A_log must hold HV={HV} values on {device}, got shape {list(A_log.shape)} "
                              f"on {A_log.device}")
@@ -396,7 +423,7 @@ def _check_gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int, K
             raise ValueError("A_log must be a contiguous 1-D tensor [HV]")
     if dt_bias is not None:
         _require_tensor("dt_bias", dt_bias)
-        _require_float("dt_bias", dt_bias)
+        _require_float("dt_bias", dt_bias, floats)
         if dt_bias.shape not in ((HV * K,), (HV, K)) or dt_bias.device != device:
             raise ValueError(f"dt_bias must be [HV*K] = [{HV * K}] or [HV, K] = [{HV}, {K}] on {device}, "
                              f"got {list(dt_bias.shape)} on {dt_bias.device}")
@@ -468,7 +495,8 @@ def _check_state_layout(state_v_first, state_cache) -> bool:
 
 def _check_state(fn: str, initial_state, output_final_state, state_cache, state_indices, has_initial_state,
                  state_dtype, state_v_first: bool, require_has_initial_state: bool, HV: int, K: int, V: int,
-                 N: int, device, debug: bool) -> tuple[str, torch.Tensor | None, torch.dtype]:
+                 N: int, device, debug: bool,
+                 states: tuple = STATE_DTYPES) -> tuple[str, torch.Tensor | None, torch.dtype]:
     """One state contract: none, dense `initial_state` [N, plane] or paged `state_cache` [slots, plane]
     with `state_indices` and `has_initial_state` (slot range and uniqueness under KDA_DEBUG). Returns
     (mode, the pool read, the storage dtype of the final state)."""
@@ -477,7 +505,7 @@ def _check_state(fn: str, initial_state, output_final_state, state_cache, state_
     plane = (HV, V, K) if state_v_first else (HV, K, V)
     plane_txt = "HV, V, K]" if state_v_first else "HV, K, V]"
     if state_cache is not None:
-        _check_state_pool("state_cache", state_cache, plane, "[slots, " + plane_txt, device, state_dtype)
+        _check_state_pool("state_cache", state_cache, plane, "[slots, " + plane_txt, device, state_dtype, states)
         if output_final_state:
             raise ValueError("output_final_state=True with state_cache: the paged contract writes the final "
                              "state into state_cache in place and returns final_state=None")
@@ -500,13 +528,14 @@ def _check_state(fn: str, initial_state, output_final_state, state_cache, state_
             if x is not None:
                 raise ValueError(f"{name} belongs to the paged contract and needs state_cache")
     if initial_state is not None:
-        _check_state_pool("initial_state", initial_state, plane, "[N, " + plane_txt, device, state_dtype)
+        _check_state_pool("initial_state", initial_state, plane, "[N, " + plane_txt, device, state_dtype, states)
         if initial_state.shape[0] != N:
             raise ValueError(f"initial_state must have N={N} planes, got {initial_state.shape[0]}")
         return "dense", initial_state, initial_state.dtype
     final_dtype = torch.float32 if state_dtype is None else state_dtype
-    if final_dtype not in STATE_DTYPES:
-        raise TypeError(f"state_dtype must be one of float32, float16, bfloat16, got {final_dtype}")
+    if final_dtype not in states:
+        names = ", ".join(str(d).replace("torch.", "") for d in states)
+        raise TypeError(f"state_dtype must be one of {names}, got {final_dtype}")
     return "none", None, final_dtype
 
 
@@ -693,7 +722,9 @@ def host_bounds_list(cu_seqlens_cpu) -> list[int]:
 
 
 def _check_bounds(name: str, bounds: list[int], T: int) -> None:
-    if bounds[0] != 0 or bounds[-1] != T:
-        raise ValueError(f"{name} must start at 0 and end at T={T}, got {bounds[0]} .. {bounds[-1]}")
+    """Varlen bounds: from 0, non-decreasing, ending at most at T (the rows past the last bound, padding for a
+    CUDA graph, are zero in o)."""
+    if bounds[0] != 0 or bounds[-1] > T:
+        raise ValueError(f"{name} must start at 0 and end at most at T={T}, got {bounds[0]} .. {bounds[-1]}")
     if sorted(bounds) != bounds:  # one C pass over sorted input
         raise ValueError(f"{name} must be non-decreasing")

@@ -286,11 +286,11 @@ def _routed(lengths: list[int], S: int) -> tuple[int, int]:
 
 def one_whole_sequence(call: KDACall) -> bool:
     """The call holds one sequence of all T tokens, known on the host: dense with B = 1, or varlen with one
-    sequence and host bounds (`cu_seqlens_cpu`, checked to be [0, T]), the form a serving engine passes for
-    a lone prefill."""
+    sequence and host bounds [0, T] (`cu_seqlens_cpu`), the form a serving engine passes for a lone prefill
+    (bounds [0, t < T] leave trailing rows, zeroed by the varlen kernels)."""
     if call.cu_seqlens is None:
         return call.B == 1
-    return call.N == 1 and call.host_bounds is not None
+    return call.N == 1 and call.host_bounds is not None and call.host_bounds[1] == call.T
 
 
 def wide_heads(call: KDACall, device: DeviceInfo) -> bool:

@@ -91,20 +91,22 @@ def chunk_kda(
     lower_bound: float | None = None,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | Sequence[int] | None = None,
-    state_v_first: bool = False,
+    state_v_first: bool | None = None,
     state_cache: Tensor | None = None,
     state_indices: Tensor | None = None,
     has_initial_state: Tensor | None = None,
     state_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    allow_float64: bool = False,
     chunk_size: int = 64,
     checkpoint_every: int | None = None,
     checkpoint_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA in the chunked form (``chunk_sequence``), with exactly the contract of ``recurrent_kda``.
 
-    Same arguments, same checks, same return values and rounding decisions as ``recurrent_kda``; only the
+    Same arguments, same return values and rounding decisions as ``recurrent_kda``, and the checks of
+    ``kda.chunk_kda`` (``has_initial_state`` required with a pool; no verify); only the
     per-sequence math differs: each sequence is processed ``chunk_size`` tokens at a time with the WY/UT
     equations of ``chunk_sequence``; per chunk, with ``b`` the in-chunk cumulative log-decay::
 
@@ -121,7 +123,7 @@ def chunk_kda(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return run_kda(
-        functools.partial(chunk_sequence, chunk_size=chunk_size),
+        functools.partial(chunk_sequence, chunk_size=chunk_size), "chunk_kda",
         q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -130,5 +132,6 @@ def chunk_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         state_v_first=state_v_first, state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state, state_dtype=state_dtype, out=out,
-        compute_dtype=compute_dtype, checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
+        compute_dtype=compute_dtype, allow_float64=allow_float64, checkpoint_every=checkpoint_every,
+        checkpoint_indices=checkpoint_indices,
     )

@@ -48,13 +48,14 @@ def recurrent_kda(
     lower_bound: float | None = None,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | Sequence[int] | None = None,
-    state_v_first: bool = False,
+    state_v_first: bool | None = None,
     state_cache: Tensor | None = None,
     state_indices: Tensor | None = None,
     has_initial_state: Tensor | None = None,
     state_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    allow_float64: bool = False,
     num_accepted_tokens: Tensor | None = None,
     checkpoint_every: int | None = None,
     checkpoint_indices: Tensor | None = None,
@@ -69,12 +70,13 @@ def recurrent_kda(
 
     Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``.
     Sequences: ``B`` dense rows, or varlen with ``B == 1`` and ``cu_seqlens`` ``[N + 1]`` (empty
-    sequences legal; their final state is their initial state). State: zeros; dense ``initial_state``
-    ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); or the paged pool ``state_cache``
-    ``[slots, HV, K, V]`` / ``[slots, HV, V, K]`` with ``state_indices`` (``< 0``: padding, zero output,
-    no read or write) and ``has_initial_state`` (false: start from zeros without reading the slot),
-    written in place. In-kernel options (l2norm of q, k; sigmoid of beta; the gate from raw ``g`` with
-    ``A_log``, ``dt_bias``, ``lower_bound``) are applied first, in ``compute_dtype``: see ``prepare_inputs``.
+    sequences legal; their final state is their initial state; rows past ``cu_seqlens[-1] <= T`` are
+    zero). State: zeros; dense ``initial_state`` ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+    ``state_v_first``); or the paged pool ``state_cache`` ``[slots, HV, K, V]`` / ``[slots, HV, V, K]``
+    (``state_v_first`` stated) with int32 ``state_indices`` (``< 0``: padding, zero output, no read or
+    write) and ``has_initial_state`` (false: start from zeros without reading the slot), written in place.
+    In-kernel options (l2norm of q, k; sigmoid of beta; the gate from raw ``g`` with ``A_log``, ``dt_bias``,
+    ``lower_bound``) are applied first, in ``compute_dtype``: see ``prepare_inputs``.
 
     Speculative verify (vLLM's spec-decode convention): ``state_indices`` ``[N, T_max]`` stores the state
     after token ``j`` of sequence ``n`` in slot ``state_indices[n, j]`` (``< 0``: not kept), and
@@ -92,16 +94,18 @@ def recurrent_kda(
     - ``final_state``: None unless ``output_final_state`` (dense contract; always None for the paged
       one). Layout per ``state_v_first``; dtype ``initial_state.dtype`` if given, else ``state_dtype``
       (default float32). The value is rounded (``.to(dtype)``, round to nearest even) once, on store, like
-      the kernels' fp32 accumulation; ``state_dtype=torch.float64`` keeps it exact. Paged slots are
-      rounded to ``state_cache.dtype`` the same way.
+      the kernels' fp32 accumulation; with ``allow_float64=True``, ``state_dtype=torch.float64`` keeps it
+      exact. Paged slots are rounded to ``state_cache.dtype`` the same way.
 
-    Other decisions (ValueErrors for options that would be silently ignored, always-on index checks) are
-    listed in ``kda_reference.contract``. ``checkpoint_every`` and ``checkpoint_indices`` store the state at
+    The arguments are checked by ``kda``'s own rules, so this accepts and rejects exactly what
+    ``kda.fused_recurrent_kda`` does (``allow_float64=True``, the oracle's exact mode, adds float64 inputs and
+    states), and it always checks the device values ``kda`` checks under ``KDA_DEBUG=1``; see
+    ``kda_reference.contract``. ``checkpoint_every`` and ``checkpoint_indices`` store the state at
     every ``checkpoint_every`` tokens of a sequence into pool slots (prefix-cache checkpoints; the module
     doc of ``kda_reference.contract``).
     """
     return run_kda(
-        recurrent_sequence, q, k, v, g, beta, scale, initial_state, output_final_state,
+        recurrent_sequence, "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel,
@@ -109,6 +113,6 @@ def recurrent_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         state_v_first=state_v_first, state_cache=state_cache, state_indices=state_indices,
         has_initial_state=has_initial_state, state_dtype=state_dtype, out=out,
-        compute_dtype=compute_dtype, num_accepted_tokens=num_accepted_tokens, allow_verify=True,
+        compute_dtype=compute_dtype, allow_float64=allow_float64, num_accepted_tokens=num_accepted_tokens,
         checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices,
     )

@@ -114,7 +114,7 @@ def _direct(directory: Path, layer: str, dtype: torch.dtype) -> dict:
         full = {n: torch.cat([p[n] for p in parts]).unsqueeze(0) for n in parts[0]}
         P = parts[0]["q"].shape[0]
         o_ref, s_ref = ref.recurrent_kda(*(full[n] for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
-                                         state_dtype=torch.float64, **opts)
+                                         state_dtype=torch.float64, allow_float64=True, **opts)
         x = {n: full[n].float() if n in ("q", "k", "v") else full[n] for n in full}
         pool = torch.full((2, *s_ref.shape[1:]), float("nan"), dtype=dtype, device=DEVICE)
         one = dict(state_cache=pool, state_indices=torch.tensor([1], dtype=torch.int32, device=DEVICE), state_v_first=True, **opts)

@@ -156,7 +156,7 @@ def _oracle(name: str):
     pool = kw.get("state_cache")
     if pool is not None:
         kw["state_cache"] = pool.double()  # the exact final state; slots keep NaN/1e30 where unwritten
-    o, final = ref.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    o, final = ref.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], allow_float64=True, **kw)
     return x, o, final, kw.get("state_cache")
 
 

@@ -108,8 +108,8 @@ def test_a_bad_call_after_good_ones_at_the_same_shapes_still_raises(fn):
         (dict(state_v_first=1), "state_v_first"),
         (dict(initial_state=torch.zeros(2, 2, 8, 8, device=DEVICE)), "initial_state"),
         (dict(cu_seqlens=torch.tensor([0, 1, 2, 4], device=DEVICE), cu_seqlens_cpu=[0, 3, 2, 4]), "cu_seqlens_cpu"),
-        # bounds 0, 1, ..., N take the one-token shortcut only when they end at T
-        (dict(cu_seqlens=torch.arange(4, device=DEVICE), cu_seqlens_cpu=[0, 1, 2, 3]), "cu_seqlens_cpu"),
+        # bounds 0, 1, ..., N take the one-token shortcut only when they end at T; past T they raise
+        (dict(cu_seqlens=torch.arange(6, device=DEVICE), cu_seqlens_cpu=[0, 1, 2, 3, 4, 5]), "cu_seqlens_cpu"),
     ]
     for over, word in bad:
         out = torch.full((1, 4, 2, 8), 7.0, device=DEVICE)

@@ -16,9 +16,14 @@ from helpers import oracle_inputs, poisoned_pool, rel_err, state_plane
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kda_reference import chunk_kda, kda_gate, l2norm, recurrent_kda
+import kda_reference
+from kda_reference import kda_gate, l2norm
 
 F64 = torch.float64
+# The oracle's exact mode: these properties are checked on float64 inputs and states, which `kda` (and so the
+# oracle by default) refuses (tests/test_oracle_agreement.py checks the default).
+recurrent_kda = functools.partial(kda_reference.recurrent_kda, allow_float64=True)
+chunk_kda = functools.partial(kda_reference.chunk_kda, allow_float64=True)
 
 # The recurrence, the default chunk form, and a chunk length that puts chunk boundaries everywhere.
 PATHS = pytest.mark.parametrize(
@@ -55,7 +60,7 @@ def test_one_step_by_hand(kda, state_v_first):
     initial = S0.T if state_v_first else S0
     o, final = kda(
         q.view(1, 1, 1, 2), k.view(1, 1, 1, 2), v.view(1, 1, 1, 2), g.view(1, 1, 1, 2),
-        torch.tensor([[[beta]]], dtype=F64), scale, initial.reshape(1, 1, 2, 2).clone(), True,
+        torch.tensor([[[beta]]], dtype=F64), scale, initial.reshape(1, 1, 2, 2).contiguous(), True,
         state_v_first=state_v_first,
     )
     assert final.dtype == F64
@@ -116,7 +121,7 @@ def test_orthonormal_keys_with_beta_one_store_values_exactly(kda, T):
     g = torch.zeros(1, T, 1, K, dtype=F64)
     beta = torch.ones(1, T, 1, dtype=F64)
     S0 = random_state(1, 1, K, V, seed=4)  # whatever was stored before is overwritten along each k_t
-    _, final = kda(q, keys.view(1, T, 1, K), v, g, beta, None, S0, True)
+    _, final = kda(q, keys.contiguous().view(1, T, 1, K), v, g, beta, None, S0, True)
     recalled = keys @ final[0, 0]  # row t = (S^T k_t)^T
     torch.testing.assert_close(recalled, v[0, :, 0], rtol=0, atol=1e-13)
 
@@ -284,7 +289,7 @@ def test_padding_sequence_zeroes_its_rows_of_out():
     T, H, HV, K, V = 5, 1, 2, 3, 4
     q, k, v, g, beta = oracle_inputs(1, T, H, HV, K, V, seed=14)
     _, pool = poisoned_pool(3, state_plane(HV, K, V, True), torch.float32, pad=5)
-    out = torch.full((1, T, HV, V), float("nan"), dtype=torch.float32)
+    out = torch.full((1, T, HV, V), float("nan"), dtype=F64)  # v's dtype
     result, final = recurrent_kda(
         q, k, v, g, beta, cu_seqlens=torch.tensor([0, 2, 5]), out=out, state_cache=pool,
         state_indices=torch.tensor([-1, 1], dtype=torch.int32),
@@ -320,10 +325,10 @@ def test_narrow_state_is_the_float64_answer_rounded_once(kda, storage_dtype):
 
 
 def test_default_state_dtype_is_float32_and_out_gets_o_rounded():
-    q, k, v, g, beta = oracle_inputs(1, 4, 1, 1, 2, 3, seed=17)
+    q, k, v, g, beta = oracle_inputs(1, 4, 1, 1, 2, 3, seed=17, dtype=torch.bfloat16)
     o, final = recurrent_kda(q, k, v, g, beta, output_final_state=True)
     assert o.dtype == F64 and final.dtype == torch.float32
-    out = torch.empty(1, 4, 1, 3, dtype=torch.bfloat16)
+    out = torch.empty(1, 4, 1, 3, dtype=torch.bfloat16)  # v's dtype, as kda requires
     result, no_state = recurrent_kda(q, k, v, g, beta, out=out)
     assert result is out and no_state is None
     assert torch.equal(out, o.to(torch.bfloat16))
@@ -490,7 +495,7 @@ def _bad_calls():
     return [
         ("initial_state", dict(initial_state=S0, state_cache=pool, state_indices=idx, state_v_first=True)),
         ("cu_seqlens", dict(inputs=two, cu_seqlens=torch.tensor([0, 4]))),
-        ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 3]))),
+        ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 5]))),  # past T (short of T is legal: trailing rows)
         ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 3, 2, 4]))),
         ("cu_seqlens_cpu", dict(cu_seqlens=torch.tensor([0, 4]), cu_seqlens_cpu=torch.tensor([0, 3]))),
         ("q", dict(inputs=(q[0], k, v, g, beta))),
@@ -503,9 +508,13 @@ def _bad_calls():
         ("has_initial_state", dict(has_initial_state=torch.tensor([True]))),
         ("state_indices", dict(state_cache=pool, state_v_first=True)),
         ("state_indices", dict(state_cache=pool, state_indices=torch.tensor([3], dtype=torch.int32),
-                               state_v_first=True)),
+                               has_initial_state=torch.tensor([True]), state_v_first=True)),
         ("state_indices", dict(inputs=two, state_cache=pool, state_v_first=True,
-                               state_indices=torch.tensor([1, 1], dtype=torch.int32))),
+                               state_indices=torch.tensor([1, 1], dtype=torch.int32),
+                               has_initial_state=torch.tensor([True, True]))),
+        ("state_indices", dict(state_cache=pool, state_indices=torch.tensor([0]),  # int64
+                               has_initial_state=torch.tensor([True]), state_v_first=True)),
+        ("state_v_first", dict(state_cache=pool, state_indices=idx, has_initial_state=torch.tensor([True]))),
         ("has_initial_state", dict(state_cache=pool, state_indices=idx, state_v_first=True,
                                    has_initial_state=torch.tensor([1]))),
         ("state_cache", dict(state_cache=pool, state_indices=idx, state_v_first=False)),
@@ -562,7 +571,7 @@ def _checkpoint_call(fn, lengths, every, ckpt, pool_dtype=torch.float32, seed=3)
     gen = torch.Generator().manual_seed(seed)
     pool = (torch.randn(slots, HV, K, V, generator=gen, dtype=torch.float64)).to(pool_dtype)
     before = pool.clone()
-    kw = dict(state_cache=pool, state_indices=torch.arange(N, dtype=torch.int32),
+    kw = dict(state_cache=pool, state_indices=torch.arange(N, dtype=torch.int32), state_v_first=False,
               has_initial_state=torch.ones(N, dtype=torch.bool), cu_seqlens=torch.tensor(bounds),
               checkpoint_every=every, checkpoint_indices=torch.tensor(ckpt, dtype=torch.int32))
     fn(q, k, v, g, beta, **kw)
@@ -580,7 +589,7 @@ def test_checkpoints_equal_the_state_of_the_call_cut_there(fn, pool_dtype):
     ckpt = [[4, -1, 5, 11], [6, 7, -1, -1], [8, 9, 10, -1]]  # 0 reaches 3 and skips its second; 1 none; 2 two
     pool, before, (q, k, v, g, beta, bounds) = _checkpoint_call(fn, lengths, every, ckpt, pool_dtype)
     plain = before.clone()
-    fn(q, k, v, g, beta, state_cache=plain, state_indices=torch.arange(3, dtype=torch.int32),
+    fn(q, k, v, g, beta, state_cache=plain, state_indices=torch.arange(3, dtype=torch.int32), state_v_first=False,
        has_initial_state=torch.ones(3, dtype=torch.bool), cu_seqlens=torch.tensor(bounds))
     assert torch.equal(pool[:3], plain[:3])
     for n, row in enumerate(ckpt):
@@ -616,10 +625,10 @@ def test_checkpoints_of_the_two_oracles_agree():
 def test_bad_checkpoints_raise_naming_the_argument(over, word):
     q, k, v, g, beta = oracle_inputs(1, 192, 1, 2, 8, 4)
     pool = torch.zeros(12, 2, 8, 4, dtype=torch.float64)
-    kw = dict(state_cache=pool, state_indices=torch.arange(3, dtype=torch.int32),
+    kw = dict(state_cache=pool, state_indices=torch.arange(3, dtype=torch.int32), state_v_first=False,
               has_initial_state=torch.ones(3, dtype=torch.bool), cu_seqlens=torch.tensor([0, 64, 128, 192]),
               checkpoint_every=64, checkpoint_indices=torch.tensor([[5], [6], [7]], dtype=torch.int32))
     kw.update(over)
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises((ValueError, TypeError), match=word):  # kda's types: a float checkpoint_indices is a TypeError
         chunk_kda(q, k, v, g, beta, **kw)
     assert torch.equal(pool, torch.zeros_like(pool))

@@ -55,7 +55,7 @@ def test_serving_soak_against_a_float64_shadow():
             o = o.view(1, len(live), HV, V)
         ro, _ = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
                                   **{**on_cpu(args), "state_cache": shadow,
-                                     "cu_seqlens": torch.tensor(bounds)}, **on_cpu(kw))
+                                     "cu_seqlens": torch.tensor(bounds)}, allow_float64=True, **on_cpu(kw))
         assert rel_err(o, ro) < TOL, step
         for s in range(SLOTS):
             if s in requests:

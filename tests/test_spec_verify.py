@@ -9,6 +9,7 @@ argument, before anything is written.
 """
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ import kda  # TRITON_INTERPRET is set by conftest.py when there is no GPU
 import kda_reference as ref
 
 FP32_TOL = 1e-5
+# the oracle's exact mode, for its own tests on float64 pools and inputs (which kda refuses)
+exact_recurrent = functools.partial(ref.recurrent_kda, allow_float64=True)
+exact_chunk = functools.partial(ref.chunk_kda, allow_float64=True)
 H, HV, K, V = 1, 2, 16, 16
 T_MAX = 4
 SLOTS = 24
@@ -118,7 +122,7 @@ def _check_step_by_step(fn, pool0, v_first, dtype, same):
 def test_oracle_verify_then_continue_equals_step_by_step():
     """Float64 pool: the oracle's verify and continuation equal one oracle call per token, exactly."""
     pool0 = _pool(False, torch.float64, STARTS)
-    _check_step_by_step(ref.recurrent_kda, pool0, False, torch.float64, torch.equal)
+    _check_step_by_step(exact_recurrent, pool0, False, torch.float64, torch.equal)
 
 
 def test_oracle_has_initial_state_false_reads_nothing():
@@ -126,10 +130,10 @@ def test_oracle_has_initial_state_false_reads_nothing():
     x = _inputs([2, 2], seed=4, dtype=torch.float64)
     cu, _ = _cu([2, 2])
     pool = _pool(False, torch.float64, [1])  # slots 0 and 2 stay NaN
-    o, _ = ref.recurrent_kda(*x, cu_seqlens=cu, state_cache=pool, state_indices=_idx([[0, 1], [2, 3]]),
-                             num_accepted_tokens=_idx([2, 1]), has_initial_state=torch.tensor([True, False]),
-                             state_v_first=False)
-    o_zero, _ = ref.recurrent_kda(*(t[:, 2:] for t in x))
+    o, _ = exact_recurrent(*x, cu_seqlens=cu, state_cache=pool, state_indices=_idx([[0, 1], [2, 3]]),
+                           num_accepted_tokens=_idx([2, 1]), has_initial_state=torch.tensor([True, False]),
+                           state_v_first=False)
+    o_zero, _ = exact_recurrent(*(t[:, 2:] for t in x))
     assert torch.isfinite(o).all() and torch.equal(o[:, 2:], o_zero)
 
 
@@ -139,17 +143,17 @@ def test_oracle_plain_paged_unchanged_and_chunk_refuses_verify():
     cu, _ = _cu([3, 1])
     pool = _pool(False, torch.float64, [1, 2])
     p_rec, p_chunk = pool.clone(), pool.clone()
-    o_r, _ = ref.recurrent_kda(*x, cu_seqlens=cu, state_cache=p_rec, state_indices=_idx([1, 2]),
-                               state_v_first=False)
-    o_c, _ = ref.chunk_kda(*x, cu_seqlens=cu, state_cache=p_chunk, state_indices=_idx([1, 2]),
-                           has_initial_state=torch.tensor([True, True]), state_v_first=False)
+    o_r, _ = exact_recurrent(*x, cu_seqlens=cu, state_cache=p_rec, state_indices=_idx([1, 2]),
+                             state_v_first=False)
+    o_c, _ = exact_chunk(*x, cu_seqlens=cu, state_cache=p_chunk, state_indices=_idx([1, 2]),
+                         has_initial_state=torch.tensor([True, True]), state_v_first=False)
     assert rel_err(o_r, o_c) < 1e-12 and rel_err(p_rec[1:3], p_chunk[1:3]) < 1e-12
     with pytest.raises(ValueError, match="state_indices"):
-        ref.chunk_kda(*x, cu_seqlens=cu, state_cache=pool, state_indices=_idx([[1, 3, 4], [2, 5, 6]]),
-                      has_initial_state=torch.tensor([True, True]), state_v_first=False)
+        exact_chunk(*x, cu_seqlens=cu, state_cache=pool, state_indices=_idx([[1, 3, 4], [2, 5, 6]]),
+                    has_initial_state=torch.tensor([True, True]), state_v_first=False)
     with pytest.raises(ValueError, match="num_accepted_tokens"):
-        ref.recurrent_kda(*x, cu_seqlens=cu, state_cache=pool, state_indices=_idx([1, 2]),
-                          num_accepted_tokens=_idx([1, 1]), state_v_first=False)
+        exact_recurrent(*x, cu_seqlens=cu, state_cache=pool, state_indices=_idx([1, 2]),
+                        num_accepted_tokens=_idx([1, 1]), state_v_first=False)
 
 
 # --- the kernel -----------------------------------------------------------------------------------------

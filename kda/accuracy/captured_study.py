@@ -64,10 +64,10 @@ def oracle(layer: Layer) -> list[dict]:
         xs = [torch.cat([s.prefill[n], s.decode[n]]).unsqueeze(0) for n in NAMES]
         init = (dict(initial_state=s.initial_state.to(F64).unsqueeze(0)) if s.initial_state is not None
                 else dict(state_dtype=F64))
-        o, _ = ref.recurrent_kda(*xs, output_final_state=True, **init, **layer.options)
+        o, _ = ref.recurrent_kda(*xs, output_final_state=True, allow_float64=True, **init, **layer.options)
         if s.prefill_len:
-            _, S0 = ref.recurrent_kda(*(x[:, :s.prefill_len] for x in xs), output_final_state=True, **init,
-                                      **layer.options)
+            _, S0 = ref.recurrent_kda(*(x[:, :s.prefill_len] for x in xs), output_final_state=True,
+                                      allow_float64=True, **init, **layer.options)
             S0 = S0[0]
         else:
             S0 = s.initial_state.to(F64) if s.initial_state is not None else torch.zeros(

@@ -33,7 +33,7 @@ def exact(inp: Inputs, *, initial_state=None, state_v_first=False, cu_seqlens=No
     fn = ref.chunk_kda if method == "chunk" else ref.recurrent_kda
     state = dict(initial_state=initial_state.to(F64)) if initial_state is not None else dict(state_dtype=F64)
     o, s = fn(*inp.args(tokens), output_final_state=True, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-              **state, **inp.opts)
+              allow_float64=True, **state, **inp.opts)
     return o, s, method
 
 

@@ -39,6 +39,8 @@ from .common import (
     slot_of,
     tf32_round,
     tile_mask,
+    zero_rows,
+    zero_trailing_rows,
 )
 from .launch import direct
 
@@ -313,15 +315,6 @@ def _report(errors, code, slot, i_n, bos, eos, ck_row, n_ck, ck_every, n_slots, 
             flag_errors(errors, i_n, code, HAS_ERRORS)
 
 
-@triton.jit
-def _zero_rows(o_h, s_ot, t_begin, t_end, o_v, v_ok, BT: tl.constexpr, BV: tl.constexpr):
-    """Output rows [t_begin, t_end) of a padding sequence: zeros."""
-    for t0 in range(t_begin, t_end, BT):
-        rows = t0 + tl.arange(0, BT)
-        m = (rows < t_end)[:, None] & v_ok[None, :]
-        tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], tl.zeros([BT, BV], dtype=o_h.dtype.element_ty), mask=m)
-
-
 @direct
 @triton.jit(do_not_specialize=["n_slots"])
 def _chunk_state_kernel(
@@ -344,6 +337,9 @@ def _chunk_state_kernel(
     by pointers (token stride s_vt, head stride s_vh).
     SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
     (`kda.plan.Route`), and program i_n walks the i_n-th of the others (`kept_item`).
+    IS_VARLEN: the programs of the grid's first sequence index (one per V block and head) also zero the rows past
+    the last bound, [cu_seqlens[N], T) (`zero_trailing_rows`); the walk runs in every varlen call that has a
+    sequence for it, so the loop kernel does this only where it runs alone.
     HAS_CHECKPOINTS: the prefix-cache checkpoints of the sequence (row i_n of `checkpoint_indices`, row stride
     s_ck, n_ck columns, one every ck_every tokens) stored into the pool `state_dst` of n_slots slots as
     the walk passes them (`_walk`).
@@ -360,8 +356,11 @@ def _chunk_state_kernel(
         gdc_launch_dependents()
     i_hv = tl.program_id(1)
     i_n = tl.program_id(2)
-    if IS_VARLEN:  # the last sequence first: serving batches put their decodes before their prefills
-        i_n = tl.num_programs(2) - 1 - i_n
+    if IS_VARLEN:
+        if i_n == 0:  # the rows past the last bound (padding for a CUDA graph): zeros, by programs dispatched first
+            o_v = tl.program_id(0) * BV + tl.arange(0, BV)
+            zero_trailing_rows(o + i_hv * s_oh, s_ot, cu_seqlens, N, T, o_v, o_v < V, BT, BV)
+        i_n = tl.num_programs(2) - 1 - i_n  # the last sequence first: serving batches put decodes before prefills
     if SHORT > 0:
         i_n, _ = kept_item(cu_seqlens, i_n, N, SHORT, 0)
         if i_n < 0:  # fewer kept sequences than the host counted (bounds changed under a replayed graph)
@@ -374,7 +373,7 @@ def _chunk_state_kernel(
     kv_ok = k_ok[:, None] & v_ok[None, :]
     o_h = o + i_hv * s_oh
     if slot < 0:  # padding sequence: no state read or write, zero output rows
-        _zero_rows(o_h, s_ot, bos, eos, o_v, v_ok, BT, BV)
+        zero_rows(o_h, s_ot, bos, eos, o_v, v_ok, BT, BV)
     else:
         p_first = chunk_program(i_n, bos, bos, NT, IS_VARLEN, BT)
         if V_TMA:

@@ -127,6 +127,34 @@ def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def zero_rows(o_h, s_ot, t_begin, t_end, o_v, v_ok, BT: tl.constexpr, BV: tl.constexpr):
+    """Output rows [t_begin, t_end) of one head's V columns `o_v` (`v_ok` in range): zeros, BT rows a store."""
+    for t0 in range(t_begin, t_end, BT):
+        rows = t0 + tl.arange(0, BT)
+        m = (rows < t_end)[:, None] & v_ok[None, :]
+        tl.store(o_h + rows[:, None] * s_ot + o_v[None, :], tl.zeros([BT, BV], dtype=o_h.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def zero_trailing_rows(o_h, s_ot, cu_seqlens, N, T, o_v, v_ok, BT: tl.constexpr, BV: tl.constexpr):
+    """The rows of a varlen call past its last bound, [cu_seqlens[N], T) (a token count padded for a CUDA
+    graph), set to zero for one head's V columns `o_v`. Only where the bounds are in order,
+    0 <= cu_seqlens[0] <= ... <= cu_seqlens[N] <= T (a scan of the N + 1 bounds, 1024 a step): out-of-order
+    bounds (values the host does not read) make their sequences no-ops whose rows are not written
+    (`seq_bounds`), and which rows trail is then unknown, so none is written. The caller is the one program of
+    each (V block, head) that owns these rows: no other program writes them."""
+    last = tl.load(cu_seqlens + N).to(tl.int64)
+    in_order = (tl.load(cu_seqlens).to(tl.int64) >= 0) & (last <= T)
+    for j0 in range(0, N, 1024):
+        j = j0 + tl.arange(0, 1024)
+        lo = tl.load(cu_seqlens + j, mask=j < N, other=0)
+        hi = tl.load(cu_seqlens + j + 1, mask=j < N, other=0)
+        in_order = in_order & (tl.sum((hi < lo).to(tl.int32), 0) == 0)
+    if in_order:
+        zero_rows(o_h, s_ot, last, T, o_v, v_ok, BT, BV)
+
+
+@triton.jit
 def decay_rate(A_log, i_hv, HAS_A_LOG: tl.constexpr):
     """a = exp(A_log) of value head i_hv for the in-kernel gate, or 1."""
     a = 1.0

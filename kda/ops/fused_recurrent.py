@@ -82,6 +82,7 @@ from .common import (
     seq_bounds,
     slot_of,
     token_head_strides,
+    zero_trailing_rows,
 )
 from .launch import direct
 
@@ -280,12 +281,20 @@ def _fused_recurrent_kda_kernel(
     state is read from the slot in column `num_accepted[n] - 1` (HAS_ACCEPTED) or 0 of row n (< 0: a
     padding sequence); after each token j it is rounded to the pool's dtype (as a one-token call's store
     rounds it, so the call equals its tokens decoded one call at a time) and stored to slot
-    `slot_of_seq[n, j]` when that is >= 0. There is no final store then: the last token's slot is it."""
+    `slot_of_seq[n, j]` when that is >= 0. There is no final store then: the last token's slot is it.
+
+    IS_VARLEN without SHORT (the kernel runs the whole call): the programs of sequence 0 (dispatched first) also
+    zero the rows past the last bound, [cu_seqlens[N], T) (`zero_trailing_rows`); inside `chunk_kda` the walk
+    does."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)  # GVA: the q/k head of this value head
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    if IS_VARLEN and SHORT == 0:
+        if i_n == 0:  # the rows past the last bound (padding for a CUDA graph): zeros
+            o_tail = i_v * BV + tl.arange(0, BV)
+            zero_trailing_rows(o + i_hv * s_oh, s_ot, cu_seqlens, tl.num_programs(1), T, o_tail, o_tail < V, 16, BV)
     if SHORT > 0:  # inside `chunk_kda`: only its sequences of 1..SHORT tokens (`kda.plan.Route`)
         if (eos - bos < 1) | (eos - bos > SHORT):
             return
@@ -686,6 +695,15 @@ def _fused_recurrent_one_token_kernel(
                         s_ot, HV, K, V, BK, BV, HAS_DST, V_FIRST, SR, FULL_TILE)
 
 
+@direct
+@triton.jit
+def _zero_trailing_kernel(o, cu_seqlens, s_ot, s_oh, T, V: tl.constexpr, BV: tl.constexpr):
+    """A varlen call without sequences (N == 0, T > 0): every row from cu_seqlens[0] on lies past the last
+    bound and is zero. Grid (V blocks, heads)."""
+    o_v = tl.program_id(0) * BV + tl.arange(0, BV)
+    zero_trailing_rows(o + tl.program_id(1) * s_oh, s_ot, cu_seqlens, 0, T, o_v, o_v < V, 16, BV)
+
+
 def fused_recurrent_kda_fwd(
     call: KDACall, plan: DecodePlan, *, seed: int = 0,
     short: int = 0, o: torch.Tensor | None = None, st: StatePlan | None = None,
@@ -699,6 +717,10 @@ def fused_recurrent_kda_fwd(
     st = state_plan(call) if st is None else st
     N = call.N
     if N == 0:
+        if call.cu_seqlens is not None and call.T > 0:  # no program to zero the rows past the last bound
+            BV = min(64, max(16, triton.next_power_of_2(call.V)))
+            _zero_trailing_kernel[(cdiv(call.V, BV), call.HV)](o, call.cu_seqlens, *token_head_strides(o, call.T),
+                                                               call.T, V=call.V, BV=BV)
         return o, st.final_state
     T, H, HV, K, V = call.T, call.H, call.HV, call.K, call.V
     varlen = call.cu_seqlens is not None
