@@ -117,7 +117,8 @@ def _direct(directory: Path, layer: str, dtype: torch.dtype) -> dict:
                                          state_dtype=torch.float64, allow_float64=True, **opts)
         x = {n: full[n].float() if n in ("q", "k", "v") else full[n] for n in full}
         pool = torch.full((2, *s_ref.shape[1:]), float("nan"), dtype=dtype, device=DEVICE)
-        one = dict(state_cache=pool, state_indices=torch.tensor([1], dtype=torch.int32, device=DEVICE), state_v_first=True, **opts)
+        slot = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+        one = dict(state_cache=pool, state_indices=slot, state_v_first=True, **opts)
         kda.chunk_kda(*_tokens(x, slice(0, P)), has_initial_state=torch.tensor([False], device=DEVICE), **one)
         outs = [kda.fused_recurrent_kda(*_tokens(x, slice(t, t + 1)), **one)[0][0, 0] for t in range(P, P + STEPS)]
         for s in range(STEPS - window(STEPS), STEPS):
@@ -265,7 +266,8 @@ def test_readme_commands(tmp_path, monkeypatch, capsys):
     assert example.main(["--capture", "captures/example", "--prompts", "5,3", "--steps", "2"]) == 0
     assert "captured 6 of 6 KDA calls" in capsys.readouterr().out
     # the README's replay command (on a GPU machine, where kda's kernels are not interpreted, with --device cuda)
-    assert cli.main(["--inputs", "captures/example", "--quiet", *(["--device", "cuda"] if DEVICE == "cuda" else [])]) == 0
+    on_gpu = ["--device", "cuda"] if DEVICE == "cuda" else []
+    assert cli.main(["--inputs", "captures/example", "--quiet", *on_gpu]) == 0
     out = capsys.readouterr().out
     assert "inputs-example" in out and "bf16 state:" in out
     assert (tmp_path / "accuracy_reports" / "inputs-example" / "report.md").is_file()
