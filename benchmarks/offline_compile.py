@@ -13,8 +13,9 @@ of its arguments (16-byte aligned pointers, 16-divisible and unit integers, TMA 
 walk beside the prepare, its PTX spin and the tiles, warps and stages are what the plan chooses on that target.
 Run it under the Triton the GPU machine runs: another version compiles other code. `--out DIR` keeps each
 kernel's TTGIR, PTX or AMDGCN (and SASS where `cuobjdump` ships with Triton); `--md FILE` writes the table.
-docs/performance.md ("Checking kernels without a GPU") says why the specialisation matters; docs/platforms.md
-reads the committed table (benchmarks/results/offline-compile.md).
+The specialisation matters: without it every integer is a scalar of unknown divisibility, and vector loads,
+TMA and asynchronous copies compile to narrower code or not at all. docs/platforms.md reads the committed table
+(benchmarks/results/offline-compile.md).
 """
 
 from __future__ import annotations
