@@ -15,6 +15,7 @@ from triton.compiler import make_backend
 
 import kda
 from kda import plan as P
+from kda.ops.launch import NUMERICS
 
 A100 = P.DeviceInfo(108, (8, 0), 166912)
 H200 = P.DeviceInfo(132, (9, 0), 232448)
@@ -87,7 +88,7 @@ def test_prefill_plans_use_only_what_the_target_has(name, prefill_calls):
     and the walk's stages fit its shared memory. On the H200 the grid reaches TMA and the walk beside the
     prepare, so what the others lack is not absent from the grid by accident."""
     device, target = TARGETS[name]
-    allowed = make_backend(target).parse_options({}).allowed_dot_input_precisions
+    allowed = make_backend(target).parse_options(NUMERICS).allowed_dot_input_precisions
     seen = set()
     for call in prefill_calls:
         plan, route = P.prefill_plan(call, device=device)
