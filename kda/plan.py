@@ -270,7 +270,21 @@ def prefill_plan(call: KDACall, device: DeviceInfo | None = None, **overrides) -
         plan = replace(plan, **overrides)
         if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16):
             raise ValueError("ChunkPlan.fold=False needs the fused prepare and fp16 workspaces")
+        _check_device(plan, device)
     return plan, route(call, plan, device)
+
+
+def _check_device(plan: ChunkPlan, device: DeviceInfo) -> None:
+    """Refuse an overridden plan that asks for what `device` lacks: TMA loads, the PTX spin, or waits inside the
+    walk's loop on a GPU without the spin (there the wait is the interpreter's form, one read of the counter: the
+    interpreter runs the prepare to its end first, a GPU does not)."""
+    if plan.walk_tma and not device.tma:
+        raise ValueError(f"ChunkPlan.walk_tma: {device} has no TMA")
+    if plan.spin and not device.spin:
+        raise ValueError(f"ChunkPlan.spin: {device} has no PTX spin")
+    if plan.wait_chunks and plan.wait_in_loop and not device.spin and not device.interpreter:
+        raise ValueError(f"ChunkPlan.wait_in_loop: a wait inside the walk's loop needs the PTX spin, which {device} "
+                         "lacks")
 
 
 def route(call: KDACall, plan: ChunkPlan, device: DeviceInfo | None = None) -> Route:
@@ -440,7 +454,11 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
     device = device_of(call) if device is None else device
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
                         bool(stochastic_rounding), device)
-    return replace(plan, **overrides) if overrides else plan
+    if overrides:
+        plan = replace(plan, **overrides)
+        if plan.ptx and not device.ptx:
+            raise ValueError(f"DecodePlan.ptx: {device} runs no inline PTX")
+    return plan
 
 
 @functools.lru_cache(maxsize=1024)

@@ -198,3 +198,21 @@ def test_plan_devices_of_the_suite_and_the_benchmark_agree():
     assert bench.PLAN_DEVICES == PLAN_DEVICES
     assert PLAN_DEVICES["sm_80"] == (A100.capability, A100.max_smem) == ((8, 0), 163 * 1024)
 
+
+def test_overrides_may_not_ask_for_what_the_device_lacks(prefill_calls):
+    """A plan override (tests, benchmarks/kernel_profile.py) that asks an A100 or an MI300X for TMA, the PTX spin or
+    a wait inside the walk's loop, or a HIP GPU for the decode's PTX, is refused: forced on a planned-down H200 it
+    would run what the device it stands for cannot (and the in-loop wait without the spin reads a counter once:
+    the walk would read chunks not yet stored). The interpreter takes the waits (it runs the prepare first)."""
+    call = next(c for c in prefill_calls if c.B == 1 and c.T == 4096)
+    for device in (A100, MI300X):
+        for over in (dict(walk_tma=True), dict(spin=True), dict(wait_chunks=2, wait_in_loop=True)):
+            with pytest.raises(ValueError, match="lacks|has no"):
+                P.prefill_plan(call, device=device, **over)
+        assert P.prefill_plan(call, device=device, wait_chunks=2)[0].wait_chunks == 2  # the outer loop's wait
+    assert P.prefill_plan(call, device=P.INTERPRETER, wait_chunks=2, wait_in_loop=True)[0].wait_in_loop
+    assert P.prefill_plan(call, device=H200, wait_chunks=2, wait_in_loop=True)[0].spin
+    decode = next(c for c in _calls(kda.fused_recurrent_kda) if c.state_dtype == torch.bfloat16)
+    with pytest.raises(ValueError, match="no inline PTX"):
+        P.decode_plan(decode, device=MI300X, ptx=True)
+    assert P.decode_plan(decode, device=A100, ptx=True).ptx
