@@ -1,7 +1,7 @@
 """Benchmark `kda` against fla 0.6.0, side by side in one run (needs a CUDA device; fla when importable).
 
     python benchmarks/bench.py [--shapes prefill,decode,mixed,varlen|all] [--out FILE.md] [--json FILE.json]
-                               [--no-fla] [--no-fla-varlen]
+                               [--no-fla] [--no-fla-varlen] [--plan-device sm_80]
 
 It lives outside the package because it needs fla. Every row times a call eagerly (a plain Python call,
 host overhead included) and as CUDA-graph replay (capture after warm-up, time `graph.replay`), both with
@@ -48,6 +48,11 @@ A graph is captured only if one eager call after warm-up makes no host sync
 per cell and reported under the table; the run goes on. The markdown (`--out`) and the JSON of the rows
 (`--json`, default `benchmarks/results/h200-latest.json`) are rewritten after every row, so a run stopped
 early keeps the rows it finished.
+
+`--plan-device sm_80` plans every kda call as on an A100 (`kda.plan.plan_as`: capability 8.0, 163 KiB of shared
+memory a block, the GPU's own SM count: no TMA, no walk beside the prepare, no PDL), the kernels still compiled for
+the GPU at hand; the header says which plan ran, every JSON row carries it (`plan_device`), and the default JSON is
+then `benchmarks/results/h200-sm_80-plan-latest.json`, so the Hopper plan's rows stay where they are.
 """
 
 from __future__ import annotations
@@ -75,6 +80,10 @@ K_DIM = 128
 V_DIM = 128
 LOWER_BOUND = -5.0
 ANCHOR_BW = 4.25e12  # bytes/s, the H200's copy bandwidth measured when the targets were set
+# `--plan-device NAME`: the GPU planned as this device (`kda.plan.plan_as`: capability, shared memory a block may
+# opt into; the SM count stays the GPU's own). sm_80: the A100's 163 KiB. tests/conftest.py holds the same table.
+PLAN_DEVICES = {"sm_80": ((8, 0), 166912)}
+RESULTS = Path(__file__).resolve().parent / "results"
 GROUPS = ("prefill", "decode", "mixed", "varlen")  # the order rows run in: varlen last (fla's autotuning)
 # (B, T, H): the prefill rows, in the order they run
 PREFILL_SHAPES = ((1, 4096, 12), (1, 16384, 12), (1, 4096, 32), (1, 16384, 32), (4, 4096, 32), (1, 8192, 96),
@@ -713,9 +722,10 @@ def _num(x) -> float | None:
     return round(x, 2) if isinstance(x, float) else None
 
 
-def row_json(r: Row, bw: float) -> dict:
-    """One row of the JSON report: the acceptance keys of every row (None where not measured), then the
-    keys that make sense for its kind (decode: pool and form, steady state; mixed: the split pair)."""
+def row_json(r: Row, bw: float, plan_device: str = "own") -> dict:
+    """One row of the JSON report: the acceptance keys of every row (None where not measured), the plan kda ran
+    under ("own": the GPU's; else `--plan-device`'s), then the keys that make sense for its kind (decode: pool and
+    form, steady state; mixed: the split pair)."""
     c = r.case
     d = {"kind": c.group, "name": c.name, "shape": f"{c.B}x{c.T}" if c.seqlens is None else f"1x{c.T} varlen",
          "T": c.B * c.T, "H": c.H, "N": c.N,
@@ -726,7 +736,7 @@ def row_json(r: Row, bw: float) -> dict:
          "ours_host_cpu_us": _num(r.kda_host_cpu), "fla_host_cpu_us": _num(r.fla_host_cpu),
          "o_rel_diff": r.o_diff if isinstance(r.o_diff, float) else None,
          "state_rel_diff": r.s_diff if isinstance(r.s_diff, float) else None,
-         "fla_safe_gate": r.fla_safe_gate}
+         "fla_safe_gate": r.fla_safe_gate, "plan_device": plan_device}
     if c.mode in ("paged", "decode", "mixed"):
         d.update(state="paged", pool_dtype=DTYPE_SHORT[c.pool_dtype], state_v_first=c.v_first)
     else:
@@ -742,12 +752,12 @@ def row_json(r: Row, bw: float) -> dict:
     return d
 
 
-def write_json(path: Path, meta: list[str], rows: list[Row], bw: float) -> None:
+def write_json(path: Path, meta: list[str], rows: list[Row], bw: float, plan_device: str = "own") -> None:
     """The rows so far as a JSON list (one object per row), written whole to a temporary file and renamed,
     so a run killed mid-write leaves the previous complete list. The run's header is in the .md."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps([row_json(r, bw) for r in rows], indent=1) + "\n")
+    tmp.write_text(json.dumps([row_json(r, bw, plan_device) for r in rows], indent=1) + "\n")
     tmp.replace(path)
 
 
@@ -815,9 +825,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="only rows whose name matches this regular expression (e.g. 'H=12')")
     p.add_argument("--out", type=Path, default=None, metavar="FILE.md",
                    help="also write the markdown report here (rewritten after every row)")
-    p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "h200-latest.json",
-                   metavar="FILE.json", help="the rows as JSON, rewritten after every row (default: "
-                   "benchmarks/results/h200-latest.json)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE.json",
+                   help="the rows as JSON, rewritten after every row (default: benchmarks/results/h200-latest.json; "
+                        "with --plan-device NAME, benchmarks/results/h200-NAME-plan-latest.json)")
+    p.add_argument("--plan-device", choices=sorted(PLAN_DEVICES), default=None,
+                   help="plan every kda call as this device's (kda.plan.plan_as): sm_80 is an A100's plan (no TMA, "
+                        "no walk beside the prepare, no PDL, 163 KiB of shared memory) on the GPU at hand")
     p.add_argument("--no-fla", action="store_true", help="do not import or time fla")
     p.add_argument("--no-fla-varlen", action="store_true",
                    help="do not time fla on the varlen row (its autotuning at a new varlen shape took over 100 s "
@@ -830,7 +843,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bw-gib", type=float, default=2.0, metavar="GIB",
                    help="size of the tensor copied to measure bandwidth (default 2 GiB)")
     p.add_argument("--list", action="store_true", help="list the rows and exit (no GPU needed)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.json is None:
+        args.json = RESULTS / ("h200-latest.json" if args.plan_device is None
+                               else f"h200-{args.plan_device}-plan-latest.json")
+    return args
+
+
+def plan_line(plan_device: str | None, planned) -> str:
+    """The header's line on the plan kda ran under: `--plan-device`'s or the GPU's own, as `kda.plan.device_info`
+    describes it."""
+    who = (f"{plan_device}, forced by --plan-device (kda.plan.plan_as)" if plan_device is not None
+           else "the GPU's own")
+    has = [name for name in ("tma", "spin", "pdl") if getattr(planned, name)]
+    return (f"plan device: {who}: capability {planned.capability[0]}.{planned.capability[1]}, {planned.max_smem} B "
+            f"shared memory a block, {planned.sm_count} SMs; {', '.join(has) if has else 'no TMA, spin or PDL'}")
 
 
 def main(argv=None) -> int:
@@ -856,6 +883,12 @@ def main(argv=None) -> int:
     if debug_enabled():
         print("bench: warning: KDA_DEBUG is on; its checks sync with the host and distort eager times "
               "and disable graph capture", file=sys.stderr)
+    from kda.plan import device_info, plan_as
+
+    if args.plan_device is not None:
+        plan_as(*PLAN_DEVICES[args.plan_device])
+    plan_desc = plan_line(args.plan_device, device_info(torch.cuda.current_device()))
+    print(f"[bench] {plan_desc}", file=sys.stderr, flush=True)
     import triton
 
     torch.set_grad_enabled(False)
@@ -880,6 +913,7 @@ def main(argv=None) -> int:
         f"device: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
         f"driver {_driver()}, CUDA {torch.version.cuda}",
         f"torch {torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}",
+        plan_desc,
         f"fla: {fla_desc}",
         f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"commit: {git_commit()}",
@@ -904,7 +938,7 @@ def main(argv=None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
         try:
-            write_json(args.json, meta, rows, bw)
+            write_json(args.json, meta, rows, bw, args.plan_device or "own")
         except Exception as e:  # noqa: BLE001 - the markdown still has the rows
             print(f"[bench] could not write {args.json}: {_short(e)}", file=sys.stderr, flush=True)
         return text

@@ -8,7 +8,8 @@ kernel), their tiles, warps and stages, the dot precision and workspace dtype, a
 `chunk_kda` call the recurrent loop takes (`Route`). Planning reads shapes, dtypes, flags and host bounds, never a
 tensor's values, and allocates nothing; the kernel modules read the plan and never plan. Tests pick a path by
 building a plan with keyword overrides (`chunk_plan(call, walk_BV=64)`) or for another device
-(`chunk_plan(call, device=DeviceInfo(...))`), never by rewriting globals.
+(`chunk_plan(call, device=DeviceInfo(...))`), never by rewriting globals; a whole run (the test suite's or the
+benchmark's `--plan-device sm_80`) plans every GPU as an older one through `plan_as`.
 
 Same bits whatever the batch: a choice that changes a `chunk_kda` sequence's arithmetic (the prepare's form, the dot
 precision, the workspace dtype, the gate pass's slices, the walk's V block and `ChunkPlan.fold` by `wide_heads`,
@@ -107,13 +108,35 @@ class DeviceInfo:
 INTERPRETER = DeviceInfo(sm_count=1, capability=(0, 0), max_smem=227 * 1024, interpreter=True)
 
 
+# (capability, max_smem) every GPU is planned as, None for a GPU's own (`plan_as`)
+_PLANNED_AS: tuple[tuple[int, int] | None, int | None] = (None, None)
+
+
 @functools.cache
 def device_info(device_index: int) -> DeviceInfo:
-    """The `DeviceInfo` of CUDA (or HIP) device `device_index`."""
+    """The `DeviceInfo` of CUDA (or HIP) device `device_index`: its own properties, with the capability and
+    shared memory `plan_as` set, if any."""
     props = torch.cuda.get_device_properties(device_index)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 0)
-    return DeviceInfo(props.multi_processor_count, (props.major, props.minor), smem,
+    capability, max_smem = _PLANNED_AS
+    return DeviceInfo(props.multi_processor_count, capability or (props.major, props.minor), max_smem or smem,
                       hip=torch.version.hip is not None)
+
+
+def plan_as(capability: tuple[int, int] | None = None, max_smem: int | None = None) -> None:
+    """Plan every GPU call as if its device had this compute capability and this much shared memory a block (None:
+    the device's own), its SM count and vendor its own; `plan_as()` restores the devices' own descriptions.
+    For the test suite and the benchmark (`--plan-device sm_80`: an A100's plan run on the H200,
+    docs/platforms.md), not for serving: the kernels still compile for the device at hand, so describe it as an
+    older one (fewer features, less shared memory), never as a newer one. Set it before the calls it is for, on
+    one thread: it drops the cached device descriptions and the recorded calls (`kda.replay`), whose launches
+    follow the previous description's plans (the plan caches key on the description, a new object)."""
+    global _PLANNED_AS
+    _PLANNED_AS = (None if capability is None else tuple(capability), max_smem)
+    device_info.cache_clear()
+    from . import replay  # imported here: replay imports this module
+
+    replay.CACHE.clear()
 
 
 def device_of(call: KDACall) -> DeviceInfo:
@@ -247,7 +270,21 @@ def prefill_plan(call: KDACall, device: DeviceInfo | None = None, **overrides) -
         plan = replace(plan, **overrides)
         if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16):
             raise ValueError("ChunkPlan.fold=False needs the fused prepare and fp16 workspaces")
+        _check_device(plan, device)
     return plan, route(call, plan, device)
+
+
+def _check_device(plan: ChunkPlan, device: DeviceInfo) -> None:
+    """Refuse an overridden plan that asks for what `device` lacks: TMA loads, the PTX spin, or waits inside the
+    walk's loop on a GPU without the spin (there the wait is the interpreter's form, one read of the counter: the
+    interpreter runs the prepare to its end first, a GPU does not)."""
+    if plan.walk_tma and not device.tma:
+        raise ValueError(f"ChunkPlan.walk_tma: {device} has no TMA")
+    if plan.spin and not device.spin:
+        raise ValueError(f"ChunkPlan.spin: {device} has no PTX spin")
+    if plan.wait_chunks and plan.wait_in_loop and not device.spin and not device.interpreter:
+        raise ValueError(f"ChunkPlan.wait_in_loop: a wait inside the walk's loop needs the PTX spin, which {device} "
+                         "lacks")
 
 
 def route(call: KDACall, plan: ChunkPlan, device: DeviceInfo | None = None) -> Route:
@@ -417,7 +454,11 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
     device = device_of(call) if device is None else device
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,
                         bool(stochastic_rounding), device)
-    return replace(plan, **overrides) if overrides else plan
+    if overrides:
+        plan = replace(plan, **overrides)
+        if plan.ptx and not device.ptx:
+            raise ValueError(f"DecodePlan.ptx: {device} runs no inline PTX")
+    return plan
 
 
 @functools.lru_cache(maxsize=1024)

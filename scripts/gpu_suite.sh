@@ -13,6 +13,10 @@
 #                        per-step caps in seconds (defaults 300, 150, 400, 400; the budget still applies; the
 #                        whole suite takes about 330 s at -n 12, the full accuracy preset about 230 s)
 #   KDA_PYTEST_ARGS      pytest targets and filters instead of "tests" (e.g. "tests/test_chunk.py -k empty")
+#   KDA_PYTEST_WORKERS   pytest-xdist workers (default 4)
+#   KDA_PLAN_DEVICE      plan kda as this device in the pytest and bench steps (--plan-device; "sm_80": an A100's
+#                        plan on this GPU, no TMA, no walk beside the prepare, no PDL, 163 KiB of shared memory;
+#                        kda.plan.plan_as). The sanitizer and accuracy steps plan for the GPU itself.
 #   KDA_BENCH_ARGS       extra benchmarks/bench.py arguments (default "--shapes all")
 #   KDA_ACCURACY_ARGS    kda.accuracy arguments (default "--preset full --device cuda")
 #   KDA_SANITIZER_TOOLS  compute-sanitizer tools, space separated (default "memcheck")
@@ -102,6 +106,7 @@ if [[ -z ${KDA_COMMIT:-} ]]; then
 fi
 export KDA_COMMIT
 log "KDA_COMMIT=$KDA_COMMIT"
+log "KDA_PLAN_DEVICE=${KDA_PLAN_DEVICE:-unset, the plan of the GPU itself}"
 {
     nvidia-smi 2>&1 || echo "nvidia-smi failed"
     uname -a
@@ -130,7 +135,8 @@ step_pytest() {
     # at its time limit still says which tests failed (-q prints them only in the final summary)
     local t=$1 args=(-v -rfE -p no:cacheprovider -p no:benchmark)
     python3 -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 900)
-    python3 -c "import xdist" 2>/dev/null && args+=(-n 4)
+    python3 -c "import xdist" 2>/dev/null && args+=(-n "${KDA_PYTEST_WORKERS:-4}")
+    [[ -n ${KDA_PLAN_DEVICE:-} ]] && args+=(--plan-device "$KDA_PLAN_DEVICE")
     # shellcheck disable=SC2206
     args+=(${KDA_PYTEST_ARGS:-tests})
     echo "python3 -m pytest ${args[*]}  (timeout ${t}s)" | tee "$OUT/pytest.txt"
@@ -183,6 +189,7 @@ step_bench() {
     local t=$1
     # shellcheck disable=SC2206
     local args=(${KDA_BENCH_ARGS:---shapes all})
+    [[ -n ${KDA_PLAN_DEVICE:-} ]] && args+=(--plan-device "$KDA_PLAN_DEVICE")
     echo "python3 benchmarks/bench.py ${args[*]} --out $OUT/bench.md --json $OUT/bench.json  (timeout ${t}s)" | tee "$OUT/bench.log"
     timeout -k 15 "$t" python3 benchmarks/bench.py "${args[@]}" --out "$OUT/bench.md" --json "$OUT/bench.json" 2>&1 \
         | tee -a "$OUT/bench.log"

@@ -22,7 +22,34 @@ def _bench():
 def test_help_runs_without_a_gpu():
     done = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "--json" in done.stdout and "--no-fla-varlen" in done.stdout
+    assert "--json" in done.stdout and "--no-fla-varlen" in done.stdout and "--plan-device" in done.stdout
+
+
+def test_plan_device_is_recorded_and_kept_apart_from_the_hopper_rows(tmp_path):
+    """`--plan-device sm_80`: the header names the plan kda ran under, every JSON row carries it ("own" without the
+    flag), and the default JSON is its own file, so the Hopper plan's `h200-latest.json` is not overwritten."""
+    import json
+
+    import pytest
+
+    from kda.plan import DeviceInfo
+
+    bench = _bench()
+    own, forced = bench.parse_args([]), bench.parse_args(["--plan-device", "sm_80"])
+    assert own.plan_device is None and own.json == bench.RESULTS / "h200-latest.json"
+    assert forced.plan_device == "sm_80" and forced.json == bench.RESULTS / "h200-sm_80-plan-latest.json"
+    assert bench.parse_args(["--plan-device", "sm_80", "--json", "x.json"]).json == Path("x.json")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--plan-device", "sm_75"])
+    row = bench.Row(bench.Case("p", "prefill", "dense", 1, 64, 2), 1000, kda_graph=12.5)
+    assert bench.row_json(row, 4e12)["plan_device"] == "own"
+    bench.write_json(tmp_path / "rows.json", [], [row], 4e12, "sm_80")
+    assert json.loads((tmp_path / "rows.json").read_text())[0]["plan_device"] == "sm_80"
+    a100 = bench.plan_line("sm_80", DeviceInfo(132, (8, 0), 166912))
+    assert a100.startswith("plan device: sm_80, forced") and "capability 8.0, 166912 B" in a100
+    assert a100.endswith("132 SMs; no TMA, spin or PDL")
+    h200 = bench.plan_line(None, DeviceInfo(132, (9, 0), 232448))
+    assert "the GPU's own: capability 9.0" in h200 and h200.endswith("tma, spin, pdl")
 
 
 def test_floor_bytes_by_hand():

@@ -249,7 +249,7 @@ def test_one_token_chunks_against_float64(dtype, over, host, device):
         assert rel_err(o[:, t], ro[:, t]) < row_tol, t
 
 
-@pytest.mark.parametrize("wait,in_loop", [(0, False), (2, True)])
+@pytest.mark.parametrize("wait,in_loop", [(0, False), pytest.param(2, True, marks=pytest.mark.hopper_plan)])
 def test_walk_applying_the_inverse_against_float64(wait, in_loop, device):
     """`ChunkPlan.fold` off (the prepare stores Xb, A_qk and Kr; the walk forms U = Xb D): bf16 inputs with Kimi's
     gate against the float64 oracle at the bf16 bound, a dense call whose last chunk holds one token (the prepare's
@@ -678,6 +678,7 @@ def test_walk_v_block_of_64_equals_32(device):
             assert torch.equal(bits(pool[slot]), bits(pool0[slot]))
 
 
+@pytest.mark.hopper_plan
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_walk_tma_loads_equal_pointer_loads(dtype, device):
     """The plain walk's chunk tiles by TMA (ragged descriptors: rows past a sequence read as zeros, the
@@ -724,6 +725,7 @@ def test_walk_tma_loads_equal_pointer_loads(dtype, device):
     assert torch.equal(bits(runs["tma"][1]), bits(runs["pointers"][1]))
 
 
+@pytest.mark.hopper_plan
 @pytest.mark.parametrize("contract,dtype,gate_pass", [
     ("dense", torch.float32, False), ("dense", torch.bfloat16, True), ("dense2", torch.float32, False),
     ("paged", torch.float32, True), ("paged_padding", torch.float32, False), ("varlen_paged", torch.bfloat16, False),

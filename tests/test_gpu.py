@@ -169,6 +169,7 @@ def test_decode_replays_in_a_cuda_graph_bitwise():
     assert torch.equal(bits(pool), bits(eager_pool))
 
 
+@pytest.mark.hopper_plan
 def test_walk_beside_prepare_finishes_under_launch_blocking():
     """Under CUDA_LAUNCH_BLOCKING=1 every launch waits for its kernel: a repeated walk-beside call (the replayed
     path) must keep the prepare launched before the walk it feeds (`kda.replay._serialising`), or it never
@@ -200,6 +201,7 @@ def test_walk_beside_prepare_finishes_under_launch_blocking():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@pytest.mark.hopper_plan
 @pytest.mark.parametrize("form", ["dense", "varlen", "fp32", "wide", "tail"])
 def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
     """A one-sequence call with few heads runs its walk beside the prepare (on a side stream, each group of
@@ -253,6 +255,7 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
         assert torch.equal(bits(out), bits(one_o)) and torch.equal(bits(graph_s), bits(one_s))
 
 
+@pytest.mark.hopper_plan
 @pytest.mark.parametrize("form", ["wide", "tail"])
 def test_walk_applying_the_inverse_bf16_accuracy(form):
     """The forms whose walk applies the inverse by default (`ChunkPlan.fold` off: the BV-64 walk beside the

@@ -5,10 +5,16 @@ precision Triton allows on the target, and every walk's stages fit the target's 
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import itertools
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import PLAN_DEVICES
 from helpers import checked_call
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
@@ -21,6 +27,7 @@ A100 = P.DeviceInfo(108, (8, 0), 166912)
 H200 = P.DeviceInfo(132, (9, 0), 232448)
 MI300X = P.DeviceInfo(304, (9, 4), 65536, hip=True)
 MI355X = P.DeviceInfo(256, (9, 5), 163840, hip=True)
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 TARGETS = {"sm_80": (A100, GPUTarget("cuda", 80, 32)), "sm_90": (H200, GPUTarget("cuda", 90, 32)),
            "gfx942": (MI300X, GPUTarget("hip", "gfx942", 64)), "gfx950": (MI355X, GPUTarget("hip", "gfx950", 64))}
 
@@ -121,3 +128,92 @@ def test_decode_plans_use_no_ptx_on_hip(name):
         if plan.packed and call.state_dtype == torch.bfloat16:
             assert plan.ptx == (not device.hip)
     assert packed  # the grid reaches the packed bf16 kernel on every target
+
+
+H200_PROPERTIES = SimpleNamespace(name="NVIDIA H200", multi_processor_count=132, major=9, minor=0,
+                                  shared_memory_per_block_optin=232448)
+
+
+@pytest.fixture
+def on_h200(monkeypatch):
+    """GPU 0 reads as an H200 (`torch.cuda.get_device_properties` stubbed) and calls are planned as running there
+    (`device_of` past the interpreter); `kda.plan.plan_as` is reset before and after."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: H200_PROPERTIES)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(P, "interpreted", lambda: False)
+    P.plan_as()
+    yield
+    P.plan_as()  # before the stubs go: no H200 description stays cached
+
+
+def _on_gpu(call):
+    """`call` with its q standing for a tensor on GPU 0: what `device_of` and the plans read of it."""
+    gpu = copy.copy(call)
+    gpu.q = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=call.q.dtype)
+    return gpu
+
+
+def test_plan_as_sm80_gives_the_h200_an_a100s_plan(on_h200, prefill_calls):
+    """`plan_as((8, 0), 166912)` (the suite's and the benchmark's `--plan-device sm_80`): the H200 is described as
+    sm_80 with the A100's 163 KiB and its own 132 SMs, so every prefill and decode plan `device_of` leads to is the
+    plan of that device: no TMA, no walk beside the prepare or its tail, no PTX spin, the walk's stages within
+    163 KiB, and replay's PDL decision (`kda.replay`, which reads `device_info` too) off; the recorded calls are
+    dropped. `plan_as()` gives back the H200's own plans (TMA and the walk beside the prepare among them)."""
+    from kda import replay
+
+    own = P.device_info(0)
+    assert (own.sm_count, own.capability, own.max_smem) == (132, (9, 0), 232448) and own.pdl
+    as_a100 = P.DeviceInfo(132, (8, 0), 166912)
+    decode_calls = list(_calls(kda.fused_recurrent_kda))
+    replay.CACHE["recorded under the H200's plan"] = None
+    P.plan_as(*PLAN_DEVICES["sm_80"])
+    assert not replay.CACHE
+    forced = P.device_info(0)
+    assert (forced.sm_count, forced.capability, forced.max_smem, forced.hip) == (132, (8, 0), 166912, False)
+    assert not (forced.tma or forced.spin or forced.pdl) and forced.tf32 and forced.ptx
+    assert replay.device_info is P.device_info and not replay.device_info(0).pdl
+    for call in prefill_calls:
+        plan, route = P.prefill_plan(_on_gpu(call))
+        assert (plan, route) == P.prefill_plan(call, device=as_a100)
+        assert not (plan.walk_tma or plan.wait_chunks or plan.late_chunks or plan.wait_in_loop or plan.spin)
+        assert plan.walk_stages == 1 or _walk_smem(plan, call.K, forced) <= 166912
+    for call in decode_calls:
+        assert P.decode_plan(_on_gpu(call)) == P.decode_plan(call, device=as_a100)
+    P.plan_as()
+    assert P.device_info(0).capability == (9, 0)
+    seen = set()
+    for call in prefill_calls:
+        plan, route = P.prefill_plan(_on_gpu(call))
+        assert (plan, route) == P.prefill_plan(call, device=P.DeviceInfo(132, (9, 0), 232448))
+        seen.update({"tma"} if plan.walk_tma else set(), {"beside"} if plan.wait_chunks else set())
+    assert seen == {"tma", "beside"}
+
+
+def test_plan_devices_of_the_suite_and_the_benchmark_agree():
+    """`--plan-device` names the same description in tests/conftest.py and benchmarks/bench.py: sm_80 is the
+    A100's capability and opt-in shared memory (163 KiB)."""
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    assert bench.PLAN_DEVICES == PLAN_DEVICES
+    assert PLAN_DEVICES["sm_80"] == (A100.capability, A100.max_smem) == ((8, 0), 163 * 1024)
+
+
+def test_overrides_may_not_ask_for_what_the_device_lacks(prefill_calls):
+    """A plan override (tests, benchmarks/kernel_profile.py) that asks an A100 or an MI300X for TMA, the PTX spin or
+    a wait inside the walk's loop, or a HIP GPU for the decode's PTX, is refused: forced on a planned-down H200 it
+    would run what the device it stands for cannot (and the in-loop wait without the spin reads a counter once:
+    the walk would read chunks not yet stored). The interpreter takes the waits (it runs the prepare first)."""
+    call = next(c for c in prefill_calls if c.B == 1 and c.T == 4096)
+    for device in (A100, MI300X):
+        for over in (dict(walk_tma=True), dict(spin=True), dict(wait_chunks=2, wait_in_loop=True)):
+            with pytest.raises(ValueError, match="lacks|has no"):
+                P.prefill_plan(call, device=device, **over)
+        assert P.prefill_plan(call, device=device, wait_chunks=2)[0].wait_chunks == 2  # the outer loop's wait
+    assert P.prefill_plan(call, device=P.INTERPRETER, wait_chunks=2, wait_in_loop=True)[0].wait_in_loop
+    assert P.prefill_plan(call, device=H200, wait_chunks=2, wait_in_loop=True)[0].spin
+    decode = next(c for c in _calls(kda.fused_recurrent_kda) if c.state_dtype == torch.bfloat16)
+    with pytest.raises(ValueError, match="no inline PTX"):
+        P.decode_plan(decode, device=MI300X, ptx=True)
+    assert P.decode_plan(decode, device=A100, ptx=True).ptx

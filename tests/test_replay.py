@@ -363,6 +363,7 @@ def test_prefill_hit_equals_the_full_path(monkeypatch, form):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper_plan
 @pytest.mark.parametrize("paged", [False, True])
 def test_walk_beside_prepare_hit_equals_the_full_path(monkeypatch, paged):
     """A prefill whose walk runs beside its prepare (gate and prepare on the caller's stream, the walk on the
