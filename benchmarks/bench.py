@@ -101,6 +101,7 @@ HOST_CALLS = 200
 # consecutive loops of one process: benchmarks/results/2026-12-02-b1a4e00-h200-late-walk-tail-suite.md)
 HOST_ROUNDS = 8
 NARROW_POOL_N = 256
+NARROW_POOL_NS = (64, 256, 1024)  # the 2-byte pools' rows, both layouts, beside the fp32 pool of the same N
 NARROW_POOL_TARGET = 0.6
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -136,15 +137,17 @@ def all_cases() -> list[Case]:
         cases.append(Case(label + " paged", "prefill", "paged", B, T, H))
     for n in DECODE_NS:
         cases.append(Case(f"decode N={n} H={DECODE_H} fp32 pool", "decode", "decode", n, 1, DECODE_H))
-    for dt in ("bfloat16", "float16"):
-        cases.append(Case(f"decode N={NARROW_POOL_N} H={DECODE_H} {DTYPE_SHORT[dt]} pool", "decode", "decode",
-                          NARROW_POOL_N, 1, DECODE_H, pool_dtype=dt))
-    k_first = [(n, "float32") for n in K_FIRST_NS] + [(NARROW_POOL_N, "bfloat16")]
+    for n in NARROW_POOL_NS:  # 2-byte pools, both layouts (the K-first ones below)
+        for dt in ("bfloat16", "float16"):
+            cases.append(Case(f"decode N={n} H={DECODE_H} {DTYPE_SHORT[dt]} pool", "decode", "decode", n, 1,
+                              DECODE_H, pool_dtype=dt))
+    k_first = [(n, dt) for n in K_FIRST_NS for dt in ("float32", "bfloat16", "float16")]
     for n, dt in k_first:
         label = f"decode N={n} H={DECODE_H} {DTYPE_SHORT[dt]} K-first pool"
         cases.append(Case(label, "decode", "decode", n, 1, DECODE_H, pool_dtype=dt, v_first=False))
-        cases.append(Case(label + " varlen", "decode", "decode", 1, n, DECODE_H, seqlens=(1,) * n, pool_dtype=dt,
-                          v_first=False))
+        if dt == "float32" or (n, dt) == (NARROW_POOL_N, "bfloat16"):  # the varlen form of the same steps
+            cases.append(Case(label + " varlen", "decode", "decode", 1, n, DECODE_H, seqlens=(1,) * n,
+                              pool_dtype=dt, v_first=False))
     # the contract without host bounds (the loop kernel: the lengths are on the device only)
     cases.append(Case(f"decode N={NARROW_POOL_N} H={DECODE_H} fp32 K-first pool varlen no host bounds", "decode",
                       "decode", 1, NARROW_POOL_N, DECODE_H, seqlens=(1,) * NARROW_POOL_N, v_first=False,
@@ -688,13 +691,14 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
             ratio = (f"{r.kda_steady / r.fla_steady:.2f}"
                      if isinstance(r.kda_steady, float) and isinstance(r.fla_steady, float) else "-")
             lines.append(f"| {r.case.name} | {' | '.join(cells)} | {ratio} | {floor_us:.1f} |")
-    # narrow state pools against the fp32 pool (decode N=256)
+    # narrow state pools against the fp32 pool of the same N and layout
     by_name = {r.case.name: r for r in rows}
-    pairs = [(f"{dt} pool", "fp32 pool") for dt in ("bf16", "fp16")]  # V-first, then K-first dense and varlen
-    pairs += [(f"bf16 K-first pool{how}", f"fp32 K-first pool{how}") for how in ("", " varlen")]
-    for narrow, wide in pairs:
-        base = by_name.get(f"decode N={NARROW_POOL_N} H={DECODE_H} {wide}")
-        r = by_name.get(f"decode N={NARROW_POOL_N} H={DECODE_H} {narrow}")
+    pairs = [(n, f"{dt} {lay}pool", f"fp32 {lay}pool") for n in NARROW_POOL_NS for lay in ("", "K-first ")
+             for dt in ("bf16", "fp16")]
+    pairs += [(NARROW_POOL_N, "bf16 K-first pool varlen", "fp32 K-first pool varlen")]
+    for n, narrow, wide in pairs:
+        base = by_name.get(f"decode N={n} H={DECODE_H} {wide}")
+        r = by_name.get(f"decode N={n} H={DECODE_H} {narrow}")
         if base is not None and r is not None:
             parts = []
             for who in ("kda", "fla"):
@@ -709,7 +713,7 @@ def render(meta: list[str], rows: list[Row], bw: float, done: bool) -> str:
                     parts.append(f"{who} {how} {a / b:.3f}x{verdict}")
             if parts:
                 lines.append("")
-                lines.append(f"decode N={NARROW_POOL_N} {narrow} time over {wide} time: " + "; ".join(parts))
+                lines.append(f"decode N={n} {narrow} time over {wide} time: " + "; ".join(parts))
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     if not done:

@@ -75,6 +75,11 @@ def test_the_acceptance_rows_are_all_there():
         assert f"prefill {B}x{T} H={H}" in names
     # host cost is measured for every contract: a decode row with the bounds on the device only
     assert any(c.group == "decode" and c.seqlens and not c.host_bounds for c in bench.all_cases())
+    # every 2-byte pool in both layouts at N = 64, 256, 1024, each beside the fp32 pool of its N and layout
+    for n in (64, 256, 1024):
+        for layout in ("", "K-first "):
+            for dt in ("fp32", "bf16", "fp16"):
+                assert f"decode N={n} H=12 {dt} {layout}pool" in names
     kinds = [c.group for c in bench.all_cases()]
     assert kinds[-1] == "varlen" and "mixed" in kinds  # the varlen row runs last
 
