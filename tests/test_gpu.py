@@ -255,9 +255,23 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
         assert torch.equal(bits(out), bits(one_o)) and torch.equal(bits(graph_s), bits(one_s))
 
 
-# the three forms of the walk beside the prepare (few heads; 32 heads at V blocks of 64; 48 heads beside the tail)
-_BESIDE_FORMS = "[(8192 + 320, 12), (TUNINGS['sm90'].beside_bv64_chunks // 32 * 64 + 320, 32), " \
-    "(TUNINGS['sm90'].beside_bv64_chunks // 48 * 64 + 320, 48)]"
+def _beside_runs(n: int) -> str:
+    """Code that builds `runs`: (args, keywords, the one-walk plan's (o, s)) of the first n forms of the walk beside
+    the prepare (few heads; 32 heads at V blocks of 64; 48 heads beside the prepare's tail)."""
+    return (
+        "import torch, kda, test_gpu as t\n"
+        "from helpers import checked_call, bits, run_chunk\n"
+        "from kda.plan import TUNINGS, chunk_plan\n"
+        "forms = [(8192 + 320, 12), (TUNINGS['sm90'].beside_bv64_chunks // 32 * 64 + 320, 32),\n"
+        f"         (TUNINGS['sm90'].beside_bv64_chunks // 48 * 64 + 320, 48)][:{n}]\n"
+        "runs = []\n"
+        "for T, H in forms:\n"
+        "    args, h0, kw = t._inputs(T, H=H)\n"
+        "    full = dict(output_final_state=True, initial_state=h0, **kw)\n"
+        "    call = checked_call(kda.chunk_kda, *args, **full)\n"
+        "    assert chunk_plan(call).wait_chunks > 0\n"
+        "    runs.append((args, full, run_chunk(call, wait_chunks=0, wait_in_loop=False, late_chunks=0)))\n"
+    )
 
 
 def _subprocess_ok(code: str, timeout: int = 240, **env_extra) -> None:
@@ -281,18 +295,8 @@ def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
     """On a GPU partitioned into a green context of `num_sms` SMs (the plan still sees the whole device's SM count),
     every form of the walk beside the prepare finishes, eager and replayed, with the bits of the one-walk plan."""
     code = (
-        "import torch, kda, kda.replay, test_gpu as t\n"
-        "from helpers import checked_call, bits, run_chunk\n"
-        "from kda.plan import TUNINGS, chunk_plan\n"
+        _beside_runs(3) + "import kda.replay\n"
         "from torch.cuda.green_contexts import GreenContext\n"
-        f"forms = {_BESIDE_FORMS}\n"
-        "runs = []\n"
-        "for T, H in forms:\n"
-        "    args, h0, kw = t._inputs(T, H=H)\n"
-        "    full = dict(output_final_state=True, initial_state=h0, **kw)\n"
-        "    call = checked_call(kda.chunk_kda, *args, **full)\n"
-        "    assert chunk_plan(call).wait_chunks > 0\n"
-        "    runs.append((args, full, run_chunk(call, wait_chunks=0, wait_in_loop=False, late_chunks=0)))\n"
         "torch.cuda.synchronize()\n"
         f"ctx = GreenContext.create(num_sms={num_sms})\n"
         "ctx.set_context()\n"
@@ -313,17 +317,7 @@ def test_walks_beside_prepares_on_two_streams_at_once():
     """Two calls whose walks run beside their prepares, issued on two streams with no sync between them (their
     prepares and walks in flight together), both finish with the bits of the one-walk plan, eager and replayed."""
     code = (
-        "import torch, kda, test_gpu as t\n"
-        "from helpers import checked_call, bits, run_chunk\n"
-        "from kda.plan import TUNINGS, chunk_plan\n"
-        f"forms = {_BESIDE_FORMS}[:2]\n"
-        "runs = []\n"
-        "for T, H in forms:\n"
-        "    args, h0, kw = t._inputs(T, H=H)\n"
-        "    full = dict(output_final_state=True, initial_state=h0, **kw)\n"
-        "    call = checked_call(kda.chunk_kda, *args, **full)\n"
-        "    assert chunk_plan(call).wait_chunks > 0\n"
-        "    runs.append((args, full, run_chunk(call, wait_chunks=0, wait_in_loop=False, late_chunks=0)))\n"
+        _beside_runs(2) +
         "streams = [torch.cuda.Stream() for _ in runs]\n"
         "for s in streams:\n"
         "    s.wait_stream(torch.cuda.current_stream())\n"
