@@ -13,7 +13,7 @@
 #                        per-step caps in seconds (defaults 300, 150, 400, 400; the budget still applies; the
 #                        whole suite takes about 330 s at -n 12, the full accuracy preset about 230 s)
 #   KDA_PYTEST_ARGS      pytest targets and filters instead of "tests" (e.g. "tests/test_chunk.py -k empty")
-#   KDA_PYTEST_WORKERS   pytest-xdist workers (default 4)
+#   KDA_PYTEST_WORKERS   pytest-xdist workers (default 12: at 4 the suite ran past 420 s)
 #   KDA_PLAN_DEVICE      plan kda as this device in the pytest and bench steps (--plan-device; "sm_80": an A100's
 #                        plan on this GPU, no TMA, no walk beside the prepare, no PDL, 163 KiB of shared memory;
 #                        kda.plan.plan_as). The sanitizer and accuracy steps plan for the GPU itself.
@@ -135,7 +135,7 @@ step_pytest() {
     # at its time limit still says which tests failed (-q prints them only in the final summary)
     local t=$1 args=(-v -rfE -p no:cacheprovider -p no:benchmark)
     python3 -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 900)
-    python3 -c "import xdist" 2>/dev/null && args+=(-n "${KDA_PYTEST_WORKERS:-4}")
+    python3 -c "import xdist" 2>/dev/null && args+=(-n "${KDA_PYTEST_WORKERS:-12}")
     [[ -n ${KDA_PLAN_DEVICE:-} ]] && args+=(--plan-device "$KDA_PLAN_DEVICE")
     # shellcheck disable=SC2206
     args+=(${KDA_PYTEST_ARGS:-tests})
