@@ -76,13 +76,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `kda` from this tree, also when run as `python benchmarks/bench.py`
 
+from kda.plan import PLAN_DEVICES  # noqa: E402  (`--plan-device NAME`: the GPU planned as this device)
+
 K_DIM = 128
 V_DIM = 128
 LOWER_BOUND = -5.0
 ANCHOR_BW = 4.25e12  # bytes/s, the H200's copy bandwidth measured when the targets were set
-# `--plan-device NAME`: the GPU planned as this device (`kda.plan.plan_as`: capability, shared memory a block may
-# opt into; the SM count stays the GPU's own). sm_80: the A100's 163 KiB. tests/conftest.py holds the same table.
-PLAN_DEVICES = {"sm_80": ((8, 0), 166912)}
 RESULTS = Path(__file__).resolve().parent / "results"
 GROUPS = ("prefill", "decode", "mixed", "varlen")  # the order rows run in: varlen last (fla's autotuning)
 # (B, T, H): the prefill rows, in the order they run

@@ -108,6 +108,9 @@ class DeviceInfo:
 INTERPRETER = DeviceInfo(sm_count=1, capability=(0, 0), max_smem=227 * 1024, interpreter=True)
 
 
+# the devices a run may plan its GPU as (`plan_as`; the test suite's and the benchmark's `--plan-device NAME`):
+# capability and the shared memory a block may opt into. sm_80: the A100's 163 KiB.
+PLAN_DEVICES = {"sm_80": ((8, 0), 166912)}
 # (capability, max_smem) every GPU is planned as, None for a GPU's own (`plan_as`)
 _PLANNED_AS: tuple[tuple[int, int] | None, int | None] = (None, None)
 

@@ -19,9 +19,7 @@ import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# what `--plan-device NAME` plans the GPU as: (capability, shared memory a block may opt into), as
-# `kda.plan.plan_as` takes them. sm_80: the A100's 163 KiB. benchmarks/bench.py holds the same table.
-PLAN_DEVICES = {"sm_80": ((8, 0), 166912)}
+from kda.plan import PLAN_DEVICES  # noqa: E402  (after TRITON_INTERPRET: what `--plan-device NAME` plans as)
 
 
 def pytest_addoption(parser):

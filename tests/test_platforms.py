@@ -6,15 +6,11 @@ precision Triton allows on the target, and every walk's stages fit the target's 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import PLAN_DEVICES
 from helpers import checked_call
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
@@ -27,7 +23,6 @@ A100 = P.DeviceInfo(108, (8, 0), 166912)
 H200 = P.DeviceInfo(132, (9, 0), 232448)
 MI300X = P.DeviceInfo(304, (9, 4), 65536, hip=True)
 MI355X = P.DeviceInfo(256, (9, 5), 163840, hip=True)
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 TARGETS = {"sm_80": (A100, GPUTarget("cuda", 80, 32)), "sm_90": (H200, GPUTarget("cuda", 90, 32)),
            "gfx942": (MI300X, GPUTarget("hip", "gfx942", 64)), "gfx950": (MI355X, GPUTarget("hip", "gfx950", 64))}
 
@@ -166,7 +161,7 @@ def test_plan_as_sm80_gives_the_h200_an_a100s_plan(on_h200, prefill_calls):
     as_a100 = P.DeviceInfo(132, (8, 0), 166912)
     decode_calls = list(_calls(kda.fused_recurrent_kda))
     replay.CACHE["recorded under the H200's plan"] = None
-    P.plan_as(*PLAN_DEVICES["sm_80"])
+    P.plan_as(*P.PLAN_DEVICES["sm_80"])
     assert not replay.CACHE
     forced = P.device_info(0)
     assert (forced.sm_count, forced.capability, forced.max_smem, forced.hip) == (132, (8, 0), 166912, False)
@@ -189,15 +184,10 @@ def test_plan_as_sm80_gives_the_h200_an_a100s_plan(on_h200, prefill_calls):
     assert seen == {"tma", "beside"}
 
 
-def test_plan_devices_of_the_suite_and_the_benchmark_agree():
-    """`--plan-device` names the same description in tests/conftest.py and benchmarks/bench.py: sm_80 is the
-    A100's capability and opt-in shared memory (163 KiB)."""
-    spec = importlib.util.spec_from_file_location("bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = bench  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
-    assert bench.PLAN_DEVICES == PLAN_DEVICES
-    assert PLAN_DEVICES["sm_80"] == (A100.capability, A100.max_smem) == ((8, 0), 163 * 1024)
+def test_the_sm80_plan_device_is_the_a100s():
+    """`--plan-device sm_80` (the suite's and the benchmark's, one table in `kda.plan`) is the A100's capability
+    and opt-in shared memory (163 KiB)."""
+    assert P.PLAN_DEVICES["sm_80"] == (A100.capability, A100.max_smem) == ((8, 0), 163 * 1024)
 
 
 def test_overrides_may_not_ask_for_what_the_device_lacks(prefill_calls):
