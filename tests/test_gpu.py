@@ -174,11 +174,6 @@ def test_walk_beside_prepare_finishes_under_launch_blocking():
     """Under CUDA_LAUNCH_BLOCKING=1 every launch waits for its kernel: a repeated walk-beside call (the replayed
     path) must keep the prepare launched before the walk it feeds (`kda.replay._serialising`), or it never
     returns. A subprocess, so that the setting reaches the driver; its results equal the one-walk plan's."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = (
         "import torch, kda, test_gpu as t\n"
         "from helpers import checked_call, bits\n"
@@ -194,11 +189,7 @@ def test_walk_beside_prepare_finishes_under_launch_blocking():
         "    assert torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s))\n"
         "print('ok')\n"
     )
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONPATH=f"{tests}{os.pathsep}{tests.parent}")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    _subprocess_ok(code, CUDA_LAUNCH_BLOCKING="1")
 
 
 @pytest.mark.hopper_plan
