@@ -131,8 +131,8 @@ def test_oracle_has_initial_state_false_reads_nothing():
     cu, _ = _cu([2, 2])
     pool = _pool(False, torch.float64, [1])  # slots 0 and 2 stay NaN
     o, _ = exact_recurrent(*x, cu_seqlens=cu, state_cache=pool, state_indices=_idx([[0, 1], [2, 3]]),
-                           num_accepted_tokens=_idx([2, 1]), has_initial_state=torch.tensor([True, False]),
-                           state_v_first=False)
+                           num_accepted_tokens=_idx([2, 1]),
+                           has_initial_state=torch.tensor([True, False], device=DEVICE), state_v_first=False)
     o_zero, _ = exact_recurrent(*(t[:, 2:] for t in x))
     assert torch.isfinite(o).all() and torch.equal(o[:, 2:], o_zero)
 
@@ -146,11 +146,11 @@ def test_oracle_plain_paged_unchanged_and_chunk_refuses_verify():
     o_r, _ = exact_recurrent(*x, cu_seqlens=cu, state_cache=p_rec, state_indices=_idx([1, 2]),
                              state_v_first=False)
     o_c, _ = exact_chunk(*x, cu_seqlens=cu, state_cache=p_chunk, state_indices=_idx([1, 2]),
-                         has_initial_state=torch.tensor([True, True]), state_v_first=False)
+                         has_initial_state=torch.tensor([True, True], device=DEVICE), state_v_first=False)
     assert rel_err(o_r, o_c) < 1e-12 and rel_err(p_rec[1:3], p_chunk[1:3]) < 1e-12
     with pytest.raises(ValueError, match="state_indices"):
         exact_chunk(*x, cu_seqlens=cu, state_cache=pool, state_indices=_idx([[1, 3, 4], [2, 5, 6]]),
-                    has_initial_state=torch.tensor([True, True]), state_v_first=False)
+                    has_initial_state=torch.tensor([True, True], device=DEVICE), state_v_first=False)
     with pytest.raises(ValueError, match="num_accepted_tokens"):
         exact_recurrent(*x, cu_seqlens=cu, state_cache=pool, state_indices=_idx([1, 2]),
                         num_accepted_tokens=_idx([1, 1]), state_v_first=False)
