@@ -133,14 +133,15 @@ record setup 0 $((SECONDS - START)) suite.txt
 step_pytest() {
     # no -x: one device call should see every failure; -v names each failure as it happens, so a run stopped
     # at its time limit still says which tests failed (-q prints them only in the final summary)
-    local t=$1 args=(-v -rfE -p no:cacheprovider -p no:benchmark)
+    # --durations: the slowest tests named, also when the cap interrupts the run (SIGINT: pytest still summarises)
+    local t=$1 args=(-v -rfE -p no:cacheprovider -p no:benchmark --durations=30)
     python3 -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 900)
     python3 -c "import xdist" 2>/dev/null && args+=(-n "${KDA_PYTEST_WORKERS:-12}")
     [[ -n ${KDA_PLAN_DEVICE:-} ]] && args+=(--plan-device "$KDA_PLAN_DEVICE")
     # shellcheck disable=SC2206
     args+=(${KDA_PYTEST_ARGS:-tests})
     echo "python3 -m pytest ${args[*]}  (timeout ${t}s)" | tee "$OUT/pytest.txt"
-    timeout -k 15 "$t" python3 -m pytest "${args[@]}" 2>&1 | tee -a "$OUT/pytest.txt"
+    timeout -s INT -k 30 "$t" python3 -m pytest "${args[@]}" 2>&1 | tee -a "$OUT/pytest.txt"
     return "${PIPESTATUS[0]}"
 }
 
