@@ -173,20 +173,14 @@ def test_decode_replays_in_a_cuda_graph_bitwise():
 def test_walk_beside_prepare_finishes_under_launch_blocking():
     """Under CUDA_LAUNCH_BLOCKING=1 every launch waits for its kernel: a repeated walk-beside call (the replayed
     path) must keep the prepare launched before the walk it feeds (`kda.replay._serialising`), or it never
-    returns. A subprocess, so that the setting reaches the driver; its results equal the one-walk plan's."""
+    returns. Every form of the walk beside the prepare; a subprocess, so that the setting reaches the driver; its
+    results equal the one-walk plan's."""
     code = (
-        "import torch, kda, test_gpu as t\n"
-        "from helpers import checked_call, bits\n"
-        "from kda.ops.chunk import chunk_kda_fwd\n"
-        "from kda.plan import chunk_plan, prefill_plan\n"
-        "args, h0, kw = t._inputs(8192 + 320, H=12)\n"
-        "full = dict(output_final_state=True, initial_state=h0, **kw)\n"
-        "call = checked_call(kda.chunk_kda, *args, **full)\n"
-        "assert chunk_plan(call).wait_chunks > 0\n"
-        "one_o, one_s = chunk_kda_fwd(call, *prefill_plan(call, wait_chunks=0, wait_in_loop=False, late_chunks=0))\n"
-        "for _ in range(3):\n"
-        "    o, s = kda.chunk_kda(*args, **full)\n"
-        "    assert torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s))\n"
+        _beside_runs(3) +
+        "for args, full, (one_o, one_s) in runs:\n"
+        "    for _ in range(3):  # the first call eager, the others replayed\n"
+        "        o, s = kda.chunk_kda(*args, **full)\n"
+        "        assert torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s))\n"
         "print('ok')\n"
     )
     _subprocess_ok(code, CUDA_LAUNCH_BLOCKING="1")
