@@ -28,7 +28,7 @@
 #   suite.txt  setup log and the summary      pytest.txt     the test run
 #   sanitizer.txt                              bench.md       the benchmark table      bench.log  its log
 #   bench.json the benchmark's rows (what benchmarks/results/h200-latest.json holds)
-#   triton_autotune.tar.gz  fla's autotuning results (with the bench step): carry it back as .triton_autotune.tar.gz
+#   triton_cache.tar.xz  the kernels this call compiled (scripts/triton_cache.py): carry it back as .triton_cache.tar.xz
 #   accuracy/  the accuracy report (at most 3 files; more are packed into accuracy.tar.gz)
 # Every step runs even when an earlier one failed; the exit status is 0 only when every step that ran passed.
 
@@ -92,14 +92,12 @@ else
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 log "PYTHONPATH=$PYTHONPATH"
-# fla's autotuning (about 80 s per prefill shape on a fresh machine) kept between calls: with
-# TRITON_CACHE_AUTOTUNING=1 Triton writes each choice into its cache as *.autotune.json; a carried
-# .triton_autotune.tar.gz (a previous call's $OUT/triton_autotune.tar.gz) is unpacked there first
+# the kernels a previous call compiled (kda's, fla's, their launchers and fla's autotuning choices, about 80 s a
+# prefill shape on a fresh machine): a carried .triton_cache.tar.xz (a previous call's $OUT/triton_cache.tar.xz)
+# is unpacked into Triton's cache first; with TRITON_CACHE_AUTOTUNING=1 Triton keeps each autotuning choice there
 export TRITON_CACHE_AUTOTUNING=1
-TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [[ -f .triton_autotune.tar.gz ]]; then
-    mkdir -p "$TRITON_CACHE" && tar -xzf .triton_autotune.tar.gz -C "$TRITON_CACHE" \
-        && log "restored $(tar -tzf .triton_autotune.tar.gz | grep -c 'autotune.json$') autotuning results into $TRITON_CACHE"
+if [[ -f .triton_cache.tar.xz ]]; then
+    python3 scripts/triton_cache.py unpack .triton_cache.tar.xz 2>&1 | tee -a "$SUITE_LOG"
 fi
 if [[ -z ${KDA_COMMIT:-} ]]; then
     KDA_COMMIT=$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)
@@ -266,10 +264,8 @@ else
     run_step accuracy "${KDA_TIMEOUT_ACCURACY:-400}" step_accuracy "accuracy/"
 fi
 
-if wanted bench && [[ -d $TRITON_CACHE ]]; then  # for the next call's carry (see the setup step)
-    (cd "$TRITON_CACHE" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tar.gz" -T -) \
-        && log "saved $(tar -tzf "$OUT/triton_autotune.tar.gz" | wc -l) autotuning results: $OUT/triton_autotune.tar.gz"
-fi
+# for the next call's carry (see the setup step)
+python3 scripts/triton_cache.py pack "$OUT/triton_cache.tar.xz" 2>&1 | tee -a "$SUITE_LOG"
 
 # ------------------------------------------------------------------------------------------------------------
 header "summary"
