@@ -148,9 +148,9 @@ FLAGS = ("BV", "TMA", "WAIT_CHUNKS", "WAIT_IN_LOOP", "SPIN", "FOLD", "SIGNAL_CHU
          "IS_VARLEN", "SHORT", "NSUB", "KC", "PACKED", "PTX", "V_FIRST", "SR", "VERIFY", "DOT_PREC")
 
 
-def compile_launch(fn, args: tuple, meta: dict, target: Target, maxnreg: int | None, out: Path | None,
-                   label: str) -> dict:
-    """Compile one caught launch for `target` as Triton's launch would specialise it; its resources."""
+def specialised(fn, args: tuple, meta: dict, target: Target, maxnreg: int | None = None) -> tuple:
+    """(source, options) of one caught launch as Triton's launch would specialise it for `target`: what
+    `triton.compile` takes, and what Triton's cache keys the compiled kernel by."""
     backend = make_backend(target.target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     from kda.ops.launch import NUMERICS
@@ -160,6 +160,14 @@ def compile_launch(fn, args: tuple, meta: dict, target: Target, maxnreg: int | N
         kwargs["maxnreg"] = maxnreg
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options
+
+
+def compile_launch(fn, args: tuple, meta: dict, target: Target, maxnreg: int | None, out: Path | None,
+                   label: str) -> dict:
+    """Compile one caught launch for `target` as Triton's launch would specialise it; its resources."""
+    src, options = specialised(fn, args, meta, target, maxnreg)
+    signature = src.signature
     flags = {k: meta[k] for k in FLAGS if k in meta and meta[k] not in (False, 0, None)}
     if "state_src" in signature:  # the pool's dtype (the walk's and the decode kernels' state pointers)
         flags["state"] = signature["state_src"].lstrip("*")
@@ -167,8 +175,7 @@ def compile_launch(fn, args: tuple, meta: dict, target: Target, maxnreg: int | N
     row = dict(kernel=fn.__name__, flags=flags)
     t0 = time.time()
     try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                target=target.target, options=options.__dict__)
+        kernel = triton.compile(src, target=target.target, options=options.__dict__)
     except Exception as e:  # noqa: BLE001 -- a failure is a row of the table
         lines = str(e).strip().splitlines() or [""]
         found = [x.split("error", 1)[-1].strip(" :") for x in lines if "error" in x.lower()][:2] or lines[-1:]

@@ -1,16 +1,18 @@
 """Compile, on a machine without a GPU, the kernels a `tree_ab.py` call will launch on the H200, into Triton's cache,
 so that the device call finds them compiled (`scripts/triton_cache.py pack` then carries them).
 
-    TRITON_CACHE_DIR=DIR python benchmarks/warm_cache.py [--shapes 1x16384x32,...,varlen] TREE [TREE ...]
+    TRITON_CACHE_DIR=DIR python benchmarks/warm_cache.py [--shapes 1x16384x32,...,varlen] [--bench]
+                                                         [--plan-device sm_80] TREE [TREE ...]
 
 Run it under the GPU machine's Python and Triton (3.12, Triton 3.6.0: the cache key holds Triton's build and its
 Python extension), from this checkout; each TREE (as `tree_ab.py` takes them) in its own process, its `kda` first on
 the path. Each call is built as `tree_ab.py` builds it (bf16 q, k, v, fp32 g, Kimi's gate, q/k l2norm, beta sigmoid,
 a dense fp32 initial state and the final state; the benchmark's varlen row with `cu_seqlens` int64 on the device and
-no host bounds; the accuracy calls at T = 2048 and 8192, H = 4) on meta tensors, planned for the H200
-(`offline_compile.py`'s sm_90 target) and caught at each launch, then compiled with the specialisation Triton's
-launch makes (`offline_compile.compile_launch`). A kernel compiled here that the GPU machine keys differently is
-compiled there again; nothing else changes.
+no host bounds; the accuracy calls at T = 2048 and 8192, H = 4; with `--bench` every row of the tree's `bench.py`,
+built by its own `build` on the meta device) on meta tensors, through the public call, planned for the H200
+(`offline_compile.py`'s sm_90 target; `--plan-device`: another GPU's plan, compiled for the H200) and caught at each
+launch, then compiled with the specialisation Triton's launch makes (`offline_compile.specialised`). A kernel
+compiled here that the GPU machine keys differently is compiled there again; nothing else changes.
 """
 
 from __future__ import annotations
@@ -27,75 +29,88 @@ ACCURACY = ((1, 2048, 4), (1, 8192, 4))  # tree_ab.py's accuracy calls
 VARLEN = [1] * 12 + [1100, 1300, 900]  # bench.py's varlen row, H = 32
 
 
-def child(tree: str, shapes: list) -> None:
-    sys.path.insert(0, tree)
+def child(tree: str, shapes: list, bench_rows: bool, plan_device: str | None) -> None:
+    sys.path[:0] = [tree, os.path.join(tree, "benchmarks")]
     import torch
+    import triton
 
     import kda  # the tree's, before offline_compile puts this checkout on the path
+    import kda.plan as P
 
     sys.path.insert(0, str(HERE))
     import offline_compile as oc
 
-    from kda.api import check_call_args
-    from kda.contract import check_call
     from kda.ops import launch as L
-    from kda.ops.chunk import chunk_kda_fwd
-    from kda.plan import prefill_plan
 
     assert Path(kda.__file__).resolve().is_relative_to(Path(tree).resolve()), kda.__file__
     target = oc.TARGETS["sm_90"]
+    device = target.device
+    if plan_device is not None:  # another GPU's plan, compiled for the H200 (`kda.plan.plan_as`)
+        capability, smem = P.PLAN_DEVICES[plan_device]
+        device = P.DeviceInfo(device.sm_count, capability, smem)
+    P.device_of = lambda call: device  # every call planned for the H200, whatever its tensors' device
     K = V = 128
 
     def meta(*shape, dtype=torch.bfloat16):
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    def call(B, T, H, lengths=None):
+    def tree_ab_call(B, T, H, lengths=None):
         N = B if lengths is None else len(lengths)
         flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                      A_log=meta(H, dtype=torch.float32), dt_bias=meta(H * K, dtype=torch.float32), lower_bound=-5.0)
         if lengths is not None:
             flags["cu_seqlens"] = meta(N + 1, dtype=torch.int64)
-        h0 = meta(N, H, K, V, dtype=torch.float32)
         args = (meta(B, T, H, K), meta(B, T, H, K), meta(B, T, H, V), meta(B, T, H, K, dtype=torch.float32),
-                meta(B, T, H), None, h0, True)
-        positional, keywords = check_call_args(kda.chunk_kda, *args, **flags)
-        return check_call(*positional, **keywords)
+                meta(B, T, H), None, meta(N, H, K, V, dtype=torch.float32), True)
+        return lambda: kda.chunk_kda(*args, **flags)
 
-    calls = [call(1, sum(VARLEN), 32, VARLEN) if s == "varlen" else call(*s) for s in shapes]
-    calls += [call(*s) for s in ACCURACY]
+    calls = [tree_ab_call(1, sum(VARLEN), 32, VARLEN) if s == "varlen" else tree_ab_call(*s) for s in shapes]
+    calls += [tree_ab_call(*s) for s in ACCURACY]
+    if bench_rows:
+        import bench
+
+        calls += [bench.build(case, None, {}, "meta")[0]["kda"] for case in bench.all_cases()]
     caught = []
     real = L.DirectKernel.launch
     L.DirectKernel.launch = lambda self, grid, args, meta: caught.append((self.fn, args, meta))
     try:
         for c in calls:
-            chunk_kda_fwd(c, *prefill_plan(c, device=target.device))
+            c()
     finally:
         L.DirectKernel.launch = real
-    done = 0
-    for i, (fn, args, meta_) in enumerate(caught):
-        row = oc.compile_launch(fn, args, meta_, target, None, None, f"warm-{os.getpid()}-{i}")
-        if "error" in row:
-            print(f"{tree}: {fn.__name__}: {row['error']}", flush=True)
-        else:
-            done += 1
-    print(f"{tree}: {len(caught)} launches caught, {done} compiled or found in the cache", flush=True)
+    seen, failed = set(), 0
+    for fn, args, meta_ in caught:
+        src, options = oc.specialised(fn, args, meta_, target)
+        key = (src.hash(), options.hash())
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            triton.compile(src, target=target.target, options=options.__dict__)
+        except Exception as e:  # noqa: BLE001 -- reported, the others still compile
+            failed += 1
+            print(f"{tree}: {fn.__name__}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    print(f"{tree}: {len(caught)} launches caught, {len(seen)} kernels, {failed} failed to compile", flush=True)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trees", nargs="+", metavar="TREE[:LABEL]")
     p.add_argument("--shapes", default=SHAPES, help=f"as tree_ab.py's (default {SHAPES})")
+    p.add_argument("--bench", action="store_true", help="also every row of bench.py (the tree's)")
+    p.add_argument("--plan-device", default=None, help="plan as this device (bench.py's --plan-device: sm_80)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     shapes = [s if s == "varlen" else tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.child is not None:
-        child(a.child, shapes)
+        child(a.child, shapes, a.bench, a.plan_device)
         return 0
     ok = True
     for t in a.trees:
         path = os.path.abspath(t.split(":", 1)[0])
         env = dict(os.environ, PYTHONPATH="")
-        done = subprocess.run([sys.executable, __file__, "--child", path, "--shapes", a.shapes, "x"], env=env)
+        extra = (["--bench"] if a.bench else []) + (["--plan-device", a.plan_device] if a.plan_device else [])
+        done = subprocess.run([sys.executable, __file__, "--child", path, "--shapes", a.shapes, *extra, "x"], env=env)
         ok &= done.returncode == 0
     return 0 if ok else 1
 
