@@ -8,7 +8,7 @@ Run it under the GPU machine's Python and Triton (3.12, Triton 3.6.0: the cache 
 Python extension), from this checkout; each TREE (as `tree_ab.py` takes them) in its own process, its `kda` first on
 the path. Each call is built as `tree_ab.py` builds it (bf16 q, k, v, fp32 g, Kimi's gate, q/k l2norm, beta sigmoid,
 a dense fp32 initial state and the final state; the benchmark's varlen row with `cu_seqlens` int64 on the device and
-no host bounds; the accuracy calls at T = 2048 and 8192, H = 4; with `--bench` every row of the tree's `bench.py`,
+no host bounds; tree_ab.py's accuracy calls; with `--bench` every row of the tree's `bench.py`,
 built by its own `build` on the meta device) on meta tensors, through the public call, planned for the H200
 (`offline_compile.py`'s sm_90 target; `--plan-device`: another GPU's plan, compiled for the H200) and caught at each
 launch, then compiled with the specialisation Triton's launch makes (`offline_compile.specialised`). A kernel
@@ -23,9 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tree_ab import ACCURACY, SHAPES  # this checkout's benchmarks/ (the script's folder)
+
 HERE = Path(__file__).resolve().parent
-SHAPES = "1x16384x32,4x4096x32,1x4096x12,1x16384x12,1x65536x12,1x8192x96,1x4096x32,varlen"
-ACCURACY = ((1, 2048, 4), (1, 8192, 4))  # tree_ab.py's accuracy calls
 VARLEN = [1] * 12 + [1100, 1300, 900]  # bench.py's varlen row, H = 32
 
 
@@ -65,7 +65,7 @@ def child(tree: str, shapes: list, bench_rows: bool, plan_device: str | None) ->
         return lambda: kda.chunk_kda(*args, **flags)
 
     calls = [tree_ab_call(1, sum(VARLEN), 32, VARLEN) if s == "varlen" else tree_ab_call(*s) for s in shapes]
-    calls += [tree_ab_call(*s) for s in ACCURACY]
+    calls += [tree_ab_call(1, T, H) for T, H in ACCURACY]
     if bench_rows:
         import bench
 
