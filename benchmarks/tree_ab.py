@@ -23,6 +23,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 SHAPES = "1x16384x32,4x4096x32,1x4096x12,1x16384x12,1x65536x12,1x8192x96,1x4096x32,varlen"
 # the accuracy calls (T, H): few heads, and heads enough for `kda.plan.wide_heads` on the H200 (its own plan)
@@ -106,9 +107,11 @@ def main() -> None:
     for r in range(a.rounds):
         for path, label in trees:
             env = dict(os.environ, PYTHONPATH="")
+            t0 = time.time()
             out = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(path), "--shapes", a.shapes,
                                   "x"], capture_output=True, text=True, env=env)
             res = next((json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
+            print(f"{label} round {r}: {time.time() - t0:.0f} s in its process (compiles included)", flush=True)
             if res is None:
                 print(f"{label} round {r}: failed\n{out.stderr[-3000:]}", flush=True)
                 continue
