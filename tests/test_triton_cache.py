@@ -33,7 +33,7 @@ def _run(env_dir: Path, *args: str) -> str:
     return done.stdout
 
 
-def test_unpacked_groups_point_at_their_new_place(tmp_path):
+def test_unpacked_groups_point_at_their_new_place(tmp_path, monkeypatch):
     """Triton's groups name files by absolute path: unpacked elsewhere, its cache manager must find the binary and
     the metadata there (a hit), and nothing of the IR that was left behind."""
     cache = pytest.importorskip("triton.runtime.cache")
@@ -43,15 +43,8 @@ def test_unpacked_groups_point_at_their_new_place(tmp_path):
     (src / "KEY2" / "k.autotune.json").write_text('{"configs": 1}')
     _run(src, "pack", str(tmp_path / "c.tar.xz"))
     _run(dst, "unpack", str(tmp_path / "c.tar.xz"))
-    old = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(dst)
-    try:
-        group = cache.FileCacheManager("KEY1").get_group("_k.json")
-    finally:
-        if old is None:
-            del os.environ["TRITON_CACHE_DIR"]
-        else:
-            os.environ["TRITON_CACHE_DIR"] = old
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(dst))  # Triton's cache manager reads it at construction
+    group = cache.FileCacheManager("KEY1").get_group("_k.json")
     assert group == {"_k.cubin": str(dst / "KEY1" / "_k.cubin"), "_k.json": str(dst / "KEY1" / "_k.json")}
     assert (dst / "KEY1" / "_k.cubin").read_bytes() == Path(sent["_k.cubin"]).read_bytes()
     assert (dst / "KEY2" / "k.autotune.json").read_text() == '{"configs": 1}'
