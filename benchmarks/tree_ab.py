@@ -30,6 +30,31 @@ SHAPES = "1x16384x32,4x4096x32,1x4096x12,1x16384x12,1x65536x12,1x8192x96,1x4096x
 ACCURACY = ((2048, 4), (8192, 4), (4096, 32))
 
 
+def inputs(bench, B: int, T: int, H: int, seed: int, dev: str):
+    """The benchmark's prefill inputs (`bench._tokens` of the tree's `bench.py`), an fp32 initial state, the flags."""
+    import torch
+
+    torch.manual_seed(seed)
+    q, k, v, g, beta, A_log, dt_bias = bench._tokens(B, T, H, H, dev)
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+                 A_log=A_log, dt_bias=dt_bias, lower_bound=bench.LOWER_BOUND)
+    h0 = torch.randn(B, H, 128, 128, device=dev) * 0.1
+    return q, k, v, g, beta, h0, flags
+
+
+def row(bench, kda, shape, dev: str):
+    """(name, call) of one shape: B x T x H dense, or the benchmark's own varlen row as `bench.py` builds it."""
+    import torch
+
+    if shape == "varlen":
+        torch.manual_seed(0)
+        case = next(c for c in bench.all_cases() if c.group == "varlen")
+        return case.name, bench.build(case, None, {}, dev)[0]["kda"]
+    B, T, H = shape
+    q, k, v, g, beta, h0, flags = inputs(bench, B, T, H, 0, dev)
+    return f"{B}x{T} H={H}", functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
+
+
 def child(tree: str, shapes: list) -> None:
     """Runs in the subprocess: times `tree`'s package and prints one JSON line."""
     sys.path.insert(0, os.path.join(tree, "benchmarks"))
@@ -43,27 +68,9 @@ def child(tree: str, shapes: list) -> None:
     dev = "cuda"
     timer = bench.Timer(warmup_ms=25, rep_ms=300)
 
-    def inputs(B, T, H, seed):
-        torch.manual_seed(seed)
-        q, k, v, g, beta, A_log, dt_bias = bench._tokens(B, T, H, H, dev)
-        flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-                     A_log=A_log, dt_bias=dt_bias, lower_bound=bench.LOWER_BOUND)
-        h0 = torch.randn(B, H, 128, 128, device=dev) * 0.1
-        return q, k, v, g, beta, h0, flags
-
-    def row(shape):
-        """(name, call) of one shape: B x T x H dense, or the benchmark's own varlen row as `bench.py` builds it."""
-        if shape == "varlen":
-            torch.manual_seed(0)
-            case = next(c for c in bench.all_cases() if c.group == "varlen")
-            return case.name, bench.build(case, None, {}, dev)[0]["kda"]
-        B, T, H = shape
-        q, k, v, g, beta, h0, flags = inputs(B, T, H, 0)
-        return f"{B}x{T} H={H}", functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
-
     rows = []
     for shape in shapes:
-        name, call = row(shape)
+        name, call = row(bench, kda, shape, dev)
 
         us = timer.graph(call)
         eager_us, (host_us, cpu_us) = timer.eager(call), timer.host(call)
@@ -80,7 +87,7 @@ def child(tree: str, shapes: list) -> None:
         torch.cuda.empty_cache()
     acc = []
     for T, H in ACCURACY:
-        q, k, v, g, beta, h0, flags = inputs(1, T, H, 3)
+        q, k, v, g, beta, h0, flags = inputs(bench, 1, T, H, 3, dev)
         o, s = kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)
         # the oracle computes in float64 from the call's own tensors (any tree's oracle takes them)
         ro, rs = ref.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)

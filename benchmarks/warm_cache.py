@@ -6,10 +6,8 @@ so that the device call finds them compiled (`scripts/triton_cache.py pack` then
 
 Run it under the GPU machine's Python and Triton (3.12, Triton 3.6.0: the cache key holds Triton's build and its
 Python extension), from this checkout; each TREE (as `tree_ab.py` takes them) in its own process, its `kda` first on
-the path. Each call is built as `tree_ab.py` builds it (bf16 q, k, v, fp32 g, Kimi's gate, q/k l2norm, beta sigmoid,
-a dense fp32 initial state and the final state; the benchmark's varlen row with `cu_seqlens` int64 on the device and
-no host bounds; tree_ab.py's accuracy calls; with `--bench` every row of the tree's `bench.py`,
-built by its own `build` on the meta device) on meta tensors, through the public call, planned for the H200
+the path. Each call is built by `tree_ab.py`'s own `row` and `inputs` (its shapes and accuracy calls; with `--bench`
+every row of the tree's `bench.py`, by its `build`) on the meta device, through the public call, planned for the H200
 (`offline_compile.py`'s sm_90 target; `--plan-device`: another GPU's plan, compiled for the H200) and caught at each
 launch, then compiled with the specialisation Triton's launch makes (`offline_compile.specialised`). A kernel
 compiled here that the GPU machine keys differently is compiled there again; nothing else changes.
@@ -18,23 +16,23 @@ compiled here that the GPU machine keys differently is compiled there again; not
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tree_ab import ACCURACY, SHAPES  # this checkout's benchmarks/ (the script's folder)
+import tree_ab  # this checkout's benchmarks/ (the script's folder): the calls it times
 
 HERE = Path(__file__).resolve().parent
-VARLEN = [1] * 12 + [1100, 1300, 900]  # bench.py's varlen row, H = 32
 
 
 def child(tree: str, shapes: list, bench_rows: bool, plan_device: str | None) -> None:
     sys.path[:0] = [tree, os.path.join(tree, "benchmarks")]
-    import torch
+    import bench  # the tree's, as kda: before this checkout's folders go on the path
     import triton
 
-    import kda  # the tree's, before offline_compile puts this checkout on the path
+    import kda
     import kda.plan as P
 
     sys.path.insert(0, str(HERE))
@@ -42,33 +40,19 @@ def child(tree: str, shapes: list, bench_rows: bool, plan_device: str | None) ->
 
     from kda.ops import launch as L
 
-    assert Path(kda.__file__).resolve().is_relative_to(Path(tree).resolve()), kda.__file__
+    for m in (kda, bench):
+        assert Path(m.__file__).resolve().is_relative_to(Path(tree).resolve()), m.__file__
     target = oc.TARGETS["sm_90"]
     device = target.device
     if plan_device is not None:  # another GPU's plan, compiled for the H200 (`kda.plan.plan_as`)
         capability, smem = P.PLAN_DEVICES[plan_device]
         device = P.DeviceInfo(device.sm_count, capability, smem)
     P.device_of = lambda call: device  # every call planned for the H200, whatever its tensors' device
-    K = V = 128
-
-    def meta(*shape, dtype=torch.bfloat16):
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def tree_ab_call(B, T, H, lengths=None):
-        N = B if lengths is None else len(lengths)
-        flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-                     A_log=meta(H, dtype=torch.float32), dt_bias=meta(H * K, dtype=torch.float32), lower_bound=-5.0)
-        if lengths is not None:
-            flags["cu_seqlens"] = meta(N + 1, dtype=torch.int64)
-        args = (meta(B, T, H, K), meta(B, T, H, K), meta(B, T, H, V), meta(B, T, H, K, dtype=torch.float32),
-                meta(B, T, H), None, meta(N, H, K, V, dtype=torch.float32), True)
-        return lambda: kda.chunk_kda(*args, **flags)
-
-    calls = [tree_ab_call(1, sum(VARLEN), 32, VARLEN) if s == "varlen" else tree_ab_call(*s) for s in shapes]
-    calls += [tree_ab_call(1, T, H) for T, H in ACCURACY]
+    calls = [tree_ab.row(bench, kda, s, "meta")[1] for s in shapes]
+    for T, H in tree_ab.ACCURACY:
+        q, k, v, g, beta, h0, flags = tree_ab.inputs(bench, 1, T, H, 3, "meta")
+        calls.append(functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags))
     if bench_rows:
-        import bench
-
         calls += [bench.build(case, None, {}, "meta")[0]["kda"] for case in bench.all_cases()]
     caught = []
     real = L.DirectKernel.launch
@@ -96,7 +80,7 @@ def child(tree: str, shapes: list, bench_rows: bool, plan_device: str | None) ->
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trees", nargs="+", metavar="TREE[:LABEL]")
-    p.add_argument("--shapes", default=SHAPES, help=f"as tree_ab.py's (default {SHAPES})")
+    p.add_argument("--shapes", default=tree_ab.SHAPES, help=f"as tree_ab.py's (default {tree_ab.SHAPES})")
     p.add_argument("--bench", action="store_true", help="also every row of bench.py (the tree's)")
     p.add_argument("--plan-device", default=None, help="plan as this device (bench.py's --plan-device: sm_80)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
