@@ -271,7 +271,7 @@ def prefill_plan(call: KDACall, device: DeviceInfo | None = None, **overrides) -
         plan = _beside_plan(plan, walk_BV != 64, tune)
     if overrides:
         plan = replace(plan, **overrides)
-        if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16):
+        if not plan.fold and (plan.prepare not in ("fused", "hopper") or plan.ws_dtype != torch.float16):
             raise ValueError("ChunkPlan.fold=False needs the fused prepare and fp16 workspaces")
         _check_device(plan, device)
     return plan, route(call, plan, device)

@@ -1,0 +1,252 @@
+"""The fused prepare of `chunk_kda` for Hopper (sm_90), in Gluon: the same stage as `chunk_prepare._chunk_prepare_kernel`
+(its `tl` twin, which the CPU tests hold to the oracle and every other device runs), for the plans `kda.plan` gives it
+(`ChunkPlan.prepare == "hopper"`: a dense call, Kimi's bounded gate with 16-bit inputs, b2 from the gate pass, fp16
+workspaces, K a multiple of 32). Imported only when the plan picks it, so `import kda` never needs Gluon.
+
+What Gluon lets this kernel do that `tl` did not:
+- All of A_kk (and A_qk) in one accumulator. The `tl` twin forms the diagonal 32 x 32 quadrants in one dot whose
+  off-diagonal quadrants overflow (each half anchored at its own middle row) and the lower-left quadrant in a second
+  accumulator, merged after the K loop. Here each K slice issues three tensor-core products into one accumulator:
+  the first half's rows against the first half's columns, the second's against the second's (the other half of
+  each operand zero, so no overflowed lane is ever multiplied), and the lower-left quadrant at the middle row's
+  anchor, all in tf32 with operands rounded to nearest: 32 fewer registers, no merge.
+- Asynchronous tensor-core products: A_kk's products run while A_qk's operands are formed, and A_qk's while the
+  slice's Qd, Kd (and Kr) are stored.
+- Kr kept in shared memory in fp16 (the dtype the twin parks it in, in M's rows of global memory) until M is formed,
+  and the fold's two products in fp16 with Xb times a power of two (its tf32-rounded entries fit fp16's significand
+  exactly; only entries 2^-29 below the largest lose bits): no round trip through global memory.
+The inverse of I + A_kk is the twin's (`_unit_lower_inverse_t`): the 4 x 4 diagonal blocks by their series, then four
+block merges, every product in tf32 with operands rounded to nearest.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from .launch import direct
+
+
+@gluon.jit
+def _tf32(x):
+    """fp32 `x` rounded to nearest at tf32's significand (`common.tf32_round`)."""
+    b = x.to(gl.int32, bitcast=True)
+    return ((b + 0x1000) & -8192).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _pow2_of(m):
+    """A power of two p with m p in [2^14, 2^15) (`common.pow2_of`)."""
+    e = (m.to(gl.int32, bitcast=True) >> 23) & 0xFF
+    return (gl.minimum(gl.maximum(268 - e, 1), 253) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _mma(a, b_smem, layout: gl.constexpr, acc_layout: gl.constexpr, M: gl.constexpr, N: gl.constexpr):
+    """a @ b for a register tile `a` (converted to `layout`, the A operand of `acc_layout`) and a shared-memory
+    operand, waited for."""
+    acc = gl.zeros([M, N], gl.float32, layout=acc_layout)
+    return warpgroup_mma(gl.convert_layout(a, layout), b_smem, acc, use_acc=False)
+
+
+@direct
+@gluon.jit
+def _chunk_prepare_hopper_kernel(
+    q, k, v, beta, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
+    T, N, NT, p0, scale,
+    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+    BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr,
+    USE_BETA_SIGMOID: gl.constexpr, SIGNAL_CHUNKS: gl.constexpr, FOLD: gl.constexpr, LAST_WAITS: gl.constexpr,
+):
+    """One program per (chunk, value head) of a dense call, 4 warps (one warpgroup): what `_chunk_prepare_kernel`
+    stores with B2_FROM_WS and fp16 workspaces (the module docstring says how it differs). SIGNAL_CHUNKS, FOLD and
+    LAST_WAITS as the twin's."""
+    gl.static_assert(BT == 64)
+    gl.static_assert(K % BK == 0)
+    HALF: gl.constexpr = BT // 2
+    NKS: gl.constexpr = K // BK
+    # elementwise work on [BT, BK] slices: 16-byte loads of fp32, 8-byte stores of fp16
+    BLK: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    ROW: gl.constexpr = gl.SliceLayout(1, BLK)
+    COL: gl.constexpr = gl.SliceLayout(0, BLK)
+    # tf32 products into [BT, BT]; fp16 ones into [BT, BK] (M) and [BT, BT] (N)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 8])
+    A32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+    MMA_M: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
+    A16_M: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_M, k_width=2)
+    MMA_N: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+    A16_N: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_N, k_width=2)
+    S_SLICE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    S_SQ: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    S_SQ16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    S_KR: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+
+    if SIGNAL_CHUNKS > 0:
+        i_p = gl.program_id(1)
+        i_hv = gl.program_id(0)
+    else:
+        i_p = gl.program_id(0)
+        i_hv = gl.program_id(1)
+    i_p += p0
+    i_h = i_hv // (HV // H)
+    i_n = i_p // NT
+    t0 = i_n.to(gl.int64) * T + (i_p % NT) * BT
+    n_rows = gl.minimum((i_n + 1).to(gl.int64) * T - t0, BT).to(gl.int32)
+
+    o_t = gl.arange(0, BT, layout=ROW)
+    o_c = gl.arange(0, BK, layout=COL)
+    row_ok = o_t < n_rows
+    m_rows = row_ok[:, None]
+    q_h = q + t0 * s_qt + i_h * s_qh
+    k_h = k + t0 * s_kt + i_h * s_kh
+    v_h = v + t0 * s_vt + i_hv * s_vh
+    ws_base = (t0 * HV + i_hv) * K
+    n_base = (t0 * HV + i_hv) * BT
+
+    # the norms pass (k, q, and max|V| for the walk's bound on D), every slice's loads issued together
+    ssk = gl.zeros([BT], gl.float32, layout=ROW)
+    ssq = gl.zeros([BT], gl.float32, layout=ROW)
+    v_abs = gl.zeros([BT, BK], gl.float32, layout=BLK)
+    for s in gl.static_range(NKS):
+        cols = s * BK + o_c
+        x = gl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
+        ssk += gl.sum(x * x, 1)
+        x = gl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
+        ssq += gl.sum(x * x, 1)
+    for c0 in gl.static_range(0, V, BK):
+        cols = c0 + o_c
+        x = gl.load(v_h + o_t[:, None] * s_vt + cols[None, :], mask=m_rows & (cols < V)[None, :], other=0.0)
+        v_abs = gl.maximum(v_abs, gl.abs(x.to(gl.float32)))
+    v_max = gl.max(gl.max(v_abs, 1), 0)
+    rk = 1.0 / gl.sqrt(ssk + 1e-6)
+    rq = (1.0 / gl.sqrt(ssq + 1e-6)) * scale
+    b_beta = gl.load(beta + t0 * s_bt + o_t * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(gl.float32)
+    if USE_BETA_SIGMOID:
+        b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
+    b_beta = gl.where(row_ok, b_beta, 0.0)
+
+    # the K loop: A_kk and A_qk in one accumulator each (three products a slice: module docstring)
+    b_s = gl.allocate_shared_memory(gl.float32, [3, BT, BK], S_SLICE)
+    a_s = gl.allocate_shared_memory(gl.float32, [6, BT, BK], S_SLICE)
+    kr_s = gl.allocate_shared_memory(gl.float16, [NKS, BT, BK], S_KR)
+    acc_kk = gl.zeros([BT, BT], gl.float32, layout=MMA)
+    acc_qk = gl.zeros([BT, BT], gl.float32, layout=MMA)
+    first = (o_t < HALF)[:, None]
+    last_row = n_rows - 1
+    b2_rows = gl.minimum(o_t, last_row)  # rows past the sequence take its last row's b2
+    b2_h = b2_ws + ws_base
+    for s in gl.static_range(NKS):
+        cols = s * BK + o_c
+        b2 = gl.load(b2_h + b2_rows[:, None] * (HV * K) + cols[None, :])
+        b2_q1 = gl.load(b2_h + gl.minimum(HALF // 2, last_row) * (HV * K) + cols)
+        b2_q3 = gl.load(b2_h + gl.minimum(HALF + HALF // 2, last_row) * (HV * K) + cols)
+        b2_mid = gl.load(b2_h + gl.minimum(HALF, last_row) * (HV * K) + cols)
+        b2_last = gl.load(b2_h + last_row * (HV * K) + cols)
+        kn = gl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
+        kn = kn * rk[:, None]
+        anc = gl.where(first, b2_q1[None, :], b2_q3[None, :])
+        e_row = gl.exp2(b2 - anc)
+        kc = _tf32(kn * gl.exp2(anc - b2))
+        # the lower-left quadrant at the middle row: both factors <= 1 where kept (the selects drop the rest)
+        x_row = gl.where(first, 0.0, gl.exp2(b2 - b2_mid[None, :]))
+        b_s.index(0).store(gl.where(first, kc, 0.0))
+        b_s.index(1).store(gl.where(first, 0.0, kc))
+        b_s.index(2).store(gl.where(first, _tf32(kn * gl.exp2(b2_mid[None, :] - b2)), 0.0))
+        a = _tf32(kn * e_row)
+        a_s.index(0).store(gl.where(first, a, 0.0))
+        a_s.index(1).store(gl.where(first, 0.0, a))
+        a_s.index(2).store(_tf32(kn * x_row))
+        qn = gl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
+        qn = qn * rq[:, None]
+        a = _tf32(qn * e_row)
+        a_s.index(3).store(gl.where(first, a, 0.0))
+        a_s.index(4).store(gl.where(first, 0.0, a))
+        a_s.index(5).store(_tf32(qn * x_row))
+        fence_async_shared()
+        for i in gl.static_range(3):
+            acc_kk = warpgroup_mma(a_s.index(i), b_s.index(i).permute((1, 0)), acc_kk, is_async=True)
+        for i in gl.static_range(3):
+            acc_qk = warpgroup_mma(a_s.index(3 + i), b_s.index(i).permute((1, 0)), acc_qk, is_async=True)
+        # what the walk reads, while the products run
+        d = gl.exp2(b2)
+        offs = ws_base + o_t[:, None] * (HV * K) + cols[None, :]
+        gl.store(qd_ws + offs, (qn * d).to(gl.float16), mask=m_rows)
+        gl.store(kd_ws + offs, (kn * d).to(gl.float16), mask=m_rows)
+        kr = (kn * gl.exp2(b2_last[None, :] - b2)).to(gl.float16)
+        if FOLD:
+            kr_s.index(s).store(kr)
+        else:
+            gl.store(m_ws + offs, kr, mask=m_rows)
+        acc_kk, acc_qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_kk, acc_qk))
+
+    # L = A_kk diag(beta) strictly below the diagonal; A_qk on and below it, held in fp16
+    r = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA))[:, None]
+    c = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))[None, :]
+    beta_m = gl.convert_layout(b_beta, gl.SliceLayout(1, MMA))[:, None]
+    valid = (r < n_rows) & (c < n_rows)
+    L = gl.where(valid & (c < r), acc_kk * beta_m, 0.0)
+    A_qk = gl.where(valid & (c <= r), acc_qk, 0.0).to(gl.float16)
+
+    # Y = X^T, X = (I + L)^-1 (`chunk_prepare._unit_lower_inverse_t`): L^T is every first product's column operand
+    l_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ, _tf32(L))
+    y_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ)
+    fence_async_shared()
+    LrT = l_s.permute((1, 0))
+    eye = gl.where(r == c, 1.0, 0.0)
+    blk = (r // BC) == (c // BC)
+    Y = eye - gl.where(blk, l_s.permute((1, 0)).load(MMA), 0.0)
+    for _ in gl.static_range(2, BC):
+        Y = eye - gl.where(blk, _mma(_tf32(Y), LrT, A32, MMA, BT, BT), 0.0)
+    NB: gl.constexpr = BT // BC
+    for lvl in gl.static_range(0, 4):
+        if (1 << lvl) < NB:
+            w = BC << lvl
+            Yr = _tf32(Y)
+            Yu = gl.where((r // w) % 2 == 0, Yr, 0.0)
+            upper_right = ((r // (2 * w)) == (c // (2 * w))) & ((r // w) % 2 == 0) & ((c // w) % 2 == 1)
+            Hm = gl.where(upper_right, _mma(Yu, LrT, A32, MMA, BT, BT), 0.0)
+            y_s.store(gl.permute(Yr, (1, 0)))
+            fence_async_shared()
+            Y = Y - _mma(_tf32(Hm), y_s.permute((1, 0)), A32, MMA, BT, BT)
+    XbT = _tf32(Y * beta_m)
+
+    sc = sc_ws + (i_p * HV + i_hv) * 4
+    if FOLD:
+        # N = A_qk Xb and M = Xb^T Kr in fp16, Xb times px (exact: XbT is rounded to 11 bits)
+        px = _pow2_of(gl.max(gl.max(gl.abs(XbT), 1), 0))
+        pm = _pow2_of(gl.max(gl.sum(gl.abs(XbT), 1), 0))
+        xb16 = (XbT * px).to(gl.float16)
+        x_s = gl.allocate_shared_memory(gl.float16, [BT, BT], S_SQ16, xb16)
+        fence_async_shared()
+        Nm = _mma(A_qk, x_s.permute((1, 0)), A16_N, MMA_N, BT, BT) * (1.0 / px)
+        pn = _pow2_of(gl.max(gl.max(gl.abs(Nm), 1), 0))
+        rn = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA_N))[:, None]
+        cn = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA_N))[None, :]
+        gl.store(n_ws + n_base + rn * (HV * BT) + cn, (Nm * pn).to(gl.float16), mask=rn < n_rows)
+        rm = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA_M))[:, None]
+        cm = gl.arange(0, BK, layout=gl.SliceLayout(0, MMA_M))[None, :]
+        f = pm / px
+        for s in gl.static_range(NKS):
+            Mm = _mma(xb16, kr_s.index(s), A16_M, MMA_M, BT, BK)
+            gl.store(m_ws + ws_base + rm * (HV * K) + s * BK + cm, (Mm * f).to(gl.float16), mask=rm < n_rows)
+        gl.store(sc, 1.0 / pm)
+        gl.store(sc + 1, 1.0 / pn)
+    else:
+        # A_qk into N's rows, Xb px into x_ws's (XbT's element (r, c) at row c, column r), Kr left in M's rows
+        gl.store(n_ws + n_base + r * (HV * BT) + c, A_qk, mask=r < n_rows)
+        px = _pow2_of(gl.max(gl.max(gl.abs(XbT), 1), 0))
+        gl.store(x_ws + n_base + c * (HV * BT) + r, (XbT * px).to(gl.float16), mask=c < n_rows)
+        gl.store(sc, 1.0 / px)
+        gl.store(sc + 1, gl.max(gl.sum(gl.abs(XbT), 0), 0))
+    gl.store(sc + 2, v_max)
+    if SIGNAL_CHUNKS > 0:
+        gl.thread_barrier()  # every thread's stores before the count
+        W: gl.constexpr = SIGNAL_CHUNKS
+        cnt = ready + (i_n * gl.cdiv(NT, W) + (i_p % NT) // W) * HV + i_hv
+        gl.atomic_add(cnt, 1, sem="release", scope="gpu")
+        if LAST_WAITS:
+            if (i_p == N * NT - 1) & (i_hv == HV - 1):
+                gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)
