@@ -235,11 +235,11 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
                 after_gate()  # the walk forks before the last launch: it starts once the chunks before are stored
             if plan.prepare == "hopper":
                 _hopper_prepare()[(HV, n_p) if signal else (n_p, HV)](
-                    q, k, v, beta, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
+                    q, k, v, beta, cu, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
                     *strides, *v_strides, *g_beta[2:], T, N, NT, p0, call.scale,
-                    H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK,
+                    H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short,
                     USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, SIGNAL_CHUNKS=signal, FOLD=plan.fold,
-                    LAST_WAITS=signal > 0 and plan.spin, num_warps=4,
+                    LAST_WAITS=signal > 0 and plan.spin, num_warps=4, **HOPPER_VARIANT,
                 )
                 continue
             _chunk_prepare_kernel[(HV, n_p) if signal else (n_p, HV)](
@@ -266,6 +266,9 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
             T, N, NT, HV=HV, K=K, V=V, BT=BT, BC=SUB, BK=min(32, BK), INV_PREC="ieee", SIGNAL_CHUNKS=signal,
             num_warps=4, num_stages=1, **common,
         )
+
+
+HOPPER_VARIANT: dict = {}  # probe only (benchmarks/hopper_probe.py): STAGE, SMEM_A of the Gluon prepare
 
 
 @functools.cache

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .launch import direct
@@ -50,15 +51,133 @@ def _mma(a, b_smem, layout: gl.constexpr, acc_layout: gl.constexpr, M: gl.conste
     return warpgroup_mma(gl.convert_layout(a, layout), b_smem, acc, use_acc=False)
 
 
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _seq_bounds(cu_seqlens, i_n, T):
+    """`common.seq_bounds` of a varlen call: [bos, eos) from the device bounds, -1 both when out of range."""
+    bos = gl.load(cu_seqlens + i_n).to(gl.int64)
+    eos = gl.load(cu_seqlens + i_n + 1).to(gl.int64)
+    bad = (bos < 0) | (eos < bos) | (eos > T)
+    return gl.where(bad, -1, bos), gl.where(bad, -1, eos)
+
+
+@gluon.jit
+def _kept_chunk(cu_seqlens, i, N, SHORT: gl.constexpr, BT: gl.constexpr):
+    """`common.kept_item` for chunk programs: (sequence, or -1 past the last; chunk index in it) of item i among
+    the BT-token chunks of the sequences longer than SHORT, by a scan of the bounds."""
+    L1: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+    seen = i * 0
+    i_n = i * 0 - 1
+    i_t = i * 0
+    for j0 in range(0, N, 1024):
+        j = j0 + gl.arange(0, 1024, layout=L1)
+        ok = j < N
+        n = (gl.load(cu_seqlens + j + 1, mask=ok, other=0) - gl.load(cu_seqlens + j, mask=ok, other=0)).to(gl.int32)
+        cnt = gl.where(ok & (n > SHORT), (n + BT - 1) // BT, 0)
+        end = gl.associative_scan(cnt, 0, _add) + seen
+        hit = (cnt > 0) & (end > i) & (end - cnt <= i)
+        i_n = gl.maximum(i_n, gl.max(gl.where(hit, j, -1), 0))
+        i_t = gl.maximum(i_t, gl.max(gl.where(hit, i - (end - cnt), 0), 0))
+        seen += gl.sum(cnt, 0)
+    return i_n, i_t
+
+
+@gluon.jit
+def _locate(i_p, cu_seqlens, N, T, NT, IS_VARLEN: gl.constexpr, BT: gl.constexpr, SHORT: gl.constexpr):
+    """`chunk_prepare._locate_chunk`: (sequence, the chunk's first token, the sequence's end, the chunk's program
+    in the full grid) of chunk program i_p; t0 >= eos where there is no chunk."""
+    if IS_VARLEN:
+        if SHORT > 0:
+            i_n, i_t = _kept_chunk(cu_seqlens, i_p, N, SHORT, BT)
+            bos, eos = _seq_bounds(cu_seqlens, gl.maximum(i_n, 0), T)
+            t0 = gl.where((i_n < 0) | (eos < 0), eos, bos + i_t * BT)
+            p = (bos // BT + i_n + (t0 - bos) // BT).to(gl.int32)
+        else:
+            lo = i_p * 0
+            hi = lo + N
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                f_mid = gl.load(cu_seqlens + mid).to(gl.int64) // BT + mid
+                ok = f_mid <= i_p
+                lo = gl.where(ok, mid, lo)
+                hi = gl.where(ok, hi, mid)
+            i_n = lo
+            bos, eos = _seq_bounds(cu_seqlens, i_n, T)
+            i_t = i_p - (bos // BT + i_n)
+            t0 = gl.where((eos < 0) | (i_t < 0), eos, bos + i_t * BT)
+            p = i_p
+    else:
+        i_n = i_p // NT
+        t0 = i_n.to(gl.int64) * T + (i_p % NT) * BT
+        eos = (i_n + 1).to(gl.int64) * T
+        p = i_p
+    return i_n, t0, eos, p
+
+
+@gluon.jit
+def _one_row_chunk(q_h, k_h, b2_h, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq, b_beta, o_t, o_c,
+                   K: gl.constexpr, BK: gl.constexpr, FOLD: gl.constexpr):
+    """`chunk_prepare._one_row_chunk` (fp16 workspaces, b2 from the gate pass): a chunk of one token stores its rows
+    without a product, exact in fp32 (A_kk = 0, X = I, Xb = beta)."""
+    first = o_t == 0
+    rk0 = gl.sum(gl.where(first, rk, 0.0), 0)
+    rq0 = gl.sum(gl.where(first, rq, 0.0), 0)
+    beta0 = gl.sum(gl.where(first, b_beta, 0.0), 0)
+    pm = _pow2_of(gl.abs(beta0))
+    m_row = beta0 * pm
+    if not FOLD:
+        m_row = 1.0  # M's rows hold Kr: k~
+    aqk = 0.0
+    for s in gl.static_range(K // BK):
+        cols = s * BK + o_c
+        kn = gl.load(k_h + cols).to(gl.float32) * rk0
+        qn = gl.load(q_h + cols).to(gl.float32) * rq0
+        d = gl.exp2(gl.load(b2_h + cols))
+        gl.store(qd_ws + ws_base + cols, (qn * d).to(gl.float16))
+        gl.store(kd_ws + ws_base + cols, (kn * d).to(gl.float16))
+        gl.store(m_ws + ws_base + cols, (kn * m_row).to(gl.float16))
+        aqk += gl.sum(qn * kn, 0)
+    if FOLD:
+        n00 = aqk * beta0
+        pn = _pow2_of(gl.abs(n00))
+        gl.store(n_ws + n_base + o_t, gl.where(first, n00 * pn, 0.0).to(gl.float16))
+        gl.store(sc, 1.0 / pm)
+        gl.store(sc + 1, 1.0 / pn)
+    else:  # A_qk's row [scale q~.k~, 0, ...], Xb = [[beta]] times px = pm
+        gl.store(n_ws + n_base + o_t, gl.where(first, aqk, 0.0).to(gl.float16))
+        gl.store(x_ws + n_base + o_t, gl.where(first, beta0 * pm, 0.0).to(gl.float16))
+        gl.store(sc, 1.0 / pm)
+        gl.store(sc + 1, gl.abs(beta0))
+
+
+@gluon.jit
+def _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV: gl.constexpr, BT: gl.constexpr, W: gl.constexpr,
+                 LAST_WAITS: gl.constexpr):
+    """`chunk_prepare._count_chunk` and `_finish`: the chunk counted into its group's counter (release, after a
+    barrier), and the grid's last program waiting for the grid it was launched after."""
+    gl.thread_barrier()  # every thread's stores before the count
+    cnt = ready + (i_n * gl.cdiv(NT, W) + ((t0 - i_n.to(gl.int64) * T) // BT) // W) * HV + i_hv
+    gl.atomic_add(cnt, 1, sem="release", scope="gpu")
+    if LAST_WAITS:
+        if (i_p == N * NT - 1) & (i_hv == HV - 1):
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+
+
 @direct
 @gluon.jit
 def _chunk_prepare_hopper_kernel(
-    q, k, v, beta, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
+    q, k, v, beta, cu_seqlens, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
     T, N, NT, p0, scale,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-    BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr,
+    BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr, IS_VARLEN: gl.constexpr, SHORT: gl.constexpr,
     USE_BETA_SIGMOID: gl.constexpr, SIGNAL_CHUNKS: gl.constexpr, FOLD: gl.constexpr, LAST_WAITS: gl.constexpr,
+    STAGE: gl.constexpr = True, SMEM_A: gl.constexpr = True,
 ):
     """One program per (chunk, value head) of a dense call, 4 warps (one warpgroup): what `_chunk_prepare_kernel`
     stores with B2_FROM_WS and fp16 workspaces (the module docstring says how it differs). SIGNAL_CHUNKS, FOLD and
@@ -82,6 +201,11 @@ def _chunk_prepare_hopper_kernel(
     S_SQ: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     S_SQ16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     S_KR: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    # the chunk's k, q and b2, copied in at the start (STAGE): rows read by BLK's 4-element pieces, swizzled
+    S_IN: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    # b2's anchor rows (16, 48, 32, 63, clamped to the sequence), unswizzled so that a row is a slice
+    S_ANC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    ANC: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 4], [1, 0])
 
     if SIGNAL_CHUNKS > 0:
         i_p = gl.program_id(1)
@@ -91,9 +215,10 @@ def _chunk_prepare_hopper_kernel(
         i_hv = gl.program_id(1)
     i_p += p0
     i_h = i_hv // (HV // H)
-    i_n = i_p // NT
-    t0 = i_n.to(gl.int64) * T + (i_p % NT) * BT
-    n_rows = gl.minimum((i_n + 1).to(gl.int64) * T - t0, BT).to(gl.int32)
+    i_n, t0, eos, i_p = _locate(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
+    if t0 >= eos:
+        return
+    n_rows = gl.minimum(eos - t0, BT).to(gl.int32)
 
     o_t = gl.arange(0, BT, layout=ROW)
     o_c = gl.arange(0, BK, layout=COL)
@@ -105,15 +230,52 @@ def _chunk_prepare_hopper_kernel(
     ws_base = (t0 * HV + i_hv) * K
     n_base = (t0 * HV + i_hv) * BT
 
+    last_row = n_rows - 1
+    b2_rows = gl.minimum(o_t, last_row)  # rows past the sequence take its last row's b2
+    b2_h = b2_ws + ws_base
+    if STAGE:
+        # every load of the chunk issued at once, into shared memory: k and q (one group), then b2 slice by slice
+        # (a group each), so the K loop waits for nothing but its own slice. Rows past the sequence: k and q
+        # zero-filled (masked copies), b2 the last row's, so the anchor rows are static rows of the tile
+        k_s = gl.allocate_shared_memory(k.dtype.element_ty, [NKS, BT, BK], S_IN)
+        q_s = gl.allocate_shared_memory(q.dtype.element_ty, [NKS, BT, BK], S_IN)
+        b2_s = gl.allocate_shared_memory(gl.float32, [NKS, BT, BK], S_IN)
+        for s in gl.static_range(NKS):
+            cols = s * BK + o_c
+            async_copy.async_copy_global_to_shared(k_s.index(s), k_h + o_t[:, None] * s_kt + cols[None, :],
+                                                   mask=m_rows)
+            async_copy.async_copy_global_to_shared(q_s.index(s), q_h + o_t[:, None] * s_qt + cols[None, :],
+                                                   mask=m_rows)
+        async_copy.commit_group()
+        anc_s = gl.allocate_shared_memory(gl.float32, [NKS, 8, BK], S_ANC)
+        j = gl.arange(0, 8, layout=gl.SliceLayout(1, ANC))
+        r_anc = gl.where(j == 0, HALF // 2, gl.where(j == 1, HALF + HALF // 2, gl.where(j == 2, HALF, BT - 1)))
+        r_anc = gl.minimum(r_anc, last_row)
+        c_anc = gl.arange(0, BK, layout=gl.SliceLayout(0, ANC))
+        for s in gl.static_range(NKS):
+            cols = s * BK + o_c
+            async_copy.async_copy_global_to_shared(b2_s.index(s), b2_h + b2_rows[:, None] * (HV * K) + cols[None, :])
+            async_copy.async_copy_global_to_shared(anc_s.index(s),
+                                                   b2_h + r_anc[:, None] * (HV * K) + (s * BK + c_anc)[None, :])
+            async_copy.commit_group()
+
     # the norms pass (k, q, and max|V| for the walk's bound on D), every slice's loads issued together
     ssk = gl.zeros([BT], gl.float32, layout=ROW)
     ssq = gl.zeros([BT], gl.float32, layout=ROW)
     v_abs = gl.zeros([BT, BK], gl.float32, layout=BLK)
+    if STAGE:
+        async_copy.wait_group(NKS)
     for s in gl.static_range(NKS):
         cols = s * BK + o_c
-        x = gl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
+        if STAGE:
+            x = k_s.index(s).load(BLK).to(gl.float32)
+        else:
+            x = gl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
         ssk += gl.sum(x * x, 1)
-        x = gl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
+        if STAGE:
+            x = q_s.index(s).load(BLK).to(gl.float32)
+        else:
+            x = gl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
         ssq += gl.sum(x * x, 1)
     for c0 in gl.static_range(0, V, BK):
         cols = c0 + o_c
@@ -127,54 +289,96 @@ def _chunk_prepare_hopper_kernel(
         b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
     b_beta = gl.where(row_ok, b_beta, 0.0)
 
+    if n_rows == 1:  # one token (a decode step inside a varlen batch, a sequence's last token alone in its chunk)
+        if STAGE:
+            async_copy.wait_group(0)  # no copy outlives the program
+        sc1 = sc_ws + (i_p * HV + i_hv) * 4
+        _one_row_chunk(q_h, k_h, b2_h, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc1, ws_base, n_base, rk, rq, b_beta,
+                       o_t, o_c, K, BK, FOLD)
+        gl.store(sc1 + 2, v_max)
+        if SIGNAL_CHUNKS > 0:
+            _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV, BT, SIGNAL_CHUNKS, LAST_WAITS)
+        return
+
     # the K loop: A_kk and A_qk in one accumulator each (three products a slice: module docstring)
     b_s = gl.allocate_shared_memory(gl.float32, [3, BT, BK], S_SLICE)
-    a_s = gl.allocate_shared_memory(gl.float32, [6, BT, BK], S_SLICE)
+    if SMEM_A:
+        a_s = gl.allocate_shared_memory(gl.float32, [6, BT, BK], S_SLICE)
     kr_s = gl.allocate_shared_memory(gl.float16, [NKS, BT, BK], S_KR)
     acc_kk = gl.zeros([BT, BT], gl.float32, layout=MMA)
     acc_qk = gl.zeros([BT, BT], gl.float32, layout=MMA)
     first = (o_t < HALF)[:, None]
-    last_row = n_rows - 1
-    b2_rows = gl.minimum(o_t, last_row)  # rows past the sequence take its last row's b2
-    b2_h = b2_ws + ws_base
     for s in gl.static_range(NKS):
         cols = s * BK + o_c
-        b2 = gl.load(b2_h + b2_rows[:, None] * (HV * K) + cols[None, :])
-        b2_q1 = gl.load(b2_h + gl.minimum(HALF // 2, last_row) * (HV * K) + cols)
-        b2_q3 = gl.load(b2_h + gl.minimum(HALF + HALF // 2, last_row) * (HV * K) + cols)
-        b2_mid = gl.load(b2_h + gl.minimum(HALF, last_row) * (HV * K) + cols)
-        b2_last = gl.load(b2_h + last_row * (HV * K) + cols)
-        kn = gl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
+        if STAGE:
+            async_copy.wait_group(NKS - 1 - s)
+            b2_t = b2_s.index(s)
+            b2 = b2_t.load(BLK)
+            a_t = anc_s.index(s)
+            b2_q1 = a_t.slice(0, 1).load(BLK)
+            b2_q3 = a_t.slice(1, 1).load(BLK)
+            b2_mid = a_t.slice(2, 1).load(BLK)
+            b2_last = a_t.slice(3, 1).load(BLK)
+            kn = k_s.index(s).load(BLK).to(gl.float32)
+        else:
+            b2 = gl.load(b2_h + b2_rows[:, None] * (HV * K) + cols[None, :])
+            b2_q1 = gl.load(b2_h + gl.minimum(HALF // 2, last_row) * (HV * K) + cols)[None, :]
+            b2_q3 = gl.load(b2_h + gl.minimum(HALF + HALF // 2, last_row) * (HV * K) + cols)[None, :]
+            b2_mid = gl.load(b2_h + gl.minimum(HALF, last_row) * (HV * K) + cols)[None, :]
+            b2_last = gl.load(b2_h + last_row * (HV * K) + cols)[None, :]
+            kn = gl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
         kn = kn * rk[:, None]
-        anc = gl.where(first, b2_q1[None, :], b2_q3[None, :])
+        anc = gl.where(first, b2_q1, b2_q3)
         e_row = gl.exp2(b2 - anc)
         kc = _tf32(kn * gl.exp2(anc - b2))
         # the lower-left quadrant at the middle row: both factors <= 1 where kept (the selects drop the rest)
-        x_row = gl.where(first, 0.0, gl.exp2(b2 - b2_mid[None, :]))
+        x_row = gl.where(first, 0.0, gl.exp2(b2 - b2_mid))
         b_s.index(0).store(gl.where(first, kc, 0.0))
         b_s.index(1).store(gl.where(first, 0.0, kc))
-        b_s.index(2).store(gl.where(first, _tf32(kn * gl.exp2(b2_mid[None, :] - b2)), 0.0))
+        b_s.index(2).store(gl.where(first, _tf32(kn * gl.exp2(b2_mid - b2)), 0.0))
         a = _tf32(kn * e_row)
-        a_s.index(0).store(gl.where(first, a, 0.0))
-        a_s.index(1).store(gl.where(first, 0.0, a))
-        a_s.index(2).store(_tf32(kn * x_row))
-        qn = gl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
+        ax = _tf32(kn * x_row)
+        if SMEM_A:
+            a_s.index(0).store(gl.where(first, a, 0.0))
+            a_s.index(1).store(gl.where(first, 0.0, a))
+            a_s.index(2).store(ax)
+        else:
+            fence_async_shared()
+            acc_kk = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32), b_s.index(0).permute((1, 0)),
+                                   acc_kk, is_async=True)
+            acc_kk = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32), b_s.index(1).permute((1, 0)),
+                                   acc_kk, is_async=True)
+            acc_kk = warpgroup_mma(gl.convert_layout(ax, A32), b_s.index(2).permute((1, 0)), acc_kk, is_async=True)
+        if STAGE:
+            qn = q_s.index(s).load(BLK).to(gl.float32)
+        else:
+            qn = gl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
         qn = qn * rq[:, None]
+        if not SMEM_A:
+            acc_kk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_kk,))
         a = _tf32(qn * e_row)
-        a_s.index(3).store(gl.where(first, a, 0.0))
-        a_s.index(4).store(gl.where(first, 0.0, a))
-        a_s.index(5).store(_tf32(qn * x_row))
-        fence_async_shared()
-        for i in gl.static_range(3):
-            acc_kk = warpgroup_mma(a_s.index(i), b_s.index(i).permute((1, 0)), acc_kk, is_async=True)
-        for i in gl.static_range(3):
-            acc_qk = warpgroup_mma(a_s.index(3 + i), b_s.index(i).permute((1, 0)), acc_qk, is_async=True)
+        ax = _tf32(qn * x_row)
+        if SMEM_A:
+            a_s.index(3).store(gl.where(first, a, 0.0))
+            a_s.index(4).store(gl.where(first, 0.0, a))
+            a_s.index(5).store(ax)
+            fence_async_shared()
+            for i in gl.static_range(3):
+                acc_kk = warpgroup_mma(a_s.index(i), b_s.index(i).permute((1, 0)), acc_kk, is_async=True)
+            for i in gl.static_range(3):
+                acc_qk = warpgroup_mma(a_s.index(3 + i), b_s.index(i).permute((1, 0)), acc_qk, is_async=True)
+        else:
+            acc_qk = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32), b_s.index(0).permute((1, 0)),
+                                   acc_qk, is_async=True)
+            acc_qk = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32), b_s.index(1).permute((1, 0)),
+                                   acc_qk, is_async=True)
+            acc_qk = warpgroup_mma(gl.convert_layout(ax, A32), b_s.index(2).permute((1, 0)), acc_qk, is_async=True)
         # what the walk reads, while the products run
         d = gl.exp2(b2)
         offs = ws_base + o_t[:, None] * (HV * K) + cols[None, :]
         gl.store(qd_ws + offs, (qn * d).to(gl.float16), mask=m_rows)
         gl.store(kd_ws + offs, (kn * d).to(gl.float16), mask=m_rows)
-        kr = (kn * gl.exp2(b2_last[None, :] - b2)).to(gl.float16)
+        kr = (kn * gl.exp2(b2_last - b2)).to(gl.float16)
         if FOLD:
             kr_s.index(s).store(kr)
         else:
@@ -242,11 +446,4 @@ def _chunk_prepare_hopper_kernel(
         gl.store(sc + 1, gl.max(gl.sum(gl.abs(XbT), 0), 0))
     gl.store(sc + 2, v_max)
     if SIGNAL_CHUNKS > 0:
-        gl.thread_barrier()  # every thread's stores before the count
-        W: gl.constexpr = SIGNAL_CHUNKS
-        cnt = ready + (i_n * gl.cdiv(NT, W) + (i_p % NT) // W) * HV + i_hv
-        gl.atomic_add(cnt, 1, sem="release", scope="gpu")
-        if LAST_WAITS:
-            if (i_p == N * NT - 1) & (i_hv == HV - 1):
-                gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                          is_pure=False, pack=1)
+        _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV, BT, SIGNAL_CHUNKS, LAST_WAITS)
