@@ -18,8 +18,10 @@ import kda.replay  # noqa: E402
 import kda_reference as ref  # noqa: E402
 
 VARIANTS = {"tl": None, "v2": dict(STAGE=False, SMEM_A=False), "v3": dict(STAGE=False, SMEM_A=True),
-            "v4": dict(STAGE=True, SMEM_A=False)}
-MODES = [m for m in (sys.argv[1].split(",") if len(sys.argv) > 1 else VARIANTS)]
+            "v4": dict(STAGE=True, SMEM_A=False),
+            "v5": dict(STAGE=True, SMEM_A=False, num_warps=8),  # 151-164 registers: one program an SM
+            "v6": dict(STAGE=True, SMEM_A=False, num_warps=8, maxnreg=128)}  # two an SM, 176-312 bytes of spills
+MODES = sys.argv[1].split(",") if len(sys.argv) > 1 else ["tl", "v2", "v4", "v5", "v6"]
 MODE = {"p": "tl"}
 _orig = P.prefill_plan
 

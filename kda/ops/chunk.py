@@ -239,7 +239,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
                     *strides, *v_strides, *g_beta[2:], T, N, NT, p0, call.scale,
                     H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short,
                     USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, SIGNAL_CHUNKS=signal, FOLD=plan.fold,
-                    LAST_WAITS=signal > 0 and plan.spin, num_warps=4, **HOPPER_VARIANT,
+                    LAST_WAITS=signal > 0 and plan.spin, **{"num_warps": 4, **HOPPER_VARIANT},
                 )
                 continue
             _chunk_prepare_kernel[(HV, n_p) if signal else (n_p, HV)](
@@ -268,7 +268,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
         )
 
 
-HOPPER_VARIANT: dict = {}  # probe only (benchmarks/hopper_probe.py): STAGE, SMEM_A of the Gluon prepare
+HOPPER_VARIANT: dict = {}  # probe only (benchmarks/hopper_probe.py): STAGE, SMEM_A, num_warps, maxnreg
 
 
 @functools.cache

@@ -69,7 +69,7 @@ def _seq_bounds(cu_seqlens, i_n, T):
 def _kept_chunk(cu_seqlens, i, N, SHORT: gl.constexpr, BT: gl.constexpr):
     """`common.kept_item` for chunk programs: (sequence, or -1 past the last; chunk index in it) of item i among
     the BT-token chunks of the sequences longer than SHORT, by a scan of the bounds."""
-    L1: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+    L1: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
     seen = i * 0
     i_n = i * 0 - 1
     i_t = i * 0
@@ -187,15 +187,19 @@ def _chunk_prepare_hopper_kernel(
     HALF: gl.constexpr = BT // 2
     NKS: gl.constexpr = K // BK
     # elementwise work on [BT, BK] slices: 16-byte loads of fp32, 8-byte stores of fp16
-    BLK: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    NW: gl.constexpr = gl.num_warps()  # 4 (one warpgroup) or 8 (two, each product's columns split between them)
+    BLK: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, BLK)
     COL: gl.constexpr = gl.SliceLayout(0, BLK)
     # tf32 products into [BT, BT]; fp16 ones into [BT, BK] (M) and [BT, BT] (N)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 8])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
+                                                  instr_shape=[16, BT // (NW // 4), 8])
     A32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
-    MMA_M: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
+    MMA_M: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
+                                                    instr_shape=[16, BK // (NW // 4), 16])
     A16_M: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_M, k_width=2)
-    MMA_N: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+    MMA_N: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
+                                                    instr_shape=[16, BT // (NW // 4), 16])
     A16_N: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_N, k_width=2)
     S_SLICE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     S_SQ: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
@@ -205,7 +209,7 @@ def _chunk_prepare_hopper_kernel(
     S_IN: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
     # b2's anchor rows (16, 48, 32, 63, clamped to the sequence), unswizzled so that a row is a slice
     S_ANC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    ANC: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 4], [1, 0])
+    ANC: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, NW], [1, 0])
 
     if SIGNAL_CHUNKS > 0:
         i_p = gl.program_id(1)
