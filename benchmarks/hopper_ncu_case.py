@@ -1,4 +1,4 @@
-"""One 1x16384 H=32 call twice in mode argv[1] (tl, v2 .. v6) for Nsight Compute (benchmarks/hopper_ncu.sh)."""
+"""One 1x16384 H=32 call twice in mode argv[1] (tl, v4 .. v7) for Nsight Compute (benchmarks/hopper_ncu.sh)."""
 import sys
 
 sys.argv = [sys.argv[0], sys.argv[1]]

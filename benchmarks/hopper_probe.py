@@ -17,11 +17,12 @@ import kda.plan as P  # noqa: E402
 import kda.replay  # noqa: E402
 import kda_reference as ref  # noqa: E402
 
-VARIANTS = {"tl": None, "v2": dict(STAGE=False, SMEM_A=False), "v3": dict(STAGE=False, SMEM_A=True),
-            "v4": dict(STAGE=True, SMEM_A=False),
-            "v5": dict(STAGE=True, SMEM_A=False, num_warps=8),  # 151-164 registers: one program an SM
-            "v6": dict(STAGE=True, SMEM_A=False, num_warps=8, maxnreg=128)}  # two an SM, 176-312 bytes of spills
-MODES = sys.argv[1].split(",") if len(sys.argv) > 1 else ["tl", "v2", "v4", "v5", "v6"]
+VARIANTS = {"tl": None,
+            "v4": dict(),  # 4 warps, one (chunk, head) a program: 244 registers, 112 KB, two programs an SM
+            "v5": dict(num_warps=8),  # 159 registers: one program an SM
+            "v6": dict(num_warps=8, maxnreg=128),  # two an SM, 200 bytes of spills
+            "v7": dict(num_warps=8, programs=132)}  # persistent, next item's inputs copied early: 224 KB, one an SM
+MODES = sys.argv[1].split(",") if len(sys.argv) > 1 else list(VARIANTS)
 MODE = {"p": "tl"}
 _orig = P.prefill_plan
 
@@ -89,7 +90,7 @@ for (B, T, H) in shapes:
         times, diffs = {}, {}
         for mode in MODES:
             setmode(mode)
-            f = lambda: kda.chunk_kda(*args, initial_state=h0, output_final_state=True, **kw)  # noqa: E731
+            f = lambda a=args, h=h0, w=kw: kda.chunk_kda(*a, initial_state=h, output_final_state=True, **w)  # noqa: E731
             o, s = f()
             diffs[mode] = (rel_err(o, ref_o[0]), rel_err(s, ref_o[1]))
             st = torch.cuda.Stream()
@@ -121,5 +122,5 @@ for (B, T, H) in [(1, 16384, 32), (1, 4096, 12)]:
                 run(mode, args, h0, kw)
             torch.cuda.synchronize()
         ev = {e.key: e.device_time_total / max(e.count, 1) for e in prof.key_averages() if "kernel" in e.key}
-        print(f"{B}x{T} H={H} {mode}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(ev.items(), key=lambda x: -x[1])[:3]),
-              flush=True)
+        top = sorted(ev.items(), key=lambda x: -x[1])[:3]
+        print(f"{B}x{T} H={H} {mode}: " + ", ".join(f"{k} {v:.1f}" for k, v in top), flush=True)

@@ -234,12 +234,19 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
             if signal and plan.gate_pass and i == len(parts) - 1:
                 after_gate()  # the walk forks before the last launch: it starts once the chunks before are stored
             if plan.prepare == "hopper":
-                _hopper_prepare()[(HV, n_p) if signal else (n_p, HV)](
+                variant = dict(HOPPER_VARIANT)
+                programs = variant.pop("programs", 0)  # > 0: a persistent grid of this many programs (dense)
+                if programs and not varlen:
+                    h_grid = (min(n_p * HV, programs),)
+                    variant["PERSIST"] = True
+                else:
+                    h_grid = (HV, n_p) if signal else (n_p, HV)
+                _hopper_prepare()[h_grid](
                     q, k, v, beta, cu, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
-                    *strides, *v_strides, *g_beta[2:], T, N, NT, p0, call.scale,
+                    *strides, *v_strides, *g_beta[2:], T, N, NT, p0, n_p, call.scale,
                     H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short,
                     USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, SIGNAL_CHUNKS=signal, FOLD=plan.fold,
-                    LAST_WAITS=signal > 0 and plan.spin, **{"num_warps": 4, **HOPPER_VARIANT},
+                    LAST_WAITS=signal > 0 and plan.spin, **{"num_warps": 4, **variant},
                 )
                 continue
             _chunk_prepare_kernel[(HV, n_p) if signal else (n_p, HV)](
@@ -268,7 +275,7 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
         )
 
 
-HOPPER_VARIANT: dict = {}  # probe only (benchmarks/hopper_probe.py): STAGE, SMEM_A, num_warps, maxnreg
+HOPPER_VARIANT: dict = {}  # probe only (benchmarks/hopper_probe.py): num_warps, maxnreg, programs (persistent)
 
 
 @functools.cache

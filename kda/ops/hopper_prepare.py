@@ -168,26 +168,73 @@ def _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV: gl.constexpr, BT: gl.c
                                       pack=1)
 
 
+@gluon.jit
+def _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v_h, b2_h, s_kt, s_qt, s_vt, n_rows,
+                  HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+                  BLK: gl.constexpr, ANC: gl.constexpr):
+    """One chunk's k, q, v, b2 and b2's anchor rows copied asynchronously into buffer `buf` of the staging tiles: k,
+    q, v and the anchors as one group, then b2 a group per K slice (NKS + 1 groups), so the norms pass waits for the
+    first and each K slice for its own. Rows past the sequence: k, q, v zero-filled (masked copies), b2 the last
+    row's (so the anchor rows, 16, 48, 32 and 63 clamped to the sequence, are static rows of their tile)."""
+    NKS: gl.constexpr = K // BK
+    NV: gl.constexpr = (V + BK - 1) // BK
+    HALF: gl.constexpr = BT // 2
+    o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, BLK))
+    o_c = gl.arange(0, BK, layout=gl.SliceLayout(0, BLK))
+    m_rows = (o_t < n_rows)[:, None]
+    last_row = n_rows - 1
+    for s in gl.static_range(NKS):
+        cols = s * BK + o_c
+        async_copy.async_copy_global_to_shared(k_s.index(buf * NKS + s), k_h + o_t[:, None] * s_kt + cols[None, :],
+                                               mask=m_rows)
+        async_copy.async_copy_global_to_shared(q_s.index(buf * NKS + s), q_h + o_t[:, None] * s_qt + cols[None, :],
+                                               mask=m_rows)
+    for s in gl.static_range(NV):
+        cols = s * BK + o_c
+        async_copy.async_copy_global_to_shared(v_s.index(buf * NV + s), v_h + o_t[:, None] * s_vt + cols[None, :],
+                                               mask=m_rows & (cols < V)[None, :])
+    j = gl.arange(0, 8, layout=gl.SliceLayout(1, ANC))
+    r_anc = gl.where(j == 0, HALF // 2, gl.where(j == 1, HALF + HALF // 2, gl.where(j == 2, HALF, BT - 1)))
+    r_anc = gl.minimum(r_anc, last_row)
+    c_anc = gl.arange(0, BK, layout=gl.SliceLayout(0, ANC))
+    for s in gl.static_range(NKS):
+        async_copy.async_copy_global_to_shared(anc_s.index(buf * NKS + s),
+                                               b2_h + r_anc[:, None] * (HV * K) + (s * BK + c_anc)[None, :])
+    async_copy.commit_group()
+    b2_rows = gl.minimum(o_t, last_row)
+    for s in gl.static_range(NKS):
+        cols = s * BK + o_c
+        async_copy.async_copy_global_to_shared(b2_s.index(buf * NKS + s),
+                                               b2_h + b2_rows[:, None] * (HV * K) + cols[None, :])
+        async_copy.commit_group()
+
+
 @direct
 @gluon.jit
 def _chunk_prepare_hopper_kernel(
     q, k, v, beta, cu_seqlens, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
-    T, N, NT, p0, scale,
+    T, N, NT, p0, n_p, scale,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
     BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr, IS_VARLEN: gl.constexpr, SHORT: gl.constexpr,
     USE_BETA_SIGMOID: gl.constexpr, SIGNAL_CHUNKS: gl.constexpr, FOLD: gl.constexpr, LAST_WAITS: gl.constexpr,
-    STAGE: gl.constexpr = True, SMEM_A: gl.constexpr = True,
+    PERSIST: gl.constexpr = False,
 ):
-    """One program per (chunk, value head) of a dense call, 4 warps (one warpgroup): what `_chunk_prepare_kernel`
-    stores with B2_FROM_WS and fp16 workspaces (the module docstring says how it differs). SIGNAL_CHUNKS, FOLD and
-    LAST_WAITS as the twin's."""
+    """What `_chunk_prepare_kernel` stores with B2_FROM_WS and fp16 workspaces (the module docstring says how it
+    differs), 4 warps (one warpgroup) or 8 (two, each product's columns split between them). One program per
+    (chunk, value head); or PERSIST (dense calls): a grid of any size whose programs take the n_p * HV (chunk, head)
+    items of this launch head-fastest, program p the items p, p + grid, ..., each copying the next item's inputs
+    into its second staging buffer while it finishes the current one. SIGNAL_CHUNKS, FOLD and LAST_WAITS as the
+    twin's."""
     gl.static_assert(BT == 64)
     gl.static_assert(K % BK == 0)
     HALF: gl.constexpr = BT // 2
     NKS: gl.constexpr = K // BK
+    NV: gl.constexpr = (V + BK - 1) // BK
+    NBUF: gl.constexpr = 2 if PERSIST else 1
+    NB: gl.constexpr = BT // BC
     # elementwise work on [BT, BK] slices: 16-byte loads of fp32, 8-byte stores of fp16
-    NW: gl.constexpr = gl.num_warps()  # 4 (one warpgroup) or 8 (two, each product's columns split between them)
+    NW: gl.constexpr = gl.num_warps()
     BLK: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, BLK)
     COL: gl.constexpr = gl.SliceLayout(0, BLK)
@@ -205,249 +252,215 @@ def _chunk_prepare_hopper_kernel(
     S_SQ: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     S_SQ16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     S_KR: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-    # the chunk's k, q and b2, copied in at the start (STAGE): rows read by BLK's 4-element pieces, swizzled
+    # staged inputs: rows read in BLK's 4-element pieces, swizzled; the anchor rows unswizzled (a row is a slice)
     S_IN: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-    # b2's anchor rows (16, 48, 32, 63, clamped to the sequence), unswizzled so that a row is a slice
     S_ANC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     ANC: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, NW], [1, 0])
 
-    if SIGNAL_CHUNKS > 0:
-        i_p = gl.program_id(1)
-        i_hv = gl.program_id(0)
-    else:
-        i_p = gl.program_id(0)
-        i_hv = gl.program_id(1)
-    i_p += p0
-    i_h = i_hv // (HV // H)
-    i_n, t0, eos, i_p = _locate(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
-    if t0 >= eos:
-        return
-    n_rows = gl.minimum(eos - t0, BT).to(gl.int32)
+    k_s = gl.allocate_shared_memory(k.dtype.element_ty, [NBUF * NKS, BT, BK], S_IN)
+    q_s = gl.allocate_shared_memory(q.dtype.element_ty, [NBUF * NKS, BT, BK], S_IN)
+    v_s = gl.allocate_shared_memory(v.dtype.element_ty, [NBUF * NV, BT, BK], S_IN)
+    b2_s = gl.allocate_shared_memory(gl.float32, [NBUF * NKS, BT, BK], S_IN)
+    anc_s = gl.allocate_shared_memory(gl.float32, [NBUF * NKS, 8, BK], S_ANC)
 
     o_t = gl.arange(0, BT, layout=ROW)
     o_c = gl.arange(0, BK, layout=COL)
-    row_ok = o_t < n_rows
-    m_rows = row_ok[:, None]
-    q_h = q + t0 * s_qt + i_h * s_qh
-    k_h = k + t0 * s_kt + i_h * s_kh
-    v_h = v + t0 * s_vt + i_hv * s_vh
-    ws_base = (t0 * HV + i_hv) * K
-    n_base = (t0 * HV + i_hv) * BT
-
-    last_row = n_rows - 1
-    b2_rows = gl.minimum(o_t, last_row)  # rows past the sequence take its last row's b2
-    b2_h = b2_ws + ws_base
-    if STAGE:
-        # every load of the chunk issued at once, into shared memory: k and q (one group), then b2 slice by slice
-        # (a group each), so the K loop waits for nothing but its own slice. Rows past the sequence: k and q
-        # zero-filled (masked copies), b2 the last row's, so the anchor rows are static rows of the tile
-        k_s = gl.allocate_shared_memory(k.dtype.element_ty, [NKS, BT, BK], S_IN)
-        q_s = gl.allocate_shared_memory(q.dtype.element_ty, [NKS, BT, BK], S_IN)
-        b2_s = gl.allocate_shared_memory(gl.float32, [NKS, BT, BK], S_IN)
-        for s in gl.static_range(NKS):
-            cols = s * BK + o_c
-            async_copy.async_copy_global_to_shared(k_s.index(s), k_h + o_t[:, None] * s_kt + cols[None, :],
-                                                   mask=m_rows)
-            async_copy.async_copy_global_to_shared(q_s.index(s), q_h + o_t[:, None] * s_qt + cols[None, :],
-                                                   mask=m_rows)
-        async_copy.commit_group()
-        anc_s = gl.allocate_shared_memory(gl.float32, [NKS, 8, BK], S_ANC)
-        j = gl.arange(0, 8, layout=gl.SliceLayout(1, ANC))
-        r_anc = gl.where(j == 0, HALF // 2, gl.where(j == 1, HALF + HALF // 2, gl.where(j == 2, HALF, BT - 1)))
-        r_anc = gl.minimum(r_anc, last_row)
-        c_anc = gl.arange(0, BK, layout=gl.SliceLayout(0, ANC))
-        for s in gl.static_range(NKS):
-            cols = s * BK + o_c
-            async_copy.async_copy_global_to_shared(b2_s.index(s), b2_h + b2_rows[:, None] * (HV * K) + cols[None, :])
-            async_copy.async_copy_global_to_shared(anc_s.index(s),
-                                                   b2_h + r_anc[:, None] * (HV * K) + (s * BK + c_anc)[None, :])
-            async_copy.commit_group()
-
-    # the norms pass (k, q, and max|V| for the walk's bound on D), every slice's loads issued together
-    ssk = gl.zeros([BT], gl.float32, layout=ROW)
-    ssq = gl.zeros([BT], gl.float32, layout=ROW)
-    v_abs = gl.zeros([BT, BK], gl.float32, layout=BLK)
-    if STAGE:
-        async_copy.wait_group(NKS)
-    for s in gl.static_range(NKS):
-        cols = s * BK + o_c
-        if STAGE:
-            x = k_s.index(s).load(BLK).to(gl.float32)
-        else:
-            x = gl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
-        ssk += gl.sum(x * x, 1)
-        if STAGE:
-            x = q_s.index(s).load(BLK).to(gl.float32)
-        else:
-            x = gl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
-        ssq += gl.sum(x * x, 1)
-    for c0 in gl.static_range(0, V, BK):
-        cols = c0 + o_c
-        x = gl.load(v_h + o_t[:, None] * s_vt + cols[None, :], mask=m_rows & (cols < V)[None, :], other=0.0)
-        v_abs = gl.maximum(v_abs, gl.abs(x.to(gl.float32)))
-    v_max = gl.max(gl.max(v_abs, 1), 0)
-    rk = 1.0 / gl.sqrt(ssk + 1e-6)
-    rq = (1.0 / gl.sqrt(ssq + 1e-6)) * scale
-    b_beta = gl.load(beta + t0 * s_bt + o_t * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(gl.float32)
-    if USE_BETA_SIGMOID:
-        b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
-    b_beta = gl.where(row_ok, b_beta, 0.0)
-
-    if n_rows == 1:  # one token (a decode step inside a varlen batch, a sequence's last token alone in its chunk)
-        if STAGE:
-            async_copy.wait_group(0)  # no copy outlives the program
-        sc1 = sc_ws + (i_p * HV + i_hv) * 4
-        _one_row_chunk(q_h, k_h, b2_h, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc1, ws_base, n_base, rk, rq, b_beta,
-                       o_t, o_c, K, BK, FOLD)
-        gl.store(sc1 + 2, v_max)
-        if SIGNAL_CHUNKS > 0:
-            _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV, BT, SIGNAL_CHUNKS, LAST_WAITS)
-        return
-
-    # the K loop: A_kk and A_qk in one accumulator each (three products a slice: module docstring)
-    b_s = gl.allocate_shared_memory(gl.float32, [3, BT, BK], S_SLICE)
-    if SMEM_A:
-        a_s = gl.allocate_shared_memory(gl.float32, [6, BT, BK], S_SLICE)
-    kr_s = gl.allocate_shared_memory(gl.float16, [NKS, BT, BK], S_KR)
-    acc_kk = gl.zeros([BT, BT], gl.float32, layout=MMA)
-    acc_qk = gl.zeros([BT, BT], gl.float32, layout=MMA)
     first = (o_t < HALF)[:, None]
-    for s in gl.static_range(NKS):
-        cols = s * BK + o_c
-        if STAGE:
-            async_copy.wait_group(NKS - 1 - s)
-            b2_t = b2_s.index(s)
-            b2 = b2_t.load(BLK)
-            a_t = anc_s.index(s)
-            b2_q1 = a_t.slice(0, 1).load(BLK)
-            b2_q3 = a_t.slice(1, 1).load(BLK)
-            b2_mid = a_t.slice(2, 1).load(BLK)
-            b2_last = a_t.slice(3, 1).load(BLK)
-            kn = k_s.index(s).load(BLK).to(gl.float32)
-        else:
-            b2 = gl.load(b2_h + b2_rows[:, None] * (HV * K) + cols[None, :])
-            b2_q1 = gl.load(b2_h + gl.minimum(HALF // 2, last_row) * (HV * K) + cols)[None, :]
-            b2_q3 = gl.load(b2_h + gl.minimum(HALF + HALF // 2, last_row) * (HV * K) + cols)[None, :]
-            b2_mid = gl.load(b2_h + gl.minimum(HALF, last_row) * (HV * K) + cols)[None, :]
-            b2_last = gl.load(b2_h + last_row * (HV * K) + cols)[None, :]
-            kn = gl.load(k_h + o_t[:, None] * s_kt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
-        kn = kn * rk[:, None]
-        anc = gl.where(first, b2_q1, b2_q3)
-        e_row = gl.exp2(b2 - anc)
-        kc = _tf32(kn * gl.exp2(anc - b2))
-        # the lower-left quadrant at the middle row: both factors <= 1 where kept (the selects drop the rest)
-        x_row = gl.where(first, 0.0, gl.exp2(b2 - b2_mid))
-        b_s.index(0).store(gl.where(first, kc, 0.0))
-        b_s.index(1).store(gl.where(first, 0.0, kc))
-        b_s.index(2).store(gl.where(first, _tf32(kn * gl.exp2(b2_mid - b2)), 0.0))
-        a = _tf32(kn * e_row)
-        ax = _tf32(kn * x_row)
-        if SMEM_A:
-            a_s.index(0).store(gl.where(first, a, 0.0))
-            a_s.index(1).store(gl.where(first, 0.0, a))
-            a_s.index(2).store(ax)
-        else:
-            fence_async_shared()
-            acc_kk = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32), b_s.index(0).permute((1, 0)),
-                                   acc_kk, is_async=True)
-            acc_kk = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32), b_s.index(1).permute((1, 0)),
-                                   acc_kk, is_async=True)
-            acc_kk = warpgroup_mma(gl.convert_layout(ax, A32), b_s.index(2).permute((1, 0)), acc_kk, is_async=True)
-        if STAGE:
-            qn = q_s.index(s).load(BLK).to(gl.float32)
-        else:
-            qn = gl.load(q_h + o_t[:, None] * s_qt + cols[None, :], mask=m_rows, other=0.0).to(gl.float32)
-        qn = qn * rq[:, None]
-        if not SMEM_A:
-            acc_kk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_kk,))
-        a = _tf32(qn * e_row)
-        ax = _tf32(qn * x_row)
-        if SMEM_A:
-            a_s.index(3).store(gl.where(first, a, 0.0))
-            a_s.index(4).store(gl.where(first, 0.0, a))
-            a_s.index(5).store(ax)
-            fence_async_shared()
-            for i in gl.static_range(3):
-                acc_kk = warpgroup_mma(a_s.index(i), b_s.index(i).permute((1, 0)), acc_kk, is_async=True)
-            for i in gl.static_range(3):
-                acc_qk = warpgroup_mma(a_s.index(3 + i), b_s.index(i).permute((1, 0)), acc_qk, is_async=True)
-        else:
-            acc_qk = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32), b_s.index(0).permute((1, 0)),
-                                   acc_qk, is_async=True)
-            acc_qk = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32), b_s.index(1).permute((1, 0)),
-                                   acc_qk, is_async=True)
-            acc_qk = warpgroup_mma(gl.convert_layout(ax, A32), b_s.index(2).permute((1, 0)), acc_qk, is_async=True)
-        # what the walk reads, while the products run
-        d = gl.exp2(b2)
-        offs = ws_base + o_t[:, None] * (HV * K) + cols[None, :]
-        gl.store(qd_ws + offs, (qn * d).to(gl.float16), mask=m_rows)
-        gl.store(kd_ws + offs, (kn * d).to(gl.float16), mask=m_rows)
-        kr = (kn * gl.exp2(b2_last - b2)).to(gl.float16)
-        if FOLD:
-            kr_s.index(s).store(kr)
-        else:
-            gl.store(m_ws + offs, kr, mask=m_rows)
-        acc_kk, acc_qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_kk, acc_qk))
-
-    # L = A_kk diag(beta) strictly below the diagonal; A_qk on and below it, held in fp16
-    r = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA))[:, None]
-    c = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))[None, :]
-    beta_m = gl.convert_layout(b_beta, gl.SliceLayout(1, MMA))[:, None]
-    valid = (r < n_rows) & (c < n_rows)
-    L = gl.where(valid & (c < r), acc_kk * beta_m, 0.0)
-    A_qk = gl.where(valid & (c <= r), acc_qk, 0.0).to(gl.float16)
-
-    # Y = X^T, X = (I + L)^-1 (`chunk_prepare._unit_lower_inverse_t`): L^T is every first product's column operand
-    l_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ, _tf32(L))
-    y_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ)
-    fence_async_shared()
-    LrT = l_s.permute((1, 0))
-    eye = gl.where(r == c, 1.0, 0.0)
-    blk = (r // BC) == (c // BC)
-    Y = eye - gl.where(blk, l_s.permute((1, 0)).load(MMA), 0.0)
-    for _ in gl.static_range(2, BC):
-        Y = eye - gl.where(blk, _mma(_tf32(Y), LrT, A32, MMA, BT, BT), 0.0)
-    NB: gl.constexpr = BT // BC
-    for lvl in gl.static_range(0, 4):
-        if (1 << lvl) < NB:
-            w = BC << lvl
-            Yr = _tf32(Y)
-            Yu = gl.where((r // w) % 2 == 0, Yr, 0.0)
-            upper_right = ((r // (2 * w)) == (c // (2 * w))) & ((r // w) % 2 == 0) & ((c // w) % 2 == 1)
-            Hm = gl.where(upper_right, _mma(Yu, LrT, A32, MMA, BT, BT), 0.0)
-            y_s.store(gl.permute(Yr, (1, 0)))
-            fence_async_shared()
-            Y = Y - _mma(_tf32(Hm), y_s.permute((1, 0)), A32, MMA, BT, BT)
-    XbT = _tf32(Y * beta_m)
-
-    sc = sc_ws + (i_p * HV + i_hv) * 4
-    if FOLD:
-        # N = A_qk Xb and M = Xb^T Kr in fp16, Xb times px (exact: XbT is rounded to 11 bits)
-        px = _pow2_of(gl.max(gl.max(gl.abs(XbT), 1), 0))
-        pm = _pow2_of(gl.max(gl.sum(gl.abs(XbT), 1), 0))
-        xb16 = (XbT * px).to(gl.float16)
-        x_s = gl.allocate_shared_memory(gl.float16, [BT, BT], S_SQ16, xb16)
-        fence_async_shared()
-        Nm = _mma(A_qk, x_s.permute((1, 0)), A16_N, MMA_N, BT, BT) * (1.0 / px)
-        pn = _pow2_of(gl.max(gl.max(gl.abs(Nm), 1), 0))
-        rn = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA_N))[:, None]
-        cn = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA_N))[None, :]
-        gl.store(n_ws + n_base + rn * (HV * BT) + cn, (Nm * pn).to(gl.float16), mask=rn < n_rows)
-        rm = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA_M))[:, None]
-        cm = gl.arange(0, BK, layout=gl.SliceLayout(0, MMA_M))[None, :]
-        f = pm / px
-        for s in gl.static_range(NKS):
-            Mm = _mma(xb16, kr_s.index(s), A16_M, MMA_M, BT, BK)
-            gl.store(m_ws + ws_base + rm * (HV * K) + s * BK + cm, (Mm * f).to(gl.float16), mask=rm < n_rows)
-        gl.store(sc, 1.0 / pm)
-        gl.store(sc + 1, 1.0 / pn)
+    if PERSIST:
+        pid = gl.program_id(0)
+        G = gl.num_programs(0)
+        n_iter = gl.cdiv(n_p * HV - pid, G)
     else:
-        # A_qk into N's rows, Xb px into x_ws's (XbT's element (r, c) at row c, column r), Kr left in M's rows
-        gl.store(n_ws + n_base + r * (HV * BT) + c, A_qk, mask=r < n_rows)
-        px = _pow2_of(gl.max(gl.max(gl.abs(XbT), 1), 0))
-        gl.store(x_ws + n_base + c * (HV * BT) + r, (XbT * px).to(gl.float16), mask=c < n_rows)
-        gl.store(sc, 1.0 / px)
-        gl.store(sc + 1, gl.max(gl.sum(gl.abs(XbT), 0), 0))
-    gl.store(sc + 2, v_max)
-    if SIGNAL_CHUNKS > 0:
-        _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV, BT, SIGNAL_CHUNKS, LAST_WAITS)
+        pid = 0
+        G = 1
+        n_iter = 1
+    for it in range(0, n_iter):
+        buf = it % NBUF
+        if PERSIST:
+            item = pid + it * G
+            i_p = item // HV + p0
+            i_hv = item % HV
+        elif SIGNAL_CHUNKS > 0:
+            i_p = gl.program_id(1) + p0
+            i_hv = gl.program_id(0)
+        else:
+            i_p = gl.program_id(0) + p0
+            i_hv = gl.program_id(1)
+        i_h = i_hv // (HV // H)
+        i_n, t0, eos, i_p = _locate(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
+        if t0 < eos:  # always, but for a varlen program past its sequence's chunks (PERSIST is dense)
+            n_rows = gl.minimum(eos - t0, BT).to(gl.int32)
+            row_ok = o_t < n_rows
+            q_h = q + t0 * s_qt + i_h * s_qh
+            k_h = k + t0 * s_kt + i_h * s_kh
+            ws_base = (t0 * HV + i_hv) * K
+            n_base = (t0 * HV + i_hv) * BT
+            b2_h = b2_ws + ws_base
+            if PERSIST:
+                if it == 0:  # later items: the previous item copied this one's inputs
+                    _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h,
+                                  s_kt, s_qt, s_vt, n_rows, HV, K, V, BT, BK, BLK, ANC)
+            else:
+                _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h,
+                              s_kt, s_qt, s_vt, n_rows, HV, K, V, BT, BK, BLK, ANC)
+            # the next item, whose inputs this one copies in once its K loop is done with its own buffer
+            if PERSIST:
+                nxt = pid + (it + 1) * G
+                has_next = nxt < n_p * HV
+                n_p1 = gl.minimum(nxt // HV, n_p - 1) + p0
+                n_hv = nxt % HV
+                n_n, n_t0, n_eos, n_pp = _locate(n_p1, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
+                n_rows1 = gl.minimum(n_eos - n_t0, BT).to(gl.int32)
+                n_h = n_hv // (HV // H)
+                n_base_ws = (n_t0 * HV + n_hv) * K
+
+            b_beta = gl.load(beta + t0 * s_bt + o_t * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(gl.float32)
+            if USE_BETA_SIGMOID:
+                b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
+            b_beta = gl.where(row_ok, b_beta, 0.0)
+            # the norms pass (k, q, and max|V| for the walk's bound on D) from the staged tiles
+            async_copy.wait_group(NKS)
+            ssk = gl.zeros([BT], gl.float32, layout=ROW)
+            ssq = gl.zeros([BT], gl.float32, layout=ROW)
+            for s in gl.static_range(NKS):
+                x = k_s.index(buf * NKS + s).load(BLK).to(gl.float32)
+                ssk += gl.sum(x * x, 1)
+                x = q_s.index(buf * NKS + s).load(BLK).to(gl.float32)
+                ssq += gl.sum(x * x, 1)
+            v_abs = gl.zeros([BT, BK], gl.float32, layout=BLK)
+            for s in gl.static_range(NV):
+                v_abs = gl.maximum(v_abs, gl.abs(v_s.index(buf * NV + s).load(BLK).to(gl.float32)))
+            v_max = gl.max(gl.max(v_abs, 1), 0)
+            rk = 1.0 / gl.sqrt(ssk + 1e-6)
+            rq = (1.0 / gl.sqrt(ssq + 1e-6)) * scale
+            sc = sc_ws + (i_p * HV + i_hv) * 4
+
+            if n_rows == 1:  # one token (a decode step in a varlen batch, a sequence's last token alone in its chunk)
+                async_copy.wait_group(0)  # its b2 groups, before the buffer is reused or the program ends
+                if PERSIST:
+                    if has_next:
+                        _issue_copies(k_s, q_s, v_s, b2_s, anc_s, 1 - buf, k + n_t0 * s_kt + n_h * s_kh,
+                                      q + n_t0 * s_qt + n_h * s_qh, v + n_t0 * s_vt + n_hv * s_vh, b2_ws + n_base_ws,
+                                      s_kt, s_qt, s_vt, n_rows1, HV, K, V, BT, BK, BLK, ANC)
+                _one_row_chunk(q_h, k_h, b2_h, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq, b_beta,
+                               o_t, o_c, K, BK, FOLD)
+                gl.store(sc + 2, v_max)
+            else:
+                # the K loop: A_kk and A_qk in one accumulator each (three products a slice: module docstring)
+                acc_kk = gl.zeros([BT, BT], gl.float32, layout=MMA)
+                acc_qk = gl.zeros([BT, BT], gl.float32, layout=MMA)
+                m_rows = row_ok[:, None]
+                b_s = gl.allocate_shared_memory(gl.float32, [3, BT, BK], S_SLICE)
+                kr_s = gl.allocate_shared_memory(gl.float16, [NKS, BT, BK], S_KR)
+                for s in gl.static_range(NKS):
+                    cols = s * BK + o_c
+                    async_copy.wait_group(NKS - 1 - s)
+                    b2 = b2_s.index(buf * NKS + s).load(BLK)
+                    a_t = anc_s.index(buf * NKS + s)
+                    b2_q1 = a_t.slice(0, 1).load(BLK)
+                    b2_q3 = a_t.slice(1, 1).load(BLK)
+                    b2_mid = a_t.slice(2, 1).load(BLK)
+                    b2_last = a_t.slice(3, 1).load(BLK)
+                    kn = k_s.index(buf * NKS + s).load(BLK).to(gl.float32) * rk[:, None]
+                    anc = gl.where(first, b2_q1, b2_q3)
+                    e_row = gl.exp2(b2 - anc)
+                    kc = _tf32(kn * gl.exp2(anc - b2))
+                    # the lower-left quadrant at the middle row: both factors <= 1 where kept (selects drop the rest)
+                    x_row = gl.where(first, 0.0, gl.exp2(b2 - b2_mid))
+                    b_s.index(0).store(gl.where(first, kc, 0.0))
+                    b_s.index(1).store(gl.where(first, 0.0, kc))
+                    b_s.index(2).store(gl.where(first, _tf32(kn * gl.exp2(b2_mid - b2)), 0.0))
+                    fence_async_shared()
+                    a = _tf32(kn * e_row)
+                    acc_kk = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32),
+                                           b_s.index(0).permute((1, 0)), acc_kk, is_async=True)
+                    acc_kk = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32),
+                                           b_s.index(1).permute((1, 0)), acc_kk, is_async=True)
+                    acc_kk = warpgroup_mma(gl.convert_layout(_tf32(kn * x_row), A32), b_s.index(2).permute((1, 0)),
+                                           acc_kk, is_async=True)
+                    qn = q_s.index(buf * NKS + s).load(BLK).to(gl.float32) * rq[:, None]
+                    acc_kk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_kk,))
+                    a = _tf32(qn * e_row)
+                    acc_qk = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32),
+                                           b_s.index(0).permute((1, 0)), acc_qk, is_async=True)
+                    acc_qk = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32),
+                                           b_s.index(1).permute((1, 0)), acc_qk, is_async=True)
+                    acc_qk = warpgroup_mma(gl.convert_layout(_tf32(qn * x_row), A32), b_s.index(2).permute((1, 0)),
+                                           acc_qk, is_async=True)
+                    # what the walk reads, while the products run
+                    d = gl.exp2(b2)
+                    offs = ws_base + o_t[:, None] * (HV * K) + cols[None, :]
+                    gl.store(qd_ws + offs, (qn * d).to(gl.float16), mask=m_rows)
+                    gl.store(kd_ws + offs, (kn * d).to(gl.float16), mask=m_rows)
+                    kr = (kn * gl.exp2(b2_last - b2)).to(gl.float16)
+                    if FOLD:
+                        kr_s.index(s).store(kr)
+                    else:
+                        gl.store(m_ws + offs, kr, mask=m_rows)
+                    acc_qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_qk,))
+                if PERSIST:
+                    if has_next:
+                        _issue_copies(k_s, q_s, v_s, b2_s, anc_s, 1 - buf, k + n_t0 * s_kt + n_h * s_kh,
+                                      q + n_t0 * s_qt + n_h * s_qh, v + n_t0 * s_vt + n_hv * s_vh, b2_ws + n_base_ws,
+                                      s_kt, s_qt, s_vt, n_rows1, HV, K, V, BT, BK, BLK, ANC)
+                # L = A_kk diag(beta) strictly below the diagonal; A_qk on and below it, held in fp16
+                r = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA))[:, None]
+                c = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))[None, :]
+                beta_m = gl.convert_layout(b_beta, gl.SliceLayout(1, MMA))[:, None]
+                valid = (r < n_rows) & (c < n_rows)
+                L = gl.where(valid & (c < r), acc_kk * beta_m, 0.0)
+                A_qk = gl.where(valid & (c <= r), acc_qk, 0.0).to(gl.float16)
+
+                # Y = X^T, X = (I + L)^-1 (`chunk_prepare._unit_lower_inverse_t`): L^T is every first product's column operand
+                l_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ, _tf32(L))
+                y_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ)
+                fence_async_shared()
+                LrT = l_s.permute((1, 0))
+                eye = gl.where(r == c, 1.0, 0.0)
+                blk = (r // BC) == (c // BC)
+                Y = eye - gl.where(blk, l_s.permute((1, 0)).load(MMA), 0.0)
+                for _ in gl.static_range(2, BC):
+                    Y = eye - gl.where(blk, _mma(_tf32(Y), LrT, A32, MMA, BT, BT), 0.0)
+                for lvl in gl.static_range(0, 4):
+                    if (1 << lvl) < NB:
+                        w = BC << lvl
+                        Yr = _tf32(Y)
+                        Yu = gl.where((r // w) % 2 == 0, Yr, 0.0)
+                        upper_right = ((r // (2 * w)) == (c // (2 * w))) & ((r // w) % 2 == 0) & ((c // w) % 2 == 1)
+                        Hm = gl.where(upper_right, _mma(Yu, LrT, A32, MMA, BT, BT), 0.0)
+                        y_s.store(gl.permute(Yr, (1, 0)))
+                        fence_async_shared()
+                        Y = Y - _mma(_tf32(Hm), y_s.permute((1, 0)), A32, MMA, BT, BT)
+                XbT = _tf32(Y * beta_m)
+
+                if FOLD:
+                    # N = A_qk Xb and M = Xb^T Kr in fp16, Xb times px (exact: XbT is rounded to 11 bits)
+                    px = _pow2_of(gl.max(gl.max(gl.abs(XbT), 1), 0))
+                    pm = _pow2_of(gl.max(gl.sum(gl.abs(XbT), 1), 0))
+                    xb16 = (XbT * px).to(gl.float16)
+                    x_s = gl.allocate_shared_memory(gl.float16, [BT, BT], S_SQ16, xb16)
+                    fence_async_shared()
+                    Nm = _mma(A_qk, x_s.permute((1, 0)), A16_N, MMA_N, BT, BT) * (1.0 / px)
+                    pn = _pow2_of(gl.max(gl.max(gl.abs(Nm), 1), 0))
+                    rn = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA_N))[:, None]
+                    cn = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA_N))[None, :]
+                    gl.store(n_ws + n_base + rn * (HV * BT) + cn, (Nm * pn).to(gl.float16), mask=rn < n_rows)
+                    rm = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA_M))[:, None]
+                    cm = gl.arange(0, BK, layout=gl.SliceLayout(0, MMA_M))[None, :]
+                    f = pm / px
+                    for s in gl.static_range(NKS):
+                        Mm = _mma(xb16, kr_s.index(s), A16_M, MMA_M, BT, BK)
+                        gl.store(m_ws + ws_base + rm * (HV * K) + s * BK + cm, (Mm * f).to(gl.float16), mask=rm < n_rows)
+                    gl.store(sc, 1.0 / pm)
+                    gl.store(sc + 1, 1.0 / pn)
+                else:
+                    # A_qk into N's rows, Xb px into x_ws's (XbT's element (r, c) at row c, column r), Kr left in M's rows
+                    gl.store(n_ws + n_base + r * (HV * BT) + c, A_qk, mask=r < n_rows)
+                    px = _pow2_of(gl.max(gl.max(gl.abs(XbT), 1), 0))
+                    gl.store(x_ws + n_base + c * (HV * BT) + r, (XbT * px).to(gl.float16), mask=c < n_rows)
+                    gl.store(sc, 1.0 / px)
+                    gl.store(sc + 1, gl.max(gl.sum(gl.abs(XbT), 0), 0))
+                gl.store(sc + 2, v_max)
+            if SIGNAL_CHUNKS > 0:
+                _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV, BT, SIGNAL_CHUNKS, LAST_WAITS)
+    async_copy.wait_group(0)  # no copy outlives the program
