@@ -1,22 +1,27 @@
 """The fused prepare of `chunk_kda` for Hopper (sm_90), in Gluon: the same stage as `chunk_prepare._chunk_prepare_kernel`
 (its `tl` twin, which the CPU tests hold to the oracle and every other device runs), for the plans `kda.plan` gives it
-(`ChunkPlan.prepare == "hopper"`: a dense call, Kimi's bounded gate with 16-bit inputs, b2 from the gate pass, fp16
-workspaces, K a multiple of 32). Imported only when the plan picks it, so `import kda` never needs Gluon.
+(`ChunkPlan.prepare == "hopper"`: Kimi's bounded gate with 16-bit inputs, b2 from the gate pass, fp16 workspaces, K a
+multiple of 32, 16-byte aligned token strides for the asynchronous copies). Imported only when a plan picks it, so
+`import kda` never needs Gluon.
 
-What Gluon lets this kernel do that `tl` did not:
-- All of A_kk (and A_qk) in one accumulator. The `tl` twin forms the diagonal 32 x 32 quadrants in one dot whose
-  off-diagonal quadrants overflow (each half anchored at its own middle row) and the lower-left quadrant in a second
-  accumulator, merged after the K loop. Here each K slice issues three tensor-core products into one accumulator:
-  the first half's rows against the first half's columns, the second's against the second's (the other half of
-  each operand zero, so no overflowed lane is ever multiplied), and the lower-left quadrant at the middle row's
-  anchor, all in tf32 with operands rounded to nearest: 32 fewer registers, no merge.
-- Asynchronous tensor-core products: A_kk's products run while A_qk's operands are formed, and A_qk's while the
-  slice's Qd, Kd (and Kr) are stored.
+How it differs from the twin:
+- The chunk's k, q, v, b2 and b2's anchor rows are copied into shared memory asynchronously as the program starts
+  (`_issue_copies`: k, q, v and the anchors as one group, b2 a group per K slice), so the norms pass waits once and
+  each K slice only for its own b2; the twin loads each slice from global memory as it reaches it. PERSIST: a grid of
+  any size walks the (chunk, head) items, copying the next item's inputs while it finishes the current one.
+- All of A_kk (and A_qk) in one accumulator: per K slice three tf32 products, the first half's rows against the first
+  half's columns, the second's against the second's (the other half of each operand zero, so no overflowed lane is
+  ever multiplied), and the lower-left quadrant at the middle row's anchor; the twin forms the diagonal quadrants in
+  one dot whose off-diagonal quadrants overflow and the lower-left one in a second accumulator.
+- Asynchronous tensor-core products: A_kk's run while A_qk's operands are formed, A_qk's while Qd, Kd (and Kr) are
+  stored.
 - Kr kept in shared memory in fp16 (the dtype the twin parks it in, in M's rows of global memory) until M is formed,
   and the fold's two products in fp16 with Xb times a power of two (its tf32-rounded entries fit fp16's significand
-  exactly; only entries 2^-29 below the largest lose bits): no round trip through global memory.
+  exactly; only entries 2^-29 below the largest lose bits).
+- 4 warps (one warpgroup) or 8 (two, each product's columns split between them).
 The inverse of I + A_kk is the twin's (`_unit_lower_inverse_t`): the 4 x 4 diagonal blocks by their series, then four
-block merges, every product in tf32 with operands rounded to nearest.
+block merges, every product in tf32 with operands rounded to nearest; a chunk of one token stores its rows exactly
+(`_one_row_chunk`), as the twin's does.
 """
 
 from __future__ import annotations
