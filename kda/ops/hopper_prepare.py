@@ -31,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from .common import bad_bounds, chunk_program, locate_block, seq_bounds
 from .launch import direct
 
 
@@ -62,15 +63,6 @@ def _add(a, b):
 
 
 @gluon.jit
-def _seq_bounds(cu_seqlens, i_n, T):
-    """`common.seq_bounds` of a varlen call: [bos, eos) from the device bounds, -1 both when out of range."""
-    bos = gl.load(cu_seqlens + i_n).to(gl.int64)
-    eos = gl.load(cu_seqlens + i_n + 1).to(gl.int64)
-    bad = (bos < 0) | (eos < bos) | (eos > T)
-    return gl.where(bad, -1, bos), gl.where(bad, -1, eos)
-
-
-@gluon.jit
 def _kept_chunk(cu_seqlens, i, N, SHORT: gl.constexpr, BT: gl.constexpr):
     """`common.kept_item` for chunk programs: (sequence, or -1 past the last; chunk index in it) of item i among
     the BT-token chunks of the sequences longer than SHORT, by a scan of the bounds."""
@@ -93,32 +85,16 @@ def _kept_chunk(cu_seqlens, i, N, SHORT: gl.constexpr, BT: gl.constexpr):
 
 @gluon.jit
 def _locate(i_p, cu_seqlens, N, T, NT, IS_VARLEN: gl.constexpr, BT: gl.constexpr, SHORT: gl.constexpr):
-    """`chunk_prepare._locate_chunk`: (sequence, the chunk's first token, the sequence's end, the chunk's program
-    in the full grid) of chunk program i_p; t0 >= eos where there is no chunk."""
-    if IS_VARLEN:
-        if SHORT > 0:
-            i_n, i_t = _kept_chunk(cu_seqlens, i_p, N, SHORT, BT)
-            bos, eos = _seq_bounds(cu_seqlens, gl.maximum(i_n, 0), T)
-            t0 = gl.where((i_n < 0) | (eos < 0), eos, bos + i_t * BT)
-            p = (bos // BT + i_n + (t0 - bos) // BT).to(gl.int32)
-        else:
-            lo = i_p * 0
-            hi = lo + N
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                f_mid = gl.load(cu_seqlens + mid).to(gl.int64) // BT + mid
-                ok = f_mid <= i_p
-                lo = gl.where(ok, mid, lo)
-                hi = gl.where(ok, hi, mid)
-            i_n = lo
-            bos, eos = _seq_bounds(cu_seqlens, i_n, T)
-            i_t = i_p - (bos // BT + i_n)
-            t0 = gl.where((eos < 0) | (i_t < 0), eos, bos + i_t * BT)
-            p = i_p
+    """`chunk_prepare._locate_chunk` (the scalar helpers are the twin's own `tl` functions; the routed scan needs a
+    layout): (sequence, the chunk's first token, the sequence's end, the chunk's program in the full grid) of chunk
+    program i_p; t0 >= eos where there is no chunk."""
+    if SHORT > 0:
+        i_n, i_t = _kept_chunk(cu_seqlens, i_p, N, SHORT, BT)
+        bos, eos = seq_bounds(cu_seqlens, gl.maximum(i_n, 0), T, True)
+        t0 = gl.where((i_n < 0) | bad_bounds(eos), eos, bos + i_t * BT)
+        p = chunk_program(i_n, bos, t0, NT, True, BT)
     else:
-        i_n = i_p // NT
-        t0 = i_n.to(gl.int64) * T + (i_p % NT) * BT
-        eos = (i_n + 1).to(gl.int64) * T
+        i_n, _, t0, eos = locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT)
         p = i_p
     return i_n, t0, eos, p
 
@@ -187,7 +163,7 @@ def _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v_h, b2_h, s_kt, s_
     o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, BLK))
     o_c = gl.arange(0, BK, layout=gl.SliceLayout(0, BLK))
     m_rows = (o_t < n_rows)[:, None]
-    last_row = n_rows - 1
+    last_row = gl.maximum(n_rows - 1, 0)  # n_rows 0 (no next item): b2 read from the clamped item's first row
     for s in gl.static_range(NKS):
         cols = s * BK + o_c
         async_copy.async_copy_global_to_shared(k_s.index(buf * NKS + s), k_h + o_t[:, None] * s_kt + cols[None, :],
@@ -237,6 +213,7 @@ def _chunk_prepare_hopper_kernel(
     NKS: gl.constexpr = K // BK
     NV: gl.constexpr = (V + BK - 1) // BK
     NBUF: gl.constexpr = 2 if PERSIST else 1
+    LATER: gl.constexpr = NKS + 1 if PERSIST else 0  # copy groups of the next item issued before this one's waits
     NB: gl.constexpr = BT // BC
     # elementwise work on [BT, BK] slices: 16-byte loads of fp32, 8-byte stores of fp16
     NW: gl.constexpr = gl.num_warps()
@@ -302,29 +279,31 @@ def _chunk_prepare_hopper_kernel(
             n_base = (t0 * HV + i_hv) * BT
             b2_h = b2_ws + ws_base
             if PERSIST:
-                if it == 0:  # later items: the previous item copied this one's inputs
+                if it == 0:  # later items: the item before copied this one's inputs
                     _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h,
                                   s_kt, s_qt, s_vt, n_rows, HV, K, V, BT, BK, BLK, ANC)
+                # the next item's inputs into the other buffer, now (its groups follow this item's; past the last
+                # item the copies are masked off, so every item waits for the same counts of groups)
+                nxt = pid + (it + 1) * G
+                has_next = nxt < n_p * HV
+                n_i, n_t0, n_eos, n_pp = _locate(gl.minimum(nxt // HV, n_p - 1) + p0, cu_seqlens, N, T, NT,
+                                                 IS_VARLEN, BT, SHORT)
+                n_hv = nxt % HV
+                _issue_copies(k_s, q_s, v_s, b2_s, anc_s, 1 - buf, k + n_t0 * s_kt + (n_hv // (HV // H)) * s_kh,
+                              q + n_t0 * s_qt + (n_hv // (HV // H)) * s_qh, v + n_t0 * s_vt + n_hv * s_vh,
+                              b2_ws + (n_t0 * HV + n_hv) * K, s_kt, s_qt, s_vt,
+                              gl.where(has_next, gl.minimum(n_eos - n_t0, BT), 0).to(gl.int32),
+                              HV, K, V, BT, BK, BLK, ANC)
             else:
                 _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h,
                               s_kt, s_qt, s_vt, n_rows, HV, K, V, BT, BK, BLK, ANC)
-            # the next item, whose inputs this one copies in once its K loop is done with its own buffer
-            if PERSIST:
-                nxt = pid + (it + 1) * G
-                has_next = nxt < n_p * HV
-                n_p1 = gl.minimum(nxt // HV, n_p - 1) + p0
-                n_hv = nxt % HV
-                n_n, n_t0, n_eos, n_pp = _locate(n_p1, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
-                n_rows1 = gl.minimum(n_eos - n_t0, BT).to(gl.int32)
-                n_h = n_hv // (HV // H)
-                n_base_ws = (n_t0 * HV + n_hv) * K
 
             b_beta = gl.load(beta + t0 * s_bt + o_t * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(gl.float32)
             if USE_BETA_SIGMOID:
                 b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
             b_beta = gl.where(row_ok, b_beta, 0.0)
             # the norms pass (k, q, and max|V| for the walk's bound on D) from the staged tiles
-            async_copy.wait_group(NKS)
+            async_copy.wait_group(NKS + LATER)
             ssk = gl.zeros([BT], gl.float32, layout=ROW)
             ssq = gl.zeros([BT], gl.float32, layout=ROW)
             for s in gl.static_range(NKS):
@@ -341,12 +320,7 @@ def _chunk_prepare_hopper_kernel(
             sc = sc_ws + (i_p * HV + i_hv) * 4
 
             if n_rows == 1:  # one token (a decode step in a varlen batch, a sequence's last token alone in its chunk)
-                async_copy.wait_group(0)  # its b2 groups, before the buffer is reused or the program ends
-                if PERSIST:
-                    if has_next:
-                        _issue_copies(k_s, q_s, v_s, b2_s, anc_s, 1 - buf, k + n_t0 * s_kt + n_h * s_kh,
-                                      q + n_t0 * s_qt + n_h * s_qh, v + n_t0 * s_vt + n_hv * s_vh, b2_ws + n_base_ws,
-                                      s_kt, s_qt, s_vt, n_rows1, HV, K, V, BT, BK, BLK, ANC)
+                async_copy.wait_group(LATER)  # its b2 groups, before its buffer takes another item's
                 _one_row_chunk(q_h, k_h, b2_h, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq, b_beta,
                                o_t, o_c, K, BK, FOLD)
                 gl.store(sc + 2, v_max)
@@ -359,7 +333,7 @@ def _chunk_prepare_hopper_kernel(
                 kr_s = gl.allocate_shared_memory(gl.float16, [NKS, BT, BK], S_KR)
                 for s in gl.static_range(NKS):
                     cols = s * BK + o_c
-                    async_copy.wait_group(NKS - 1 - s)
+                    async_copy.wait_group(NKS - 1 - s + LATER)
                     b2 = b2_s.index(buf * NKS + s).load(BLK)
                     a_t = anc_s.index(buf * NKS + s)
                     b2_q1 = a_t.slice(0, 1).load(BLK)
@@ -403,11 +377,6 @@ def _chunk_prepare_hopper_kernel(
                     else:
                         gl.store(m_ws + offs, kr, mask=m_rows)
                     acc_qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_qk,))
-                if PERSIST:
-                    if has_next:
-                        _issue_copies(k_s, q_s, v_s, b2_s, anc_s, 1 - buf, k + n_t0 * s_kt + n_h * s_kh,
-                                      q + n_t0 * s_qt + n_h * s_qh, v + n_t0 * s_vt + n_hv * s_vh, b2_ws + n_base_ws,
-                                      s_kt, s_qt, s_vt, n_rows1, HV, K, V, BT, BK, BLK, ANC)
                 # L = A_kk diag(beta) strictly below the diagonal; A_qk on and below it, held in fp16
                 r = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA))[:, None]
                 c = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))[None, :]
