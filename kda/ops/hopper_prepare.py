@@ -150,6 +150,19 @@ def _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV: gl.constexpr, BT: gl.c
 
 
 @gluon.jit
+def _slice_products(x, e_row, x_row, first, b_s, acc, A32: gl.constexpr):
+    """acc + one K slice's three products, issued asynchronously (the caller waits): the first half's rows of
+    x 2^(b2 - anchor) against `b_s[0]`, the second half's against `b_s[1]`, and x 2^(b2 - b2_mid) (second half) against
+    `b_s[2]`, every operand rounded to tf32."""
+    a = _tf32(x * e_row)
+    acc = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32), b_s.index(0).permute((1, 0)), acc,
+                        is_async=True)
+    acc = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32), b_s.index(1).permute((1, 0)), acc,
+                        is_async=True)
+    return warpgroup_mma(gl.convert_layout(_tf32(x * x_row), A32), b_s.index(2).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
 def _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v_h, b2_h, s_kt, s_qt, s_vt, n_rows,
                   HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                   BLK: gl.constexpr, ANC: gl.constexpr):
@@ -350,22 +363,10 @@ def _chunk_prepare_hopper_kernel(
                     b_s.index(1).store(gl.where(first, 0.0, kc))
                     b_s.index(2).store(gl.where(first, _tf32(kn * gl.exp2(b2_mid - b2)), 0.0))
                     fence_async_shared()
-                    a = _tf32(kn * e_row)
-                    acc_kk = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32),
-                                           b_s.index(0).permute((1, 0)), acc_kk, is_async=True)
-                    acc_kk = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32),
-                                           b_s.index(1).permute((1, 0)), acc_kk, is_async=True)
-                    acc_kk = warpgroup_mma(gl.convert_layout(_tf32(kn * x_row), A32), b_s.index(2).permute((1, 0)),
-                                           acc_kk, is_async=True)
+                    acc_kk = _slice_products(kn, e_row, x_row, first, b_s, acc_kk, A32)
                     qn = q_s.index(buf * NKS + s).load(BLK).to(gl.float32) * rq[:, None]
                     acc_kk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_kk,))
-                    a = _tf32(qn * e_row)
-                    acc_qk = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32),
-                                           b_s.index(0).permute((1, 0)), acc_qk, is_async=True)
-                    acc_qk = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32),
-                                           b_s.index(1).permute((1, 0)), acc_qk, is_async=True)
-                    acc_qk = warpgroup_mma(gl.convert_layout(_tf32(qn * x_row), A32), b_s.index(2).permute((1, 0)),
-                                           acc_qk, is_async=True)
+                    acc_qk = _slice_products(qn, e_row, x_row, first, b_s, acc_qk, A32)
                     # what the walk reads, while the products run
                     d = gl.exp2(b2)
                     offs = ws_base + o_t[:, None] * (HV * K) + cols[None, :]
