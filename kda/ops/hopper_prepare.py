@@ -296,7 +296,9 @@ def _chunk_prepare_hopper_kernel(
                     _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h,
                                   s_kt, s_qt, s_vt, n_rows, HV, K, V, BT, BK, BLK, ANC)
                 # the next item's inputs into the other buffer, now (its groups follow this item's; past the last
-                # item the copies are masked off, so every item waits for the same counts of groups)
+                # item the copies are masked off, so every item waits for the same counts of groups), once every
+                # thread is done reading that buffer for the item before
+                gl.thread_barrier()
                 nxt = pid + (it + 1) * G
                 has_next = nxt < n_p * HV
                 n_i, n_t0, n_eos, n_pp = _locate(gl.minimum(nxt // HV, n_p - 1) + p0, cu_seqlens, N, T, NT,
