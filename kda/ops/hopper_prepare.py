@@ -358,12 +358,15 @@ def _chunk_prepare_hopper_kernel(
                     kn = k_s.index(buf * NKS + s).load(BLK).to(gl.float32) * rk[:, None]
                     anc = gl.where(first, b2_q1, b2_q3)
                     e_row = gl.exp2(b2 - anc)
-                    kc = _tf32(kn * gl.exp2(anc - b2))
-                    # the lower-left quadrant at the middle row: both factors <= 1 where kept (selects drop the rest)
-                    x_row = gl.where(first, 0.0, gl.exp2(b2 - b2_mid))
+                    e_col = gl.exp2(anc - b2)
+                    kc = _tf32(kn * e_col)
+                    # the lower-left quadrant at the middle row, both factors <= 1 where kept (selects drop the
+                    # rest): 2^(b2 - mid) = e_row 2^(q3 - mid) below, 2^(mid - b2) = e_col 2^(mid - q1) above, a
+                    # column's factor each instead of two more exponentials an element
+                    x_row = gl.where(first, 0.0, e_row * gl.exp2(b2_q3 - b2_mid))
                     b_s.index(0).store(gl.where(first, kc, 0.0))
                     b_s.index(1).store(gl.where(first, 0.0, kc))
-                    b_s.index(2).store(gl.where(first, _tf32(kn * gl.exp2(b2_mid - b2)), 0.0))
+                    b_s.index(2).store(gl.where(first, _tf32(kn * (e_col * gl.exp2(b2_mid - b2_q1))), 0.0))
                     fence_async_shared()
                     acc_kk = _slice_products(kn, e_row, x_row, first, b_s, acc_kk, A32)
                     qn = q_s.index(buf * NKS + s).load(BLK).to(gl.float32) * rq[:, None]
