@@ -19,10 +19,10 @@ import kda_reference as ref  # noqa: E402
 
 # resources from ptxas (Triton 3.6, sm_90, K = V = 128, folded / unfolded)
 VARIANTS = {"tl": None,
-            "v4": dict(),  # 4 warps, one (chunk, head) a program: 246 / 245 registers, 112 / 96 KB: two an SM
-            "v5": dict(num_warps=8),  # 157 / 154 registers: one program an SM
-            "v6": dict(num_warps=8, maxnreg=128),  # two an SM, 176 / 236 bytes of spills
-            "v7": dict(num_warps=8, programs=132)}  # persistent, 253 / 248 registers, 224 / 208 KB: one an SM
+            "v4": dict(),  # 4 warps, one (chunk, head) a program: 241 / 247 registers, 110 / 94 KB: two an SM
+            "v5": dict(num_warps=8),  # 172 registers: one program an SM
+            "v6": dict(num_warps=8, maxnreg=128),  # two an SM, 152 bytes of spills (folded)
+            "v7": dict(num_warps=8, programs=132)}  # persistent, 245 registers, 224 KB: one an SM
 MODES = sys.argv[1].split(",") if len(sys.argv) > 1 else list(VARIANTS)
 MODE = {"p": "tl"}
 _orig = P.prefill_plan

@@ -228,9 +228,10 @@ def _chunk_prepare_hopper_kernel(
     NBUF: gl.constexpr = 2 if PERSIST else 1
     LATER: gl.constexpr = NKS + 1 if PERSIST else 0  # copy groups of the next item issued before this one's waits
     NB: gl.constexpr = BT // BC
-    # elementwise work on [BT, BK] slices: 16-byte loads of fp32, 8-byte stores of fp16
+    # elementwise work on [BT, BK] slices: 16-byte loads of fp32, 8-byte stores of fp16; with 4 warps each warp holds
+    # the 16 rows it holds as a tensor-core operand, so the conversion to it stays inside the warp (half the barriers)
     NW: gl.constexpr = gl.num_warps()
-    BLK: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
+    BLK: gl.constexpr = gl.BlockedLayout([1, 4], [BT // NW, 32 * NW // BT], [NW, 1], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, BLK)
     COL: gl.constexpr = gl.SliceLayout(0, BLK)
     # tf32 products into [BT, BT]; fp16 ones into [BT, BK] (M) and [BT, BT] (N)
