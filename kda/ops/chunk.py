@@ -236,12 +236,13 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
             if plan.prepare == "hopper":
                 variant = dict(HOPPER_VARIANT)
                 programs = variant.pop("programs", 0)  # > 0: a persistent grid of this many programs (dense)
+                form = variant.pop("form", "")  # "v8": the one-warpgroup kernel with the operands in registers
                 if programs and not varlen:
                     h_grid = (min(n_p * HV, programs),)
                     variant["PERSIST"] = True
                 else:
                     h_grid = (HV, n_p) if signal else (n_p, HV)
-                _hopper_prepare()[h_grid](
+                _hopper_prepare(form)[h_grid](
                     q, k, v, beta, cu, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
                     *strides, *v_strides, *g_beta[2:], T, N, NT, p0, n_p, call.scale,
                     H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short,
@@ -275,15 +276,15 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
         )
 
 
-HOPPER_VARIANT: dict = {}  # probe only (benchmarks/hopper_probe.py): num_warps, maxnreg, programs (persistent)
+HOPPER_VARIANT: dict = {}  # probe only (benchmarks/hopper_probe.py): num_warps, maxnreg, programs (persistent), form
 
 
 @functools.cache
-def _hopper_prepare():
+def _hopper_prepare(form: str = ""):
     """The Gluon prepare (`kda.ops.hopper_prepare`), imported at its first launch: only plans for Hopper pick it."""
-    from .hopper_prepare import _chunk_prepare_hopper_kernel
+    from . import hopper_prepare as hp
 
-    return _chunk_prepare_hopper_kernel
+    return hp._chunk_prepare_hopper_v8_kernel if form == "v8" else hp._chunk_prepare_hopper_kernel
 
 
 _SIDE_STREAMS: dict = {}
