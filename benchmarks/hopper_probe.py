@@ -22,7 +22,8 @@ VARIANTS = {"tl": None,
             "v4": dict(),  # 4 warps, one (chunk, head) a program: 241 / 247 registers, 110 / 94 KB: two an SM
             "v5": dict(num_warps=8),  # 172 registers: one program an SM
             "v6": dict(num_warps=8, maxnreg=128),  # two an SM, 152 bytes of spills (folded)
-            "v7": dict(num_warps=8, programs=132)}  # persistent, 245 registers, 224 KB: one an SM
+            "v7": dict(num_warps=8, programs=132),  # persistent, 245 registers, 224 KB: one an SM
+            "v8": dict(form="v8")}  # 4 warps, operands formed in registers: 254 / 255 registers, 96 / 84 KB
 MODES = sys.argv[1].split(",") if len(sys.argv) > 1 else list(VARIANTS)
 MODE = {"p": "tl"}
 _orig = P.prefill_plan

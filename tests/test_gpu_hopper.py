@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 FORMS = {"v4": {}, "v5": {"num_warps": 8}, "v6": {"num_warps": 8, "maxnreg": 128},
-         "v7": {"num_warps": 8, "programs": 132}}
+         "v7": {"num_warps": 8, "programs": 132}, "v8": {"form": "v8"}}
 TWIN_BOUND = 2e-4  # relative L2 against the twin: an eighth of the bf16 output's rounding floor (1.66e-3)
 
 
