@@ -1,12 +1,13 @@
 """Static SASS census of the prepare for sm_90 (no GPU): the tl twin (`_chunk_prepare_kernel`) and the Gluon forms
-v4-v7 of `kda/ops/hopper_prepare.py` at the H200 plan of a 1x16384 H=32 bf16 call (fp32 pool), each compiled with
+v4-v8 of `kda/ops/hopper_prepare.py` at the H200 plan of a 1x16384 H=32 bf16 call (fp32 pool), each compiled with
 the specialisation its caught launch gets (as `offline_compile.py`), SASS with line info (ptxas -lineinfo,
 nvdisasm -g), then counted per (chunk, head) item: the tl K loop (not unrolled) times its 4 trips, the persistent
 v7's item loop once without the first item's copies, the one-token branch left out.
 
-    PYTHONPATH=. python benchmarks/prepare_sass.py --out DIR [--forms tl,v4,v5,v6,v7]
+    PYTHONPATH=. python benchmarks/prepare_sass.py --out DIR [--forms tl,v4,v5,v6,v7,v8] [--case NAME] [--fold on]
 
-Run under Triton 3.6 (the GPU machine's). Phases are source-line ranges of the files at 93db6ad (checked below);
+Run under Triton 3.6 (the GPU machine's). Phases are source-line ranges of the files at 93db6ad (checked below;
+v8's from marker lines);
 an instruction from a helper file or helper line takes the phase of the kernel line before it, so phase splits
 are approximate, the item totals are not. Results: benchmarks/results/offline-gluon-prepare-sass.md."""
 from __future__ import annotations
@@ -25,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 VARIANTS = {"v4": dict(), "v5": dict(num_warps=8), "v6": dict(num_warps=8, maxnreg=128),
-            "v7": dict(num_warps=8, programs=132)}
-WARPS = {"tl": 4, "v4": 4, "v5": 8, "v6": 8, "v7": 8}
+            "v7": dict(num_warps=8, programs=132), "v8": dict(form="v8")}
+WARPS = {"tl": 4, "v4": 4, "v5": 8, "v6": 8, "v7": 8, "v8": 4}
 KFILE = {"tl": "chunk_prepare.py", "v4": "hopper_prepare.py", "v5": "hopper_prepare.py",
-         "v6": "hopper_prepare.py", "v7": "hopper_prepare.py"}
+         "v6": "hopper_prepare.py", "v7": "hopper_prepare.py", "v8": "hopper_prepare.py"}
 PH_G = [((53, 58), "inverse"), ((66, 101), "locate"), ((103, 137), "one_row"), ((139, 151), "count"),
         ((153, 164), "kloop"), ((166, 205), "copies"), ((208, 316), "setup"), ((317, 337), "norms"),
         ((338, 342), "one_row"), ((343, 386), "kloop"), ((387, 394), "Lform"), ((395, 416), "inverse"),
@@ -38,11 +39,28 @@ PH_T = [((66, 81), "locate"), ((95, 112), "count"), ((123, 179), "norms"), ((181
         ((345, 395), "one_row"), ((396, 445), "inverse"), ((493, 500), "kloop"), ((503, 551), "setup"),
         ((552, 556), "norms"), ((557, 564), "one_row"), ((565, 615), "kloop"), ((616, 631), "Lform"),
         ((632, 636), "inverse"), ((637, 641), "store"), ((642, 647), "count")]
+# v8 (appended after the v4-v7 kernel): phases from marker lines, found when the census runs
+V8_MARKS = [("def _v8_op", "kloop"), ("def _v8_copies", "copies"), ("def _chunk_prepare_hopper_v8_kernel", "setup"),
+            ("        # the norms pass", "norms"), ("        if n_rows == 1:", "one_row"),
+            ("            # the K loop:", "kloop"), ("            r = gl.arange(0, BT", "Lform"),
+            ("            # Y = X^T", "inverse"), ("            if FOLD:", "store"),
+            ("        if SIGNAL_CHUNKS > 0:", "count")]
+
+
+def v8_phases() -> list:
+    lines = (ROOT / "kda" / "ops" / "hopper_prepare.py").read_text().splitlines()
+    start = next(n for n, t in enumerate(lines, 1) if t.startswith("def _v8_op")) - 2
+    marks = [(next(n for n, t in enumerate(lines, 1) if n >= start and t.startswith(m)), ph) for m, ph in V8_MARKS]
+    ends = [n - 1 for n, _ in marks[1:]] + [len(lines)]
+    return [r for r in PH_G if r[0][1] < start] + [((n, e), ph) for (n, ph), e in zip(marks, ends)]
+
+
 CHECK = {("hopper_prepare.py", 338): "if n_rows == 1", ("hopper_prepare.py", 350): "for s in gl.static_range(NKS)",
          ("chunk_prepare.py", 557): "if n_rows == 1", ("chunk_prepare.py", 573): "for k0 in range(0, K, BK)"}
 
 
-def compile_forms(out: Path, forms: list[str]) -> None:
+def compile_forms(out: Path, forms: list[str], case: str = "prefill-1x16384-h32",
+                  plan_over: dict | None = None) -> None:
     import torch
     import triton
     from triton.compiler import ASTSource, make_backend
@@ -57,8 +75,9 @@ def compile_forms(out: Path, forms: list[str]) -> None:
 
     tgt = OC.TARGETS["sm_90"]
     for form in forms:
-        call = OC.CASES["prefill-1x16384-h32"][1](torch.float32)
+        call = OC.CASES[case][1](torch.float32)
         plan, route = P.prefill_plan(call, device=tgt.device)
+        plan = replace(plan, **(plan_over or {}))
         if form != "tl":
             plan = replace(plan, prepare="hopper")
             C.HOPPER_VARIANT.clear()
@@ -71,7 +90,8 @@ def compile_forms(out: Path, forms: list[str]) -> None:
         finally:
             L.DirectKernel.launch = real
             C.HOPPER_VARIANT.clear()
-        name = "_chunk_prepare_kernel" if form == "tl" else "_chunk_prepare_hopper_kernel"
+        name = {"tl": "_chunk_prepare_kernel", "v8": "_chunk_prepare_hopper_v8_kernel"}.get(
+            form, "_chunk_prepare_hopper_kernel")
         fn, grid, args, meta = next(c for c in caught if c[0].__name__ == name)
         backend = make_backend(tgt.target)
         kwargs = {**meta, **NUMERICS}
@@ -121,7 +141,7 @@ def parse(path: Path) -> list[dict]:
 
 
 def classify(ins: list[dict], form: str) -> None:
-    table = PH_T if form == "tl" else PH_G
+    table = PH_T if form == "tl" else v8_phases() if form == "v8" else PH_G
     ph = "setup"
     for i in ins:
         if i["file"] == KFILE[form]:
@@ -229,13 +249,15 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--forms", default="tl,v4,v5,v6,v7")
     p.add_argument("--no-compile", action="store_true", help="count the SASS already in --out")
+    p.add_argument("--case", default="prefill-1x16384-h32", help="a prefill case of offline_compile.py")
+    p.add_argument("--fold", choices=("plan", "on", "off"), default="plan", help="ChunkPlan.fold: the plan's or forced")
     a = p.parse_args()
     for (f, n), text in CHECK.items():
         assert text in (ROOT / "kda" / "ops" / f).read_text().splitlines()[n - 1], (f, n, "phase table is stale")
     forms = a.forms.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
     if not a.no_compile:
-        compile_forms(a.out, forms)
+        compile_forms(a.out, forms, a.case, {} if a.fold == "plan" else {"fold": a.fold == "on"})
     res = {f: analyse(a.out, f) for f in forms}
     (a.out / "counts.json").write_text(json.dumps(res, indent=1))
     keys = sorted({k for r in res.values() for k in r["item"]}, key=lambda k: (k != "total", k))
