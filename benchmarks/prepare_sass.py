@@ -61,6 +61,7 @@ CHECK = {("hopper_prepare.py", 338): "if n_rows == 1", ("hopper_prepare.py", 350
 
 def compile_forms(out: Path, forms: list[str], case: str = "prefill-1x16384-h32",
                   plan_over: dict | None = None) -> None:
+    import offline_compile as OC
     import torch
     import triton
     from triton.compiler import ASTSource, make_backend
@@ -69,7 +70,6 @@ def compile_forms(out: Path, forms: list[str], case: str = "prefill-1x16384-h32"
 
     import kda.ops.chunk as C
     import kda.plan as P
-    import offline_compile as OC
     from kda.ops import launch as L
     from kda.ops.launch import NUMERICS
 
