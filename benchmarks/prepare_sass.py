@@ -84,7 +84,7 @@ def compile_forms(out: Path, forms: list[str], case: str = "prefill-1x16384-h32"
             C.HOPPER_VARIANT.update(VARIANTS[form])
         caught = []
         real = L.DirectKernel.launch
-        L.DirectKernel.launch = lambda self, grid, args, meta: caught.append((self.fn, grid, args, meta))
+        L.DirectKernel.launch = lambda self, grid, args, meta, caught=caught: caught.append((self.fn, grid, args, meta))
         try:
             C.chunk_kda_fwd(call, plan, route)
         finally:
