@@ -6,6 +6,10 @@ beside the prepare at H = 32 (its counters and the dependent launch). GPU (sm_90
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import make_inputs, rel_err, run_planned
@@ -73,3 +77,14 @@ def test_beside_the_walk_at_32_heads(form):
     args, h0, kw = _inputs(1, 4096, 32, seed=5)
     (o_h, s_h), (o_t, s_t) = _both(args, h0, kw)
     assert rel_err(o_h, o_t) <= TWIN_BOUND and rel_err(s_h, s_t) <= TWIN_BOUND
+
+
+def test_first_run_workspaces_v8():
+    """v8's primitives alone and its workspaces against the twin's, per tensor and (chunk, head) tile
+    (benchmarks/hopper_first_run.py: each case in a subprocess with a timeout, so a hang fails one case); its report
+    names the first tensor, tile and region that disagrees."""
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "hopper_first_run.py"), "--form", "v8",
+                        "--timeout", "240", "--budget", "900"], cwd=root, capture_output=True, text=True, timeout=960)
+    print(p.stdout[-30000:], p.stderr[-5000:])
+    assert p.returncode == 0, p.stdout[-6000:]
