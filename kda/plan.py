@@ -271,7 +271,7 @@ def prefill_plan(call: KDACall, device: DeviceInfo | None = None, **overrides) -
         plan = _beside_plan(plan, walk_BV != 64, tune)
     if overrides:
         plan = replace(plan, **overrides)
-        if not plan.fold and (plan.prepare != "fused" or plan.ws_dtype != torch.float16):
+        if not plan.fold and (plan.prepare not in ("fused", "hopper") or plan.ws_dtype != torch.float16):
             raise ValueError("ChunkPlan.fold=False needs the fused prepare and fp16 workspaces")
         _check_device(plan, device)
     return plan, route(call, plan, device)
@@ -288,6 +288,8 @@ def _check_device(plan: ChunkPlan, device: DeviceInfo) -> None:
     if plan.wait_chunks and plan.wait_in_loop and not device.spin and not device.interpreter:
         raise ValueError(f"ChunkPlan.wait_in_loop: a wait inside the walk's loop needs the PTX spin, which {device} "
                          "lacks")
+    if plan.prepare == "hopper" and (device.hip or device.interpreter or device.capability != (9, 0)):
+        raise ValueError(f"ChunkPlan.prepare='hopper': the Gluon prepare is sm_90's, not {device}'s")
 
 
 def route(call: KDACall, plan: ChunkPlan, device: DeviceInfo | None = None) -> Route:
