@@ -29,10 +29,14 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
+import triton
 
 from .contract import CHECKPOINT_MULTIPLE, KDACall, host_lengths, interpreting
 
 LOG2E = 1.4426950408889634
+# (major, minor) of the Triton releases the Gluon kernels were tested with: Gluon's API moves between releases
+GLUON_TRITON = ((3, 6),)
+TRITON = tuple(int(x) for x in triton.__version__.split(".")[:2])
 CHUNK = 64  # BT: tokens per chunk of the prepare stage and the walk
 assert CHECKPOINT_MULTIPLE % CHUNK == 0  # every checkpoint offset is a chunk end of the walk
 SUB = 16  # BC: rows of the diagonal blocks inverted by forward substitution (split prepare)
@@ -73,6 +77,7 @@ class DeviceInfo:
     max_smem: int  # bytes of shared memory one block may use
     hip: bool = False
     interpreter: bool = False
+    triton: tuple[int, int] = TRITON  # the Triton release the kernels compile with (major, minor)
 
     @property
     def tma(self) -> bool:
@@ -95,6 +100,12 @@ class DeviceInfo:
         """A walk may spin on the prepare's counters beside it: its wait is PTX with Hopper's proxy fence, and
         the kernels around it take PDL's griddepcontrol (sm_90 and later on NVIDIA; sm_80's ptxas refuses both)."""
         return self.pdl
+
+    @property
+    def gluon(self) -> bool:
+        """The Gluon kernels (`kda.ops.hopper_prepare`) may run: sm_90 exactly (their wgmma), NVIDIA, never the
+        interpreter, under a Triton release they were tested with (`GLUON_TRITON`)."""
+        return not self.interpreter and not self.hip and self.capability == (9, 0) and self.triton in GLUON_TRITON
 
     @property
     def tf32(self) -> bool:
@@ -207,7 +218,9 @@ def workspace_dtype(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool) -> torc
 class ChunkPlan:
     """The kernels `kda.ops.chunk.chunk_kda_fwd` launches for one call, their tiles and their options."""
 
-    prepare: str  # "fused" (`_chunk_prepare_kernel`) or "split" (`_chunk_intra_kernel` + `_chunk_solve_kernel`)
+    # "fused" (`_chunk_prepare_kernel`), "hopper" (its Gluon form, `gluon_prepare`) or "split" (`_chunk_intra_kernel`
+    # + `_chunk_solve_kernel`)
+    prepare: str
     dot_prec: str  # input_precision of the fp32 dots (`dot_precision`)
     ws_dtype: torch.dtype  # Qd, Kd, M and N
     BT: int = CHUNK
@@ -262,7 +275,7 @@ def prefill_plan(call: KDACall, device: DeviceInfo | None = None, **overrides) -
     wide = wide_heads(call, device)
     walk_BV = _walk_bv(call, wide)
     plan = _chunk_plan(call.q.dtype, call.use_qk_l2norm_in_kernel, bounded_gate(call), call.K, call.V, walk_BV,
-                       device.tma and call.B * call.T <= 2**30, wide, device, tune)
+                       device.tma and call.B * call.T <= 2**30, wide, gluon_prepare(call, device), device, tune)
     beside = _beside(call, walk_BV, device, tune)
     late = 0 if beside else _tail_chunks(call, walk_BV, plan, device, tune)
     if late:
@@ -288,6 +301,9 @@ def _check_device(plan: ChunkPlan, device: DeviceInfo) -> None:
     if plan.wait_chunks and plan.wait_in_loop and not device.spin and not device.interpreter:
         raise ValueError(f"ChunkPlan.wait_in_loop: a wait inside the walk's loop needs the PTX spin, which {device} "
                          "lacks")
+    if plan.prepare == "hopper" and not (device.gluon and plan.gate_pass and plan.ws_dtype == torch.float16):
+        raise ValueError(f"ChunkPlan.prepare='hopper': the Gluon prepare needs sm_90 under Triton {GLUON_TRITON} "
+                         f"({device}), the gate pass and fp16 workspaces")
     if plan.prepare == "hopper" and (device.hip or device.interpreter or device.capability != (9, 0)):
         raise ValueError(f"ChunkPlan.prepare='hopper': the Gluon prepare is sm_90's, not {device}'s")
 
@@ -348,6 +364,24 @@ def wide_heads(call: KDACall, device: DeviceInfo) -> bool:
     return 2 * call.HV * cdiv(call.V, 32) > device.sm_count
 
 
+def gluon_prepare(call: KDACall, device: DeviceInfo) -> bool:
+    """Whether the fused prepare runs as its Gluon form (`kda.ops.hopper_prepare`, `DeviceInfo.gluon`): where one
+    sequence's walk at V blocks of 64 alone fills the SMs (HV cdiv(V, 64) >= SM count: 66 heads and more at V = 128
+    on an H200), so the prepare bounds the call; the Gluon form is 10% faster there (1x8192 H=96), but 5-11% slower
+    where fewer heads leave the walk beside it the long pole (H = 12, 32; docs/performance.md). It needs the fused
+    prepare after the gate pass with fp16 workspaces (16-bit inputs, q and k l2-normalised in the kernel, a bounded
+    gate), K a multiple of 32, and q, k, v at 16-byte aligned addresses and token and head strides (its
+    asynchronous copies). It changes the bits (about 2e-5 relative from the twin), so it follows the heads, K, V,
+    the inputs' layout and the device, never the batch."""
+    if not device.gluon or call.HV * cdiv(call.V, 64) < device.sm_count or call.K % 32 or call.V % 8:
+        return False
+    if not (bounded_gate(call) and workspace_dtype(call.q.dtype, call.use_qk_l2norm_in_kernel) == torch.float16
+            and dot_precision(call.q.dtype, device) == "tf32"):
+        return False
+    return all(x.data_ptr() % 16 == 0 and x.stride(-2) % 16 == 0 and x.stride(-3) % 16 == 0
+               for x in (call.q, call.k, call.v))
+
+
 def _walk_bv(call: KDACall, wide: bool) -> int:
     """The walk's V block: 64 for `wide_heads`, else 32 (16 for V <= 16)."""
     return 16 if call.V <= 16 else (64 if wide else 32)
@@ -382,7 +416,7 @@ def _tail_chunks(call: KDACall, walk_BV: int, plan: ChunkPlan, device: DeviceInf
     quarter of the prepare's slots, fewer late chunks than chunks. Live: with fewer than two walk programs an SM
     some SM holds at most one, and a prepare program fits beside one."""
     NT = cdiv(call.T, CHUNK)
-    if (not _may_wait(call, device) or walk_BV != 64 or call.K > 128 or plan.prepare != "fused"
+    if (not _may_wait(call, device) or walk_BV != 64 or call.K > 128 or plan.prepare == "split"
             or not plan.gate_pass or call.N != 1 or call.HV * NT < tune.beside_bv64_chunks):
         return 0
     slots = 2 * device.sm_count
@@ -405,7 +439,7 @@ def _beside_plan(plan: ChunkPlan, outer: bool, tune: Tuning, late: int = 0) -> C
 
 @functools.lru_cache(maxsize=1024)
 def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool, K: int, V: int, walk_BV: int,
-                tma: bool, wide: bool, device: DeviceInfo, tune: Tuning) -> ChunkPlan:
+                tma: bool, wide: bool, gluon: bool, device: DeviceInfo, tune: Tuning) -> ChunkPlan:
     """`chunk_plan` from what determines it, cached: one frozen plan shared by every call that agrees."""
     prec = dot_precision(input_dtype, device)
     ws_dtype = workspace_dtype(input_dtype, qk_l2norm_in_kernel)
@@ -418,7 +452,7 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     if walk_tma and walk_BV == 64 and BK <= 128:
         stages = min(stages, 2)  # two programs an SM by TMA: twice the walk programs run at once
     return ChunkPlan(
-        prepare="fused" if fused else "split",
+        prepare=("hopper" if gluon else "fused") if fused else "split",
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
         gate_BK=min(64, BK),
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)

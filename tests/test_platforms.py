@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -207,3 +208,33 @@ def test_overrides_may_not_ask_for_what_the_device_lacks(prefill_calls):
     with pytest.raises(ValueError, match="no inline PTX"):
         P.decode_plan(decode, device=MI300X, ptx=True)
     assert P.decode_plan(decode, device=A100, ptx=True).ptx
+
+
+def test_the_gluon_prepare_only_where_the_plan_measured_and_tested_it(prefill_calls):
+    """An H200 under Triton 3.6 (the release the Gluon prepare was tested with) gets it exactly for the calls whose
+    one sequence's walk at V blocks of 64 fills the SMs (96 heads at V = 128; not 32 or 4, nor V = 64), with Kimi's
+    bounded gate on bf16 inputs (the gate pass, fp16 workspaces) and aligned rows; a misaligned head stride, another
+    Triton release, another capability, HIP and the interpreter get the twin, and an override asking them for it
+    is refused. The choice reads no batch: the same heads and dtypes give the same prepare at every batch shape."""
+    h200_36 = P.DeviceInfo(132, (9, 0), 232448, triton=(3, 6))
+    others = (P.DeviceInfo(132, (9, 0), 232448, triton=(3, 9)), P.DeviceInfo(148, (10, 0), 232448, triton=(3, 6)),
+              P.DeviceInfo(304, (9, 0), 65536, hip=True, triton=(3, 6)), A100, MI300X, P.INTERPRETER)
+    picked = set()
+    for call in prefill_calls:
+        plan = P.chunk_plan(call, device=h200_36)
+        kimi = call.use_gate_in_kernel and call.q.dtype == torch.bfloat16
+        assert (plan.prepare == "hopper") == (kimi and call.HV * P.cdiv(call.V, 64) >= 132), (call.HV, call.V)
+        if plan.prepare == "hopper":
+            picked.add((call.N, call.T))
+            assert plan.gate_pass and plan.ws_dtype == torch.float16 and plan.prepare_BK == 32
+        for device in others:
+            assert P.chunk_plan(call, device=device).prepare != "hopper"
+    assert len(picked) > 3  # dense and varlen, one sequence and many
+    wide = next(c for c in prefill_calls if c.HV == 96 and c.V == 128 and c.use_gate_in_kernel
+                and c.q.dtype == torch.bfloat16 and c.B == 1 and c.T == 4096)
+    m = torch.empty(1, 4096, 96, 136, dtype=torch.bfloat16, device="meta")[..., :128]  # head stride 136
+    misaligned = replace(wide, q=m)
+    assert P.chunk_plan(misaligned, device=h200_36).prepare == "fused"
+    for device in others:
+        with pytest.raises(ValueError, match="Gluon prepare"):
+            P.prefill_plan(wide, device=device, prepare="hopper")

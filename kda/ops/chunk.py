@@ -234,20 +234,12 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
             if signal and plan.gate_pass and i == len(parts) - 1:
                 after_gate()  # the walk forks before the last launch: it starts once the chunks before are stored
             if plan.prepare == "hopper":
-                variant = dict(HOPPER_VARIANT)
-                programs = variant.pop("programs", 0)  # > 0: a persistent grid of this many programs (dense)
-                form = variant.pop("form", "")  # "v8": the one-warpgroup kernel with the operands in registers
-                if programs and not varlen:
-                    h_grid = (min(n_p * HV, programs),)
-                    variant["PERSIST"] = True
-                else:
-                    h_grid = (HV, n_p) if signal else (n_p, HV)
-                _hopper_prepare(form)[h_grid](
+                _hopper_prepare()[(HV, n_p) if signal else (n_p, HV)](
                     q, k, v, beta, cu, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
                     *strides, *v_strides, *g_beta[2:], T, N, NT, p0, n_p, call.scale,
                     H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short,
                     USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, SIGNAL_CHUNKS=signal, FOLD=plan.fold,
-                    LAST_WAITS=signal > 0 and plan.spin, **{"num_warps": 4, **variant},
+                    LAST_WAITS=signal > 0 and plan.spin, num_warps=4,
                 )
                 continue
             _chunk_prepare_kernel[(HV, n_p) if signal else (n_p, HV)](
@@ -276,15 +268,12 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
         )
 
 
-HOPPER_VARIANT: dict = {}  # probe only (benchmarks/hopper_probe.py): num_warps, maxnreg, programs (persistent), form
-
-
 @functools.cache
-def _hopper_prepare(form: str = ""):
+def _hopper_prepare():
     """The Gluon prepare (`kda.ops.hopper_prepare`), imported at its first launch: only plans for Hopper pick it."""
-    from . import hopper_prepare as hp
+    from .hopper_prepare import _chunk_prepare_hopper_kernel
 
-    return hp._chunk_prepare_hopper_v8_kernel if form == "v8" else hp._chunk_prepare_hopper_kernel
+    return _chunk_prepare_hopper_kernel
 
 
 _SIDE_STREAMS: dict = {}

@@ -4,21 +4,20 @@
 multiple of 32, 16-byte aligned token strides for the asynchronous copies). Imported only when a plan picks it, so
 `import kda` never needs Gluon.
 
-How it differs from the twin:
+How it differs from the twin (one program per (chunk, value head), one warpgroup of 4 warps):
 - The chunk's k, q, v, b2 and b2's anchor rows are copied into shared memory asynchronously as the program starts
   (`_issue_copies`: k, q, v and the anchors as one group, b2 a group per K slice), so the norms pass waits once and
-  each K slice only for its own b2; the twin loads each slice from global memory as it reaches it. PERSIST: a grid of
-  any size walks the (chunk, head) items, copying the next item's inputs while it finishes the current one.
-- All of A_kk (and A_qk) in one accumulator: per K slice three tf32 products, the first half's rows against the first
-  half's columns, the second's against the second's (the other half of each operand zero, so no overflowed lane is
-  ever multiplied), and the lower-left quadrant at the middle row's anchor; the twin forms the diagonal quadrants in
-  one dot whose off-diagonal quadrants overflow and the lower-left one in a second accumulator.
+  each K slice only for its own b2; the twin loads each slice from global memory as it reaches it.
+- Every K-loop operand is formed in the registers the tensor cores read it from (`_as_operand`: warpgroup_mma's
+  register A operand), each B tile stored to shared memory once; the twin's `tl.dot` goes through shared memory.
+- A_kk's (and A_qk's) diagonal quadrants in one tf32 product per K slice (every row at its half's middle row against
+  all of the chunk; the off-diagonal quadrants overflow and are dropped), the lower-left quadrant at the middle
+  row's anchor in fp16 into [BT, 32] accumulators (the twin's X_kk, X_qk).
 - Asynchronous tensor-core products: A_kk's run while A_qk's operands are formed, A_qk's while Qd, Kd (and Kr) are
   stored.
 - Kr kept in shared memory in fp16 (the dtype the twin parks it in, in M's rows of global memory) until M is formed,
   and the fold's two products in fp16 with Xb times a power of two (its tf32-rounded entries fit fp16's significand
   exactly; only entries 2^-29 below the largest lose bits).
-- 4 warps (one warpgroup) or 8 (two, each product's columns split between them).
 The inverse of I + A_kk is the twin's (`_unit_lower_inverse_t`): the 4 x 4 diagonal blocks by their series, then four
 block merges, every product in tf32 with operands rounded to nearest; a chunk of one token stores its rows exactly
 (`_one_row_chunk`), as the twin's does.
@@ -55,6 +54,7 @@ def _mma(a, b_smem, layout: gl.constexpr, acc_layout: gl.constexpr, M: gl.conste
     operand, waited for."""
     acc = gl.zeros([M, N], gl.float32, layout=acc_layout)
     return warpgroup_mma(gl.convert_layout(a, layout), b_smem, acc, use_acc=False)
+
 
 
 @gluon.jit
@@ -149,309 +149,11 @@ def _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV: gl.constexpr, BT: gl.c
                                       pack=1)
 
 
-@gluon.jit
-def _slice_products(x, e_row, x_row, first, b_s, acc, A32: gl.constexpr):
-    """acc + one K slice's three products, issued asynchronously (the caller waits): the first half's rows of
-    x 2^(b2 - anchor) against `b_s[0]`, the second half's against `b_s[1]`, and x 2^(b2 - b2_mid) (second half) against
-    `b_s[2]`, every operand rounded to tf32."""
-    a = _tf32(x * e_row)
-    acc = warpgroup_mma(gl.convert_layout(gl.where(first, a, 0.0), A32), b_s.index(0).permute((1, 0)), acc,
-                        is_async=True)
-    acc = warpgroup_mma(gl.convert_layout(gl.where(first, 0.0, a), A32), b_s.index(1).permute((1, 0)), acc,
-                        is_async=True)
-    return warpgroup_mma(gl.convert_layout(_tf32(x * x_row), A32), b_s.index(2).permute((1, 0)), acc, is_async=True)
-
-
-@gluon.jit
-def _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v_h, b2_h, s_kt, s_qt, s_vt, n_rows,
-                  HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-                  BLK: gl.constexpr, ANC: gl.constexpr):
-    """One chunk's k, q, v, b2 and b2's anchor rows copied asynchronously into buffer `buf` of the staging tiles: k,
-    q, v and the anchors as one group, then b2 a group per K slice (NKS + 1 groups), so the norms pass waits for the
-    first and each K slice for its own. Rows past the sequence: k, q, v zero-filled (masked copies), b2 the last
-    row's (so the anchor rows, 16, 48, 32 and 63 clamped to the sequence, are static rows of their tile)."""
-    NKS: gl.constexpr = K // BK
-    NV: gl.constexpr = (V + BK - 1) // BK
-    HALF: gl.constexpr = BT // 2
-    o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, BLK))
-    o_c = gl.arange(0, BK, layout=gl.SliceLayout(0, BLK))
-    m_rows = (o_t < n_rows)[:, None]
-    last_row = gl.maximum(n_rows - 1, 0)  # n_rows 0 (no next item): b2 read from the clamped item's first row
-    for s in gl.static_range(NKS):
-        cols = s * BK + o_c
-        async_copy.async_copy_global_to_shared(k_s.index(buf * NKS + s), k_h + o_t[:, None] * s_kt + cols[None, :],
-                                               mask=m_rows)
-        async_copy.async_copy_global_to_shared(q_s.index(buf * NKS + s), q_h + o_t[:, None] * s_qt + cols[None, :],
-                                               mask=m_rows)
-    for s in gl.static_range(NV):
-        cols = s * BK + o_c
-        async_copy.async_copy_global_to_shared(v_s.index(buf * NV + s), v_h + o_t[:, None] * s_vt + cols[None, :],
-                                               mask=m_rows & (cols < V)[None, :])
-    j = gl.arange(0, 8, layout=gl.SliceLayout(1, ANC))
-    r_anc = gl.where(j == 0, HALF // 2, gl.where(j == 1, HALF + HALF // 2, gl.where(j == 2, HALF, BT - 1)))
-    r_anc = gl.minimum(r_anc, last_row)
-    c_anc = gl.arange(0, BK, layout=gl.SliceLayout(0, ANC))
-    for s in gl.static_range(NKS):
-        async_copy.async_copy_global_to_shared(anc_s.index(buf * NKS + s),
-                                               b2_h + r_anc[:, None] * (HV * K) + (s * BK + c_anc)[None, :])
-    async_copy.commit_group()
-    b2_rows = gl.minimum(o_t, last_row)
-    for s in gl.static_range(NKS):
-        cols = s * BK + o_c
-        async_copy.async_copy_global_to_shared(b2_s.index(buf * NKS + s),
-                                               b2_h + b2_rows[:, None] * (HV * K) + cols[None, :])
-        async_copy.commit_group()
-
-
-@direct
-@gluon.jit
-def _chunk_prepare_hopper_kernel(
-    q, k, v, beta, cu_seqlens, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
-    T, N, NT, p0, n_p, scale,
-    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-    BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr, IS_VARLEN: gl.constexpr, SHORT: gl.constexpr,
-    USE_BETA_SIGMOID: gl.constexpr, SIGNAL_CHUNKS: gl.constexpr, FOLD: gl.constexpr, LAST_WAITS: gl.constexpr,
-    PERSIST: gl.constexpr = False,
-):
-    """What `_chunk_prepare_kernel` stores with B2_FROM_WS and fp16 workspaces (the module docstring says how it
-    differs), 4 warps (one warpgroup) or 8 (two, each product's columns split between them). One program per
-    (chunk, value head); or PERSIST (dense calls): a grid of any size whose programs take the n_p * HV (chunk, head)
-    items of this launch head-fastest, program p the items p, p + grid, ..., each copying the next item's inputs
-    into its second staging buffer while it finishes the current one. SIGNAL_CHUNKS, FOLD and LAST_WAITS as the
-    twin's."""
-    gl.static_assert(BT == 64)
-    gl.static_assert(K % BK == 0)
-    HALF: gl.constexpr = BT // 2
-    NKS: gl.constexpr = K // BK
-    NV: gl.constexpr = (V + BK - 1) // BK
-    NBUF: gl.constexpr = 2 if PERSIST else 1
-    LATER: gl.constexpr = NKS + 1 if PERSIST else 0  # copy groups of the next item issued before this one's waits
-    NB: gl.constexpr = BT // BC
-    # elementwise work on [BT, BK] slices: 16-byte loads of fp32, 8-byte stores of fp16; with 4 warps each warp holds
-    # the 16 rows it holds as a tensor-core operand, so the conversion to it stays inside the warp (half the barriers)
-    NW: gl.constexpr = gl.num_warps()
-    BLK: gl.constexpr = gl.BlockedLayout([1, 4], [BT // NW, 32 * NW // BT], [NW, 1], [1, 0])
-    ROW: gl.constexpr = gl.SliceLayout(1, BLK)
-    COL: gl.constexpr = gl.SliceLayout(0, BLK)
-    # tf32 products into [BT, BT]; fp16 ones into [BT, BK] (M) and [BT, BT] (N)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
-                                                  instr_shape=[16, BT // (NW // 4), 8])
-    A32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
-    MMA_M: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
-                                                    instr_shape=[16, BK // (NW // 4), 16])
-    A16_M: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_M, k_width=2)
-    MMA_N: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
-                                                    instr_shape=[16, BT // (NW // 4), 16])
-    A16_N: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_N, k_width=2)
-    S_SLICE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    S_SQ: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    S_SQ16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    S_KR: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-    # staged inputs: rows read in BLK's 4-element pieces, swizzled; the anchor rows unswizzled (a row is a slice)
-    S_IN: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-    S_ANC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    ANC: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, NW], [1, 0])
-
-    k_s = gl.allocate_shared_memory(k.dtype.element_ty, [NBUF * NKS, BT, BK], S_IN)
-    q_s = gl.allocate_shared_memory(q.dtype.element_ty, [NBUF * NKS, BT, BK], S_IN)
-    v_s = gl.allocate_shared_memory(v.dtype.element_ty, [NBUF * NV, BT, BK], S_IN)
-    b2_s = gl.allocate_shared_memory(gl.float32, [NBUF * NKS, BT, BK], S_IN)
-    anc_s = gl.allocate_shared_memory(gl.float32, [NBUF * NKS, 8, BK], S_ANC)
-
-    o_t = gl.arange(0, BT, layout=ROW)
-    o_c = gl.arange(0, BK, layout=COL)
-    first = (o_t < HALF)[:, None]
-    if PERSIST:
-        pid = gl.program_id(0)
-        G = gl.num_programs(0)
-        n_iter = gl.cdiv(n_p * HV - pid, G)
-    else:
-        pid = 0
-        G = 1
-        n_iter = 1
-    for it in range(0, n_iter):
-        buf = it % NBUF
-        if PERSIST:
-            item = pid + it * G
-            i_p = item // HV + p0
-            i_hv = item % HV
-        elif SIGNAL_CHUNKS > 0:
-            i_p = gl.program_id(1) + p0
-            i_hv = gl.program_id(0)
-        else:
-            i_p = gl.program_id(0) + p0
-            i_hv = gl.program_id(1)
-        i_h = i_hv // (HV // H)
-        i_n, t0, eos, i_p = _locate(i_p, cu_seqlens, N, T, NT, IS_VARLEN, BT, SHORT)
-        if t0 < eos:  # always, but for a varlen program past its sequence's chunks (PERSIST is dense)
-            n_rows = gl.minimum(eos - t0, BT).to(gl.int32)
-            row_ok = o_t < n_rows
-            q_h = q + t0 * s_qt + i_h * s_qh
-            k_h = k + t0 * s_kt + i_h * s_kh
-            ws_base = (t0 * HV + i_hv) * K
-            n_base = (t0 * HV + i_hv) * BT
-            b2_h = b2_ws + ws_base
-            if PERSIST:
-                if it == 0:  # later items: the item before copied this one's inputs
-                    _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h,
-                                  s_kt, s_qt, s_vt, n_rows, HV, K, V, BT, BK, BLK, ANC)
-                # the next item's inputs into the other buffer, now (its groups follow this item's; past the last
-                # item the copies are masked off, so every item waits for the same counts of groups), once every
-                # thread is done reading that buffer for the item before
-                gl.thread_barrier()
-                nxt = pid + (it + 1) * G
-                has_next = nxt < n_p * HV
-                n_i, n_t0, n_eos, n_pp = _locate(gl.minimum(nxt // HV, n_p - 1) + p0, cu_seqlens, N, T, NT,
-                                                 IS_VARLEN, BT, SHORT)
-                n_hv = nxt % HV
-                _issue_copies(k_s, q_s, v_s, b2_s, anc_s, 1 - buf, k + n_t0 * s_kt + (n_hv // (HV // H)) * s_kh,
-                              q + n_t0 * s_qt + (n_hv // (HV // H)) * s_qh, v + n_t0 * s_vt + n_hv * s_vh,
-                              b2_ws + (n_t0 * HV + n_hv) * K, s_kt, s_qt, s_vt,
-                              gl.where(has_next, gl.minimum(n_eos - n_t0, BT), 0).to(gl.int32),
-                              HV, K, V, BT, BK, BLK, ANC)
-            else:
-                _issue_copies(k_s, q_s, v_s, b2_s, anc_s, buf, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h,
-                              s_kt, s_qt, s_vt, n_rows, HV, K, V, BT, BK, BLK, ANC)
-
-            b_beta = gl.load(beta + t0 * s_bt + o_t * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(gl.float32)
-            if USE_BETA_SIGMOID:
-                b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
-            b_beta = gl.where(row_ok, b_beta, 0.0)
-            # the norms pass (k, q, and max|V| for the walk's bound on D) from the staged tiles
-            async_copy.wait_group(NKS + LATER)
-            ssk = gl.zeros([BT], gl.float32, layout=ROW)
-            ssq = gl.zeros([BT], gl.float32, layout=ROW)
-            for s in gl.static_range(NKS):
-                x = k_s.index(buf * NKS + s).load(BLK).to(gl.float32)
-                ssk += gl.sum(x * x, 1)
-                x = q_s.index(buf * NKS + s).load(BLK).to(gl.float32)
-                ssq += gl.sum(x * x, 1)
-            v_abs = gl.zeros([BT, BK], gl.float32, layout=BLK)
-            for s in gl.static_range(NV):
-                v_abs = gl.maximum(v_abs, gl.abs(v_s.index(buf * NV + s).load(BLK).to(gl.float32)))
-            v_max = gl.max(gl.max(v_abs, 1), 0)
-            rk = 1.0 / gl.sqrt(ssk + 1e-6)
-            rq = (1.0 / gl.sqrt(ssq + 1e-6)) * scale
-            sc = sc_ws + (i_p * HV + i_hv) * 4
-
-            if n_rows == 1:  # one token (a decode step in a varlen batch, a sequence's last token alone in its chunk)
-                async_copy.wait_group(LATER)  # its b2 groups, before its buffer takes another item's
-                _one_row_chunk(q_h, k_h, b2_h, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq, b_beta,
-                               o_t, o_c, K, BK, FOLD)
-                gl.store(sc + 2, v_max)
-            else:
-                # the K loop: A_kk and A_qk in one accumulator each (three products a slice: module docstring)
-                acc_kk = gl.zeros([BT, BT], gl.float32, layout=MMA)
-                acc_qk = gl.zeros([BT, BT], gl.float32, layout=MMA)
-                m_rows = row_ok[:, None]
-                b_s = gl.allocate_shared_memory(gl.float32, [3, BT, BK], S_SLICE)
-                kr_s = gl.allocate_shared_memory(gl.float16, [NKS, BT, BK], S_KR)
-                for s in gl.static_range(NKS):
-                    cols = s * BK + o_c
-                    async_copy.wait_group(NKS - 1 - s + LATER)
-                    b2 = b2_s.index(buf * NKS + s).load(BLK)
-                    a_t = anc_s.index(buf * NKS + s)
-                    b2_q1 = a_t.slice(0, 1).load(BLK)
-                    b2_q3 = a_t.slice(1, 1).load(BLK)
-                    b2_mid = a_t.slice(2, 1).load(BLK)
-                    b2_last = a_t.slice(3, 1).load(BLK)
-                    kn = k_s.index(buf * NKS + s).load(BLK).to(gl.float32) * rk[:, None]
-                    anc = gl.where(first, b2_q1, b2_q3)
-                    e_row = gl.exp2(b2 - anc)
-                    e_col = gl.exp2(anc - b2)
-                    kc = _tf32(kn * e_col)
-                    # the lower-left quadrant at the middle row, both factors <= 1 where kept (selects drop the
-                    # rest): 2^(b2 - mid) = e_row 2^(q3 - mid) below, 2^(mid - b2) = e_col 2^(mid - q1) above, a
-                    # column's factor each instead of two more exponentials an element
-                    x_row = gl.where(first, 0.0, e_row * gl.exp2(b2_q3 - b2_mid))
-                    b_s.index(0).store(gl.where(first, kc, 0.0))
-                    b_s.index(1).store(gl.where(first, 0.0, kc))
-                    b_s.index(2).store(gl.where(first, _tf32(kn * (e_col * gl.exp2(b2_mid - b2_q1))), 0.0))
-                    fence_async_shared()
-                    acc_kk = _slice_products(kn, e_row, x_row, first, b_s, acc_kk, A32)
-                    qn = q_s.index(buf * NKS + s).load(BLK).to(gl.float32) * rq[:, None]
-                    acc_kk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_kk,))
-                    acc_qk = _slice_products(qn, e_row, x_row, first, b_s, acc_qk, A32)
-                    # what the walk reads, while the products run
-                    d = gl.exp2(b2)
-                    offs = ws_base + o_t[:, None] * (HV * K) + cols[None, :]
-                    gl.store(qd_ws + offs, (qn * d).to(gl.float16), mask=m_rows)
-                    gl.store(kd_ws + offs, (kn * d).to(gl.float16), mask=m_rows)
-                    kr = (kn * gl.exp2(b2_last - b2)).to(gl.float16)
-                    if FOLD:
-                        kr_s.index(s).store(kr)
-                    else:
-                        gl.store(m_ws + offs, kr, mask=m_rows)
-                    acc_qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_qk,))
-                # L = A_kk diag(beta) strictly below the diagonal; A_qk on and below it, held in fp16
-                r = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA))[:, None]
-                c = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))[None, :]
-                beta_m = gl.convert_layout(b_beta, gl.SliceLayout(1, MMA))[:, None]
-                valid = (r < n_rows) & (c < n_rows)
-                L = gl.where(valid & (c < r), acc_kk * beta_m, 0.0)
-                A_qk = gl.where(valid & (c <= r), acc_qk, 0.0).to(gl.float16)
-
-                # Y = X^T, X = (I + L)^-1 (`chunk_prepare._unit_lower_inverse_t`): L^T is every first product's column operand
-                l_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ, _tf32(L))
-                y_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ)
-                fence_async_shared()
-                LrT = l_s.permute((1, 0))
-                eye = gl.where(r == c, 1.0, 0.0)
-                blk = (r // BC) == (c // BC)
-                Y = eye - gl.where(blk, l_s.permute((1, 0)).load(MMA), 0.0)
-                for _ in gl.static_range(2, BC):
-                    Y = eye - gl.where(blk, _mma(_tf32(Y), LrT, A32, MMA, BT, BT), 0.0)
-                for lvl in gl.static_range(0, 4):
-                    if (1 << lvl) < NB:
-                        w = BC << lvl
-                        Yr = _tf32(Y)
-                        Yu = gl.where((r // w) % 2 == 0, Yr, 0.0)
-                        upper_right = ((r // (2 * w)) == (c // (2 * w))) & ((r // w) % 2 == 0) & ((c // w) % 2 == 1)
-                        Hm = gl.where(upper_right, _mma(Yu, LrT, A32, MMA, BT, BT), 0.0)
-                        y_s.store(gl.permute(Yr, (1, 0)))
-                        fence_async_shared()
-                        Y = Y - _mma(_tf32(Hm), y_s.permute((1, 0)), A32, MMA, BT, BT)
-                XbT = _tf32(Y * beta_m)
-
-                if FOLD:
-                    # N = A_qk Xb and M = Xb^T Kr in fp16, Xb times px (exact: XbT is rounded to 11 bits)
-                    px = _pow2_of(gl.max(gl.max(gl.abs(XbT), 1), 0))
-                    pm = _pow2_of(gl.max(gl.sum(gl.abs(XbT), 1), 0))
-                    xb16 = (XbT * px).to(gl.float16)
-                    x_s = gl.allocate_shared_memory(gl.float16, [BT, BT], S_SQ16, xb16)
-                    fence_async_shared()
-                    Nm = _mma(A_qk, x_s.permute((1, 0)), A16_N, MMA_N, BT, BT) * (1.0 / px)
-                    pn = _pow2_of(gl.max(gl.max(gl.abs(Nm), 1), 0))
-                    rn = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA_N))[:, None]
-                    cn = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA_N))[None, :]
-                    gl.store(n_ws + n_base + rn * (HV * BT) + cn, (Nm * pn).to(gl.float16), mask=rn < n_rows)
-                    rm = gl.arange(0, BT, layout=gl.SliceLayout(1, MMA_M))[:, None]
-                    cm = gl.arange(0, BK, layout=gl.SliceLayout(0, MMA_M))[None, :]
-                    f = pm / px
-                    for s in gl.static_range(NKS):
-                        Mm = _mma(xb16, kr_s.index(s), A16_M, MMA_M, BT, BK)
-                        gl.store(m_ws + ws_base + rm * (HV * K) + s * BK + cm, (Mm * f).to(gl.float16), mask=rm < n_rows)
-                    gl.store(sc, 1.0 / pm)
-                    gl.store(sc + 1, 1.0 / pn)
-                else:
-                    # A_qk into N's rows, Xb px into x_ws's (XbT's element (r, c) at row c, column r), Kr left in M's rows
-                    gl.store(n_ws + n_base + r * (HV * BT) + c, A_qk, mask=r < n_rows)
-                    px = _pow2_of(gl.max(gl.max(gl.abs(XbT), 1), 0))
-                    gl.store(x_ws + n_base + c * (HV * BT) + r, (XbT * px).to(gl.float16), mask=c < n_rows)
-                    gl.store(sc, 1.0 / px)
-                    gl.store(sc + 1, gl.max(gl.sum(gl.abs(XbT), 0), 0))
-                gl.store(sc + 2, v_max)
-            if SIGNAL_CHUNKS > 0:
-                _count_chunk(ready, i_n, t0, T, NT, i_p, i_hv, N, HV, BT, SIGNAL_CHUNKS, LAST_WAITS)
-    async_copy.wait_group(0)  # no copy outlives the program
-
-
-# v8: one warpgroup, every K-loop operand formed in the registers of the tensor-core operand. A thread of v8's
+# Every K-loop operand formed in the registers of the tensor-core operand. A thread of the kernel's
 # layout P holds 8 consecutive channels of 2 rows: the tf32 (and the fp16) A operand's registers with a K slice's
-# channels in another order (`_v8_op`); a product sums over the channels, so A and B in one order give the same sums.
+# channels in another order (`_as_operand`); a product sums over the channels, so A and B in one order give the same sums.
 @gluon.jit
-def _v8_op(x, A: gl.constexpr):
+def _as_operand(x, A: gl.constexpr):
     """A [BT, 32] tile of layout P (channel 8 t + j at lane t, register j) as the same registers in layout A, the
     channels in the order 4 j + t (no data moves)."""
     n: gl.constexpr = x.shape[0]
@@ -459,21 +161,21 @@ def _v8_op(x, A: gl.constexpr):
 
 
 @gluon.jit
-def _v8_op16(x, A: gl.constexpr):
-    """`_v8_op` for an fp16 A operand (k_width 2): channel 8 t + j in the order 16 j2 + 8 j1 + 4 t1 + 2 t0 + j0."""
+def _as_operand16(x, A: gl.constexpr):
+    """`_as_operand` for an fp16 A operand (k_width 2): channel 8 t + j in the order 16 j2 + 8 j1 + 4 t1 + 2 t0 + j0."""
     n: gl.constexpr = x.shape[0]
     x = gl.permute(gl.reshape(x, [n, 2, 2, 2, 2, 2]), (0, 3, 4, 1, 2, 5))
     return gl.convert_layout(gl.reshape(x, [n, 32]), A)
 
 
 @gluon.jit
-def _v8_row(a_t, i: gl.constexpr, PA: gl.constexpr, PC: gl.constexpr):
+def _anchor_row(a_t, i: gl.constexpr, PA: gl.constexpr, PC: gl.constexpr):
     """Row i of the anchor tile `a_t` as a column vector of layout P (two 16-byte loads a thread)."""
     return gl.convert_layout(gl.reshape(a_t.slice(i, 1).load(PA), [a_t.shape[1]]), PC)
 
 
 @gluon.jit
-def _v8_cat(lo, hi, L: gl.constexpr):
+def _cat_acc(lo, hi, L: gl.constexpr):
     """The [BT, 2n] tile [lo, hi] of two [BT, n] accumulators, in the accumulator layout of width 2n (registers
     renamed, no data moves)."""
     n: gl.constexpr = lo.shape[0]
@@ -482,7 +184,7 @@ def _v8_cat(lo, hi, L: gl.constexpr):
 
 
 @gluon.jit
-def _v8_copies(k_s, q_s, v_s, b2_s, anc_s, k_h, q_h, v_h, b2_h, s_kt, s_qt, s_vt, n_rows,
+def _issue_copies(k_s, q_s, v_s, b2_s, anc_s, k_h, q_h, v_h, b2_h, s_kt, s_qt, s_vt, n_rows,
                HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                CP: gl.constexpr, ANC: gl.constexpr):
     """`_issue_copies` for one item (one buffer): k, q, v and b2's anchor rows as one group, b2 a group per K slice;
@@ -518,7 +220,7 @@ def _v8_copies(k_s, q_s, v_s, b2_s, anc_s, k_h, q_h, v_h, b2_h, s_kt, s_qt, s_vt
 
 @direct
 @gluon.jit
-def _chunk_prepare_hopper_v8_kernel(
+def _chunk_prepare_hopper_kernel(
     q, k, v, beta, cu_seqlens, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
     T, N, NT, p0, n_p, scale,
@@ -526,11 +228,11 @@ def _chunk_prepare_hopper_v8_kernel(
     BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr, IS_VARLEN: gl.constexpr, SHORT: gl.constexpr,
     USE_BETA_SIGMOID: gl.constexpr, SIGNAL_CHUNKS: gl.constexpr, FOLD: gl.constexpr, LAST_WAITS: gl.constexpr,
 ):
-    """What `_chunk_prepare_hopper_kernel` stores (its arguments but PERSIST), one program per (chunk, value head),
-    4 warps. The K loop forms A_kk and A_qk with the twin's products: a slice's diagonal quadrants in one tf32
+    """What the twin `_chunk_prepare_kernel` stores (Qd, Kd, M, N, Xb, the scales; the chunk counted where the walk
+    awaits it), one program per (chunk, value head), 4 warps. The K loop forms A_kk and A_qk with the twin's products: a slice's diagonal quadrants in one tf32
     product (every row at its half's middle row against all of kc; the off-diagonal quadrants overflow and are
     dropped), the lower-left quadrant at the middle row's anchor in fp16 into [BT, 32] accumulators (the twin's X_kk,
-    X_qk). Every A operand is formed in the registers the tensor cores read (`_v8_op`), each B tile stored once."""
+    X_qk). Every A operand is formed in the registers the tensor cores read (`_as_operand`), each B tile stored once."""
     gl.static_assert(BT == 64)
     gl.static_assert(BK == 32)
     gl.static_assert(K % BK == 0)
@@ -593,7 +295,7 @@ def _chunk_prepare_hopper_v8_kernel(
         ws_base = (t0 * HV + i_hv) * K
         n_base = (t0 * HV + i_hv) * BT
         b2_h = b2_ws + ws_base
-        _v8_copies(k_s, q_s, v_s, b2_s, anc_s, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h, s_kt, s_qt, s_vt, n_rows,
+        _issue_copies(k_s, q_s, v_s, b2_s, anc_s, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h, s_kt, s_qt, s_vt, n_rows,
                    HV, K, V, BT, BK, CP, ANC)
 
         o_t = gl.arange(0, BT, layout=PROW)
@@ -641,35 +343,35 @@ def _chunk_prepare_hopper_v8_kernel(
                 async_copy.wait_group(NKS - 1 - s)
                 b2 = b2_s.index(s).load(P)
                 a_t = anc_s.index(s)
-                b2_q1 = _v8_row(a_t, 0, PA, PCOL)[None, :]
-                b2_q3 = _v8_row(a_t, 1, PA, PCOL)[None, :]
-                b2_mid = _v8_row(a_t, 2, PA, PCOL)[None, :]
+                b2_q1 = _anchor_row(a_t, 0, PA, PCOL)[None, :]
+                b2_q3 = _anchor_row(a_t, 1, PA, PCOL)[None, :]
+                b2_mid = _anchor_row(a_t, 2, PA, PCOL)[None, :]
                 kn = k_s.index(s).load(P).to(gl.float32) * rk[:, None]
                 anc = gl.where(first, b2_q1, b2_q3)
                 e_row = gl.exp2(b2 - anc)
                 e_col = gl.exp2(anc - b2)
                 # B: kc's rows at their half's anchor in tf32; the top rows at the middle row's in fp16 (2^(mid - b2)
                 # = e_col 2^(mid - q1) <= 1; the bottom rows' may overflow fp16 and are never read)
-                b_s.store(_v8_op(_tf32(kn * e_col), A64))
-                b16_s.store(_v8_op16((kn * (e_col * gl.exp2(b2_mid - b2_q1))).to(gl.float16), A16))
+                b_s.store(_as_operand(_tf32(kn * e_col), A64))
+                b16_s.store(_as_operand16((kn * (e_col * gl.exp2(b2_mid - b2_q1))).to(gl.float16), A16))
                 fence_async_shared()
                 # A: every row at its half's anchor against all of kc (the off-diagonal quadrants overflow and are
                 # dropped); the bottom rows at the middle row's in fp16 (2^(b2 - mid) = e_row 2^(q3 - mid) <= 1)
                 # against kc's top rows, zero above
                 x_row = gl.where(first, 0.0, e_row * gl.exp2(b2_q3 - b2_mid))
-                kk = warpgroup_mma(_v8_op(_tf32(kn * e_row), A64), b_s.permute((1, 0)), kk, is_async=True)
-                kk_ll = warpgroup_mma(_v8_op16((kn * x_row).to(gl.float16), A16), b16_s.slice(0, HALF).permute((1, 0)),
+                kk = warpgroup_mma(_as_operand(_tf32(kn * e_row), A64), b_s.permute((1, 0)), kk, is_async=True)
+                kk_ll = warpgroup_mma(_as_operand16((kn * x_row).to(gl.float16), A16), b16_s.slice(0, HALF).permute((1, 0)),
                                       kk_ll, is_async=True)
                 qn = q_s.index(s).load(P).to(gl.float32) * rq[:, None]
-                qk = warpgroup_mma(_v8_op(_tf32(qn * e_row), A64), b_s.permute((1, 0)), qk, is_async=True)
-                qk_ll = warpgroup_mma(_v8_op16((qn * x_row).to(gl.float16), A16), b16_s.slice(0, HALF).permute((1, 0)),
+                qk = warpgroup_mma(_as_operand(_tf32(qn * e_row), A64), b_s.permute((1, 0)), qk, is_async=True)
+                qk_ll = warpgroup_mma(_as_operand16((qn * x_row).to(gl.float16), A16), b16_s.slice(0, HALF).permute((1, 0)),
                                       qk_ll, is_async=True)
                 # what the walk reads, while the products run
                 d = gl.exp2(b2)
                 offs = ws_base + o_t[:, None] * (HV * K) + cols[None, :]
                 gl.store(qd_ws + offs, (qn * d).to(gl.float16), mask=m_rows)
                 gl.store(kd_ws + offs, (kn * d).to(gl.float16), mask=m_rows)
-                kr = (kn * gl.exp2(_v8_row(a_t, 3, PA, PCOL)[None, :] - b2)).to(gl.float16)
+                kr = (kn * gl.exp2(_anchor_row(a_t, 3, PA, PCOL)[None, :] - b2)).to(gl.float16)
                 if FOLD:
                     kr_s.index(s).store(kr)
                 else:
@@ -680,8 +382,8 @@ def _chunk_prepare_hopper_v8_kernel(
             # the lower-left quadrant from its own accumulators (`_chunk_prepare_kernel`'s X_kk, X_qk)
             lower_left = (r >= HALF) & (c < HALF)
             zeros = gl.zeros([BT, HALF], gl.float32, layout=MMA)
-            acc_kk = gl.where(lower_left, _v8_cat(gl.convert_layout(kk_ll, MMA), zeros, MMA64), kk)
-            acc_qk = gl.where(lower_left, _v8_cat(gl.convert_layout(qk_ll, MMA), zeros, MMA64), qk)
+            acc_kk = gl.where(lower_left, _cat_acc(gl.convert_layout(kk_ll, MMA), zeros, MMA64), kk)
+            acc_qk = gl.where(lower_left, _cat_acc(gl.convert_layout(qk_ll, MMA), zeros, MMA64), qk)
             # L = A_kk diag(beta) strictly below the diagonal; A_qk on and below it, held in fp16
             beta_m = gl.convert_layout(b_beta, gl.SliceLayout(1, MMA64))[:, None]
             valid = (r < n_rows) & (c < n_rows)
