@@ -160,7 +160,10 @@ def specialised(fn, args: tuple, meta: dict, target: Target, maxnreg: int | None
         kwargs["maxnreg"] = maxnreg
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options
+    source = ASTSource
+    if type(fn).__name__ == "GluonJITFunction":  # a Gluon kernel's module carries its warps and target
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options
 
 
 def compile_launch(fn, args: tuple, meta: dict, target: Target, maxnreg: int | None, out: Path | None,
