@@ -145,7 +145,9 @@ def on_h200(monkeypatch):
 def _on_gpu(call):
     """`call` with its q standing for a tensor on GPU 0: what `device_of` and the plans read of it."""
     gpu = copy.copy(call)
-    gpu.q = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=call.q.dtype)
+    q = call.q
+    gpu.q = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=q.dtype, data_ptr=q.data_ptr,
+                            stride=q.stride)
     return gpu
 
 
