@@ -490,6 +490,33 @@ def test_one_token_k_packed():
     assert same_bits(o_f, decode(pool, False)) and same_bits(s_f, pool[used])
 
 
+def test_one_token_bf16_words_need_even_v():
+    """bf16 words (`packed`) need V even: at odd V a head plane after the first starts mid-word and a row holds
+    V // 2 words and a half. A plan asking for them at odd V runs the row chunks instead: bit for bit the plan
+    without them, within one bf16 ulp of the oracle, a poisoned padded pool's other slots untouched."""
+    N, H, HV, K, V = 3, 1, 3, 16, 23
+    q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=13)
+    kw = dict(state_v_first=False, use_qk_l2norm_in_kernel=True, **opts)
+    idx = torch.tensor([4, 1, -1], dtype=torch.int32, device=DEVICE)
+    runs = []
+    for packed in (False, True):
+        wide, pool = poisoned_pool(6, state_plane(HV, K, V, False), torch.bfloat16, DEVICE, pad=2)
+        for s in (4, 1):
+            pool[s] = random_planes(1, HV, K, V, False, seed=90 + s)[0].to(torch.bfloat16)
+        before, init = wide.clone(), pool[[4, 1]].clone()
+        o, _, _ = run_planned(kda.fused_recurrent_kda, q, k, v, g, beta, dict(nsub=1, BV=16, kc=8, packed=packed),
+                              state_cache=pool, state_indices=idx, **kw)
+        runs.append((o, wide))
+    (o0, w0), (o1, w1) = runs
+    assert same_bits(o1, o0) and same_bits(w1, w0)
+    untouched = [0, 2, 3, 5]
+    assert same_bits(w1[untouched], before[untouched]) and same_bits(w1[:, HV * K * V:], before[:, HV * K * V:])
+    o_ref, s_ref = ref.recurrent_kda(*(x[:2].double() for x in (q, k, v, g, beta)), initial_state=init.double(),
+                                     output_final_state=True, allow_float64=True, **kw)
+    assert rel(o1[:2], o_ref) <= FP32_TOL
+    assert rel(pool[[4, 1]], s_ref) <= 2.0 ** -8
+
+
 @pytest.mark.parametrize("nsub,v_first,kc", [(n, vf, 0) for n in (1, 2, 4) for vf in (True, False)] + [(1, False, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_token_kernel(nsub, dtype, v_first, kc):

@@ -749,9 +749,10 @@ def fused_recurrent_kda_fwd(
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
-        # fp32, or bf16 as 32-bit words of two columns: even offsets and 4-byte aligned pools (else the row chunks)
-        packed = plan.packed and (call.state_dtype == torch.float32 or (call.state_dtype == torch.bfloat16 and all(
-            s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0) for s in (st.src, st.dst))))
+        # bf16 words need V even (rows and head planes start on words) and 4-byte aligned pools, else the row chunks
+        packed = plan.packed and (call.state_dtype == torch.float32 or (
+            call.state_dtype == torch.bfloat16 and V % 2 == 0 and all(
+                s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0) for s in (st.src, st.dst))))
         grid = (cdiv(V, rows), HV, N) if plan.heads_fastest else (cdiv(V, rows), N, HV)
         _fused_recurrent_one_token_kernel[grid](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
