@@ -109,6 +109,8 @@ def _decode(**kw):
 CASES = {
     # wide heads (the walk at V blocks of 64, the inverse applied by the walk), beside the prepare's tail on sm_90
     "prefill-1x16384-h32": _prefill(B=1, T=16384, H=32),
+    # 96 heads: on sm_90 under Triton 3.6 the Gluon prepare (`kda.plan.gluon_prepare`), the walk beside its tail
+    "prefill-1x8192-h96": _prefill(B=1, T=8192, H=96),
     # few heads: the walk beside the whole prepare on NVIDIA (counters, PTX spin)
     "prefill-1x8192-h8": _prefill(B=1, T=8192, H=8),
     # a raw log-decay gate: the split prepare (and the counters' own zeroing where the walk runs beside it)
