@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import bits, checked_call, make_inputs, rel_err, rounding_floor, run_chunk
 
 import kda
@@ -14,6 +16,25 @@ import kda_reference as ref
 from kda.accuracy.layouts import reorder_bound
 
 pytestmark = pytest.mark.gpu
+
+
+@triton.jit
+def _sm_ids(out):
+    """Each program stores the id of the SM it runs on (`%smid`): how many SMs a stream's kernels reach."""
+    i = tl.program_id(0)
+    tl.store(out + i, tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [i], dtype=tl.int32, is_pure=False,
+                                                pack=1))
+
+
+def sms_reached(stream) -> int:
+    """The distinct SMs 4096 one-thread programs launched on `stream` ran on."""
+    out = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
+    out.record_stream(stream)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _sm_ids[(4096,)](out, num_warps=1)
+    torch.cuda.synchronize()
+    return out.unique().numel()
 
 
 def _inputs(T, H=4, K=128, V=128, seed=0):
@@ -278,10 +299,14 @@ def _subprocess_ok(code: str, timeout: int = 240, **env_extra) -> None:
 @pytest.mark.parametrize("num_sms", [8, 16, 32])
 def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
     """On a GPU partitioned into a green context of `num_sms` SMs (the plan still sees the whole device's SM count),
-    every form of the walk beside the prepare finishes, eager and replayed, with the bits of the one-walk plan."""
+    every form of the walk beside the prepare finishes, eager and replayed, with the bits of the one-walk plan. The
+    caller's stream and the walk's side stream reach at most `num_sms` SMs there (more outside it), so the walk and
+    the prepare did share the partition."""
     code = (
         _beside_runs(3) + "import kda.replay\n"
+        "from kda.ops.chunk import _side_stream\n"
         "from torch.cuda.green_contexts import GreenContext\n"
+        f"assert t.sms_reached(torch.cuda.current_stream()) > {num_sms}\n"
         "torch.cuda.synchronize()\n"
         f"ctx = GreenContext.create(num_sms={num_sms})\n"
         "ctx.set_context()\n"
@@ -291,6 +316,8 @@ def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
         "        o, s = kda.chunk_kda(*args, **full)\n"
         "        torch.cuda.synchronize()\n"
         "        assert torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s))\n"
+        "reached = [t.sms_reached(torch.cuda.current_stream()), t.sms_reached(_side_stream(o))]\n"
+        f"assert max(reached) <= {num_sms}, reached\n"
         "ctx.pop_context()\n"
         "print('ok')\n"
     )
