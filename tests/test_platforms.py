@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -240,3 +242,22 @@ def test_the_gluon_prepare_only_where_the_plan_measured_and_tested_it(prefill_ca
     for device in others:
         with pytest.raises(ValueError, match="Gluon prepare"):
             P.prefill_plan(wide, device=device, prepare="hopper")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU's property")
+def test_import_and_a_call_without_a_gpu_never_load_gluon():
+    """`import kda` and a `chunk_kda` call planned for this machine (the interpreter) never import
+    `kda.ops.hopper_prepare`, the Gluon kernel: it is imported at the first launch a plan picks it for."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, kda\n"
+            "from helpers import make_inputs\n"
+            "q, k, v, g, beta, kw = make_inputs(1, 70, 2, 2, 32, 32, gate='lower_bound', beta_sigmoid=True)\n"
+            "kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)\n"
+            "assert 'kda.ops.hopper_prepare' not in sys.modules\n"
+            "print('ok')\n")
+    root = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root.parent, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root.parent}"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
