@@ -304,8 +304,6 @@ def _check_device(plan: ChunkPlan, device: DeviceInfo) -> None:
     if plan.prepare == "hopper" and not (device.gluon and plan.gate_pass and plan.ws_dtype == torch.float16):
         raise ValueError(f"ChunkPlan.prepare='hopper': the Gluon prepare needs sm_90 under Triton {GLUON_TRITON} "
                          f"({device}), the gate pass and fp16 workspaces")
-    if plan.prepare == "hopper" and (device.hip or device.interpreter or device.capability != (9, 0)):
-        raise ValueError(f"ChunkPlan.prepare='hopper': the Gluon prepare is sm_90's, not {device}'s")
 
 
 def route(call: KDACall, plan: ChunkPlan, device: DeviceInfo | None = None) -> Route:
@@ -367,10 +365,10 @@ def wide_heads(call: KDACall, device: DeviceInfo) -> bool:
 def gluon_prepare(call: KDACall, device: DeviceInfo) -> bool:
     """Whether the fused prepare runs as its Gluon form (`kda.ops.hopper_prepare`, `DeviceInfo.gluon`): where one
     sequence's walk at V blocks of 64 alone fills the SMs (HV cdiv(V, 64) >= SM count: 66 heads and more at V = 128
-    on an H200), so the prepare bounds the call; the Gluon form is 10% faster there (1x8192 H=96), but 5-11% slower
-    where fewer heads leave the walk beside it the long pole (H = 12, 32; docs/performance.md). It needs the fused
-    prepare after the gate pass with fp16 workspaces (16-bit inputs, q and k l2-normalised in the kernel, a bounded
-    gate), K a multiple of 32, and q, k, v at 16-byte aligned addresses and token and head strides (its
+    on an H200), so the prepare bounds the call and the Gluon form's speed counts; with fewer heads the walk beside
+    it is the long pole and beside it the Gluon form is slower (docs/performance.md, "Tuning constants"). It needs
+    the fused prepare after the gate pass with fp16 workspaces (16-bit inputs, q and k l2-normalised in the kernel,
+    a bounded gate), K a multiple of 32, and q, k, v at 16-byte aligned addresses and token and head strides (its
     asynchronous copies). It changes the bits (about 2e-5 relative from the twin), so it follows the heads, K, V,
     the inputs' layout and the device, never the batch."""
     if not device.gluon or call.HV * cdiv(call.V, 64) < device.sm_count or call.K % 32 or call.V % 8:
