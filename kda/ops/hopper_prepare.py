@@ -229,10 +229,11 @@ def _chunk_prepare_hopper_kernel(
     USE_BETA_SIGMOID: gl.constexpr, SIGNAL_CHUNKS: gl.constexpr, FOLD: gl.constexpr, LAST_WAITS: gl.constexpr,
 ):
     """What the twin `_chunk_prepare_kernel` stores (Qd, Kd, M, N, Xb, the scales; the chunk counted where the walk
-    awaits it), one program per (chunk, value head), 4 warps. The K loop forms A_kk and A_qk with the twin's products: a slice's diagonal quadrants in one tf32
-    product (every row at its half's middle row against all of kc; the off-diagonal quadrants overflow and are
-    dropped), the lower-left quadrant at the middle row's anchor in fp16 into [BT, 32] accumulators (the twin's X_kk,
-    X_qk). Every A operand is formed in the registers the tensor cores read (`_as_operand`), each B tile stored once."""
+    awaits it), one program per (chunk, value head), 4 warps. The K loop forms A_kk and A_qk with the twin's
+    products: a slice's diagonal quadrants in one tf32 product (every row at its half's middle row against all of kc;
+    the off-diagonal quadrants overflow and are dropped), the lower-left quadrant at the middle row's anchor in fp16
+    into [BT, 32] accumulators (the twin's X_kk, X_qk). Every A operand is formed in the registers the tensor cores
+    read (`_as_operand`), each B tile stored once."""
     gl.static_assert(BT == 64)
     gl.static_assert(BK == 32)
     gl.static_assert(K % BK == 0)
