@@ -368,10 +368,12 @@ def gluon_prepare(call: KDACall, device: DeviceInfo) -> bool:
     on an H200), so the prepare bounds the call and the Gluon form's speed counts; with fewer heads the walk beside
     it is the long pole and beside it the Gluon form is slower (docs/performance.md, "Tuning constants"). It needs
     the fused prepare after the gate pass with fp16 workspaces (16-bit inputs, q and k l2-normalised in the kernel,
-    a bounded gate), K a multiple of 32, and q, k, v at 16-byte aligned addresses and token and head strides (its
-    asynchronous copies). It changes the bits (about 2e-5 relative from the twin), so it follows the heads, K, V,
-    the inputs' layout and the device, never the batch."""
-    if not device.gluon or call.HV * cdiv(call.V, 64) < device.sm_count or call.K % 32 or call.V % 8:
+    a bounded gate), K = V = 128 and as many q/k heads as value heads (the shapes its GPU tests and timings cover;
+    K = V = 256 compiles to 184 KB of shared memory, one program an SM), and q, k, v at 16-byte aligned addresses
+    and token and head strides (its asynchronous copies). It changes the bits (about 2e-5 relative from the twin),
+    so it follows the heads, K, V, the inputs' layout and the device, never the batch."""
+    if (not device.gluon or call.HV * cdiv(call.V, 64) < device.sm_count or call.K != 128 or call.V != 128
+            or call.H != call.HV):
         return False
     if not (bounded_gate(call) and workspace_dtype(call.q.dtype, call.use_qk_l2norm_in_kernel) == torch.float16
             and dot_precision(call.q.dtype, device) == "tf32"):

@@ -227,7 +227,8 @@ def test_the_gluon_prepare_only_where_the_plan_measured_and_tested_it(prefill_ca
     for call in prefill_calls:
         plan = P.chunk_plan(call, device=h200_36)
         kimi = call.use_gate_in_kernel and call.q.dtype == torch.bfloat16
-        assert (plan.prepare == "hopper") == (kimi and call.HV * P.cdiv(call.V, 64) >= 132), (call.HV, call.V)
+        tested_shape = call.K == call.V == 128 and call.H == call.HV
+        assert (plan.prepare == "hopper") == (kimi and tested_shape and call.HV * 2 >= 132), (call.HV, call.V)
         if plan.prepare == "hopper":
             picked.add((call.N, call.T))
             assert plan.gate_pass and plan.ws_dtype == torch.float16 and plan.prepare_BK == 32
@@ -242,6 +243,13 @@ def test_the_gluon_prepare_only_where_the_plan_measured_and_tested_it(prefill_ca
     for device in others:
         with pytest.raises(ValueError, match="Gluon prepare"):
             P.prefill_plan(wide, device=device, prepare="hopper")
+    # shapes its GPU tests do not cover take the twin: 48 q/k heads for 96 value heads, K = V = 256
+    for H, HV, KV in ((48, 96, 128), (96, 96, 256)):
+        gva = checked_call(kda.chunk_kda, _meta(1, 4096, H, KV), _meta(1, 4096, H, KV), _meta(1, 4096, HV, KV),
+                           _meta(1, 4096, HV, KV), _meta(1, 4096, HV), A_log=_meta(HV, dtype=torch.float32),
+                           dt_bias=_meta(HV * KV, dtype=torch.float32), lower_bound=-5.0, use_gate_in_kernel=True,
+                           use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+        assert P.chunk_plan(gva, device=h200_36).prepare == "fused", (H, HV, KV)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU's property")
