@@ -367,16 +367,13 @@ def gluon_prepare(call: KDACall, device: DeviceInfo) -> bool:
     sequence's walk at V blocks of 64 alone fills the SMs (HV cdiv(V, 64) >= SM count: 66 heads and more at V = 128
     on an H200), so the prepare bounds the call and the Gluon form's speed counts; with fewer heads the walk beside
     it is the long pole and beside it the Gluon form is slower (docs/performance.md, "Tuning constants"). It needs
-    the fused prepare after the gate pass with fp16 workspaces (16-bit inputs, q and k l2-normalised in the kernel,
-    a bounded gate), K = V = 128 and as many q/k heads as value heads (the shapes its GPU tests and timings cover;
-    K = V = 256 compiles to 184 KB of shared memory, one program an SM), and q, k, v at 16-byte aligned addresses
-    and token and head strides (its asynchronous copies). It changes the bits (about 2e-5 relative from the twin),
-    so it follows the heads, K, V, the inputs' layout and the device, never the batch."""
+    K = V = 128 and as many q/k heads as value heads (the shapes its GPU tests and timings cover; K = V = 256
+    compiles to 184 KB of shared memory, one program an SM), and q, k, v at 16-byte aligned addresses and token and
+    head strides (its asynchronous copies); `_chunk_plan` takes it only for the fused prepare after the gate pass
+    with fp16 workspaces. It changes the bits (about 2e-5 relative from the twin), so it follows the heads, K, V,
+    the inputs' layout and the device, never the batch."""
     if (not device.gluon or call.HV * cdiv(call.V, 64) < device.sm_count or call.K != 128 or call.V != 128
             or call.H != call.HV):
-        return False
-    if not (bounded_gate(call) and workspace_dtype(call.q.dtype, call.use_qk_l2norm_in_kernel) == torch.float16
-            and dot_precision(call.q.dtype, device) == "tf32"):
         return False
     return all(x.data_ptr() % 16 == 0 and x.stride(-2) % 16 == 0 and x.stride(-3) % 16 == 0
                for x in (call.q, call.k, call.v))
@@ -452,7 +449,8 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     if walk_tma and walk_BV == 64 and BK <= 128:
         stages = min(stages, 2)  # two programs an SM by TMA: twice the walk programs run at once
     return ChunkPlan(
-        prepare=("hopper" if gluon else "fused") if fused else "split",
+        # the Gluon form reads b2 from the gate pass and stores fp16 workspaces (`gluon_prepare`)
+        prepare=("hopper" if gluon and prec == "tf32" and ws_dtype == torch.float16 else "fused") if fused else "split",
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
         gate_BK=min(64, BK),
         gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
