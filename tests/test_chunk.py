@@ -879,8 +879,21 @@ ARITHMETIC = ("prepare", "dot_prec", "ws_dtype", "BT", "BC", "prepare_BK", "cums
               "gate_warps", "short_len", "fold", "walk_BV")
 
 
+def _tensor_stand_in(dtype):
+    """What the planner reads of q, k and v (device, dtype, address and strides), with 16-byte aligned ones."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=dtype, data_ptr=lambda: 1 << 20,
+                           stride=lambda dim: 4096)
+
+
+# the Triton releases a Hopper is planned under: 3.6 also plans the Gluon prepare (kda.plan.GLUON_TRITON)
+HOPPER_TRITONS = [(3, 6), (3, 9)]
+
+
+@pytest.mark.parametrize("triton", HOPPER_TRITONS)
 @pytest.mark.parametrize("sms", [132, 78, 16])
-def test_arithmetic_choices_ignore_the_batch(sms):
+def test_arithmetic_choices_ignore_the_batch(sms, triton):
     """Batch invariance at the planner: over every batch a GPU of `sms` SMs could be handed at one model shape
     (heads, K, V, input dtype, flags), dense or varlen, with host bounds or not, one sequence or many, short or
     long, the fields that change the arithmetic are the same; only the placement fields (V blocks, stages, the
@@ -889,10 +902,11 @@ def test_arithmetic_choices_ignore_the_batch(sms):
 
     from kda import plan as P
 
-    gpu = P.DeviceInfo(sms, (9, 0), 227 * 1024)
+    gpu = P.DeviceInfo(sms, (9, 0), 227 * 1024, triton=triton)
+    prepares = set()
     for dtype in (torch.bfloat16, torch.float32):
         for HV, K, V in ((4, 128, 128), (12, 128, 128), (32, 128, 128), (96, 128, 128), (8, 64, 256)):
-            dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=dtype)
+            dev = _tensor_stand_in(dtype)
             seen = set()
             for lengths in ((3000,), (3000,) + (300,) * 64, (3000, 5000), (3000,) + (1,) * 50, (16384,), (64,) * 4,
                             (65536,), (4096,) * 4, (0, 3000)):
@@ -901,18 +915,21 @@ def test_arithmetic_choices_ignore_the_batch(sms):
                         continue
                     N, T = len(lengths), (lengths[0] if dense else sum(lengths))
                     bounds = tuple(itertools.accumulate((0,) + lengths))
-                    call = SimpleNamespace(q=dev, B=N if dense else 1, T=T, HV=HV, H=HV, K=K, V=V, N=N,
+                    call = SimpleNamespace(q=dev, k=dev, v=dev, B=N if dense else 1, T=T, HV=HV, H=HV, K=K, V=V, N=N,
                                            cu_seqlens=None if dense else object(),
                                            host_bounds=bounds if host and not dense else None,
                                            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
                                            state_v_first=True, state_dtype=torch.float32)
                     plan = P.chunk_plan(call, gpu)
                     seen.add(tuple(getattr(plan, f) for f in ARITHMETIC))
+                    prepares.add(plan.prepare)
             assert len(seen) == 1, (dtype, HV, K, V, seen)
+    assert ("hopper" in prepares) == (triton in P.GLUON_TRITON)  # both planners were exercised
 
 
+@pytest.mark.parametrize("triton", HOPPER_TRITONS)
 @pytest.mark.parametrize("sms", [132, 78, 16])
-def test_walk_at_the_prepares_tail_leaves_prepare_slots(sms):
+def test_walk_at_the_prepares_tail_leaves_prepare_slots(sms, triton):
     """Liveness of the walk beside the prepare's last chunks (`ChunkPlan.late_chunks`, for walks too wide to run
     beside all of it): its programs spin until those chunks are stored, so the plan may put it there only where
     they run two an SM at V blocks of 64 and leave at least a quarter of the prepare's slots (then some SM holds
@@ -922,14 +939,14 @@ def test_walk_at_the_prepares_tail_leaves_prepare_slots(sms):
 
     from kda import plan as P
 
-    gpu = P.DeviceInfo(sms, (9, 0), 227 * 1024)
-    dev = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype=torch.bfloat16)
+    gpu = P.DeviceInfo(sms, (9, 0), 227 * 1024, triton=triton)
+    dev = _tensor_stand_in(torch.bfloat16)
     seen = 0
     for B in (1, 2):
         for HV in (1, 8, 16, 24, 32, 48, 64, 96, 128):
             for K, V in ((128, 128), (64, 64), (256, 128), (128, 256)):
                 for T in (0, 64, 4096, 16384):
-                    call = SimpleNamespace(q=dev, B=B, T=T, HV=HV, H=HV, K=K, V=V, N=B, cu_seqlens=None,
+                    call = SimpleNamespace(q=dev, k=dev, v=dev, B=B, T=T, HV=HV, H=HV, K=K, V=V, N=B, cu_seqlens=None,
                                            host_bounds=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                            lower_bound=-5.0, A_log=None, g=None, state_v_first=True,
                                            state_dtype=torch.float32)
