@@ -282,7 +282,8 @@ def _beside_runs(n: int) -> str:
 
 def _subprocess_ok(code: str, timeout: int = 240, **env_extra) -> None:
     """Run `code` in a fresh Python (tests/ and the repository on its path); it must print 'ok' last. A kernel
-    that never finishes shows as the timeout, which kills the process."""
+    that never finishes shows as the timeout, which kills the process; the failure then shows what the code
+    printed so far and, from `faulthandler`, where each of its threads was waiting 10 s before the kill."""
     import os
     import subprocess
     import sys
@@ -290,33 +291,47 @@ def _subprocess_ok(code: str, timeout: int = 240, **env_extra) -> None:
 
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=f"{tests}{os.pathsep}{tests.parent}", **env_extra)
-    done = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    code = f"import faulthandler\nfaulthandler.dump_traceback_later({max(timeout - 10, 1)})\n" + code
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        pytest.fail(f"no finish within {timeout} s; printed:\n{text[0][-3000:]}\nstderr:\n{text[1][-6000:]}")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
 
 
 @pytest.mark.hopper_plan
-@pytest.mark.parametrize("num_sms", [8, 16, 32])
+@pytest.mark.parametrize("num_sms", [32, 16, 8])
 def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
     """On a GPU partitioned into a green context of `num_sms` SMs (the plan still sees the whole device's SM count),
     every form of the walk beside the prepare finishes, eager and replayed, with the bits of the one-walk plan. The
     caller's stream and the walk's side stream reach at most `num_sms` SMs there (more outside it), so the walk and
-    the prepare did share the partition."""
+    the prepare did share the partition. Each step prints as it ends, so a hang names the form and the step."""
     code = (
         _beside_runs(3) + "import kda.replay\n"
         "from kda.ops.chunk import _side_stream\n"
         "from torch.cuda.green_contexts import GreenContext\n"
-        f"assert t.sms_reached(torch.cuda.current_stream()) > {num_sms}\n"
+        "say = lambda *a: print(*a, flush=True)\n"
+        "outside = t.sms_reached(torch.cuda.current_stream())\n"
+        "say('the forms planned; outside the partition the current stream reaches SMs:', outside)\n"
+        f"assert outside > {num_sms}\n"
         "torch.cuda.synchronize()\n"
         f"ctx = GreenContext.create(num_sms={num_sms})\n"
         "ctx.set_context()\n"
+        "say('inside: SMs reached by the current stream', t.sms_reached(torch.cuda.current_stream()))\n"
         "kda.replay.CACHE.clear()\n"
         "for args, full, (one_o, one_s) in runs:\n"
-        "    for _ in range(2):  # the first call eager, the second replayed\n"
+        "    p = chunk_plan(checked_call(kda.chunk_kda, *args, **full))\n"
+        "    for step in ('eager', 'replayed'):\n"
         "        o, s = kda.chunk_kda(*args, **full)\n"
         "        torch.cuda.synchronize()\n"
-        "        assert torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s))\n"
+        "        same = torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s))\n"
+        "        say(f'T={args[0].shape[1]} H={args[0].shape[2]} walk_BV={p.walk_BV} wait={p.wait_chunks} '\n"
+        "            f'late={p.late_chunks}: {step} finished, bitwise equal to one walk: {same}')\n"
+        "        assert same\n"
         "reached = [t.sms_reached(torch.cuda.current_stream()), t.sms_reached(_side_stream(o))]\n"
+        "say('inside: SMs reached by the current and the side stream', reached)\n"
         f"assert max(reached) <= {num_sms}, reached\n"
         "ctx.pop_context()\n"
         "print('ok')\n"
