@@ -307,18 +307,22 @@ def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
     """On a GPU partitioned into a green context of `num_sms` SMs (the plan still sees the whole device's SM count),
     every form of the walk beside the prepare finishes, eager and replayed, with the bits of the one-walk plan. The
     caller's stream and the walk's side stream reach at most `num_sms` SMs there (more outside it), so the walk and
-    the prepare did share the partition. Each step prints as it ends, so a hang names the form and the step."""
+    the prepare did share the partition. Each step prints as it ends, so a hang names the form and the step; the
+    kernels are compiled before the partition, and a run inside it that takes 45 s prints its stacks and exits."""
     code = (
         _beside_runs(3) + "import kda.replay\n"
         "from kda.ops.chunk import _side_stream\n"
         "from torch.cuda.green_contexts import GreenContext\n"
         "say = lambda *a: print(*a, flush=True)\n"
+        "for args, full, _ in runs:  # compiled outside the partition, so that inside it only a hang takes long\n"
+        "    kda.chunk_kda(*args, **full)\n"
         "outside = t.sms_reached(torch.cuda.current_stream())\n"
-        "say('the forms planned; outside the partition the current stream reaches SMs:', outside)\n"
+        "say('the forms compiled; outside the partition the current stream reaches SMs:', outside)\n"
         f"assert outside > {num_sms}\n"
         "torch.cuda.synchronize()\n"
         f"ctx = GreenContext.create(num_sms={num_sms})\n"
         "ctx.set_context()\n"
+        "faulthandler.dump_traceback_later(45, exit=True)  # a hang: the stacks, then exit, 45 s from here\n"
         "say('inside: SMs reached by the current stream', t.sms_reached(torch.cuda.current_stream()))\n"
         "kda.replay.CACHE.clear()\n"
         "for args, full, (one_o, one_s) in runs:\n"
