@@ -1,13 +1,17 @@
 """Speculative verify against its HBM floor: N = 256 sequences of T = 4 drafts, K = V = 128, H = 12, paged pool
-(fp32 and bf16, V-first and K-first), steady state as the benchmark's decode table measures it (a graph of
+(fp32, bf16 and fp16, V-first and K-first), steady state as the benchmark's decode table measures it (a graph of
 8 calls over 4 disjoint slot sets, a read-only L2 flush before each replay). The floor: the state read
-once, the T states written, the inputs and outputs, at the measured copy bandwidth.
+once, the T states written, the inputs and outputs, at the measured copy bandwidth. Verify runs the loop kernel
+(`_fused_recurrent_kda_kernel`); `--plans` times other tiles of it (`kda.plan.decode_plan` overridden, recorded
+calls cleared per plan) and prints each one's largest output difference from the planned tile's.
 
-    python benchmarks/verify_time.py      (a CUDA device)
+    python benchmarks/verify_time.py [--plans NAME,...|all] [--pools fp32,bf16,fp16]      (a CUDA device)
 """
 
+import argparse
 import functools
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,11 +21,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
 
 import kda  # noqa: E402
+import kda.plan as kp  # noqa: E402
+from kda import replay  # noqa: E402
 
 N, T, H, K, V = 256, 4, 12, 128, 128
+# tiles of the loop kernel: V-first tiles are BV rows of K, K-first ones K rows of BV columns
+PLANS = {
+    "planned": {},
+    **{f"BV{bv} nw{w}": dict(BV=bv, num_warps=w)
+       for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8))},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/verify_time.py")
+    p.add_argument("--plans", default="planned", help="comma list of PLANS names, or all (default: planned)")
+    p.add_argument("--pools", default="fp32,bf16,fp16", help="pool dtypes (default fp32,bf16,fp16)")
+    args = p.parse_args()
+    names = list(PLANS) if args.plans == "all" else args.plans.split(",")
     dev = "cuda"
     timer = bench.Timer(warmup_ms=25, rep_ms=200)
     bw = bench.measure_bandwidth(timer, 1.0)
@@ -32,29 +50,47 @@ def main() -> None:
     cu = torch.arange(0, N * T + 1, T, device=dev, dtype=torch.int32)
     bounds = list(range(0, N * T + 1, T))
     out = torch.empty_like(v)
+    planner = kp.decode_plan
     for v_first in (True, False):
-        for pool_dtype in (torch.float32, torch.bfloat16):
+        for pool_name in args.pools.split(","):
+            pool_dtype = DTYPES[pool_name]
             plane = (H, V, K) if v_first else (H, K, V)
             pool = torch.randn(4 * N * T, *plane, device=dev).mul_(0.1).to(pool_dtype)
-            calls = []
-            for s in range(4):  # disjoint slot sets; each sequence reads the state of its second draft
-                idx = (s * N * T + torch.arange(N * T, device=dev, dtype=torch.int32)).view(N, T)
-                acc = torch.full((N,), 2, device=dev, dtype=torch.int32)
-                calls.append(functools.partial(
-                    kda.fused_recurrent_kda, q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=bounds, state_cache=pool,
-                    state_indices=idx, num_accepted_tokens=acc, state_v_first=v_first, out=out,
-                    **gate))
-            for c in calls:
-                c()
-            torch.cuda.synchronize()
-            us = timer.steady(calls)
+            fresh = pool.clone()
             state_b = N * H * K * V * pool.element_size()
             token_b = N * T * (2 * H * K * 2 + H * V * 2 + H * K * 4 + H * 2 + H * V * 2)
             floor_us = (state_b * (1 + T) + token_b + N * T * 4 * 2) / bw * 1e6
             layout = "v_first" if v_first else "k_first"
-            print(f"verify N={N} T={T} {layout} {str(pool_dtype)[6:]}: {us:.1f} us, floor {floor_us:.1f} us "
-                  f"({bw / 1e12:.2f} TB/s copy), ratio {us / floor_us:.2f}")
-            del pool, calls
+            first = None
+            for name in names:
+                over = PLANS[name]
+                kp.decode_plan = (lambda call, stochastic_rounding=False, device=None, over=over:
+                                  replace(planner(call, stochastic_rounding, device), **over))
+                replay.CACHE.clear()  # a recorded call would replay the plan it was recorded with
+                calls = []
+                for s in range(4):  # disjoint slot sets; each sequence reads the state of its second draft
+                    idx = (s * N * T + torch.arange(N * T, device=dev, dtype=torch.int32)).view(N, T)
+                    acc = torch.full((N,), 2, device=dev, dtype=torch.int32)
+                    calls.append(functools.partial(
+                        kda.fused_recurrent_kda, q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=bounds,
+                        state_cache=pool, state_indices=idx, num_accepted_tokens=acc, state_v_first=v_first,
+                        out=out, **gate))
+                try:
+                    pool.copy_(fresh)
+                    calls[0]()
+                    torch.cuda.synchronize()
+                except Exception as e:  # a tile the kernel cannot take: said, and the next one timed
+                    print(f"verify N={N} T={T} {layout} {pool_name} {name}: not run ({type(e).__name__}: {e})")
+                    continue
+                o = out.float().clone()
+                first = o if first is None else first
+                diff = (o - first).abs().max().item()
+                us = timer.steady(calls)
+                print(f"verify N={N} T={T} {layout} {pool_name} {name}: {us:.1f} us, floor {floor_us:.1f} us "
+                      f"({bw / 1e12:.2f} TB/s copy), ratio {us / floor_us:.2f}, output max diff {diff:.2e}",
+                      flush=True)
+            kp.decode_plan = planner
+            del pool, fresh, calls
             torch.cuda.empty_cache()
 
 
