@@ -135,7 +135,7 @@ def launches(case: str, pool: torch.dtype, device: DeviceInfo) -> list[tuple]:
     call = build(pool)
     caught = []
     real = L.DirectKernel.launch
-    L.DirectKernel.launch = lambda self, grid, args, meta: caught.append((self.fn, args, meta))
+    L.DirectKernel.launch = lambda self, grid, args, meta, *_: caught.append((self.fn, args, meta))
     try:
         if kind == "prefill":
             chunk_kda_fwd(call, *prefill_plan(call, device=device))

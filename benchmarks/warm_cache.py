@@ -56,7 +56,7 @@ def child(tree: str, shapes: list, bench_rows: bool, plan_device: str | None) ->
         calls += [bench.build(case, None, {}, "meta")[0]["kda"] for case in bench.all_cases()]
     caught = []
     real = L.DirectKernel.launch
-    L.DirectKernel.launch = lambda self, grid, args, meta: caught.append((self.fn, args, meta))
+    L.DirectKernel.launch = lambda self, grid, args, meta, *_: caught.append((self.fn, args, meta))
     try:
         for c in calls:
             c()
