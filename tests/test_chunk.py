@@ -22,6 +22,7 @@ from helpers import (
     rounding_floor,
     run_chunk,
     run_planned,
+    same_bits,
 )
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -785,6 +786,110 @@ def test_walk_beside_prepare_equals_one_walk(contract, dtype, gate_pass, device)
         else:
             assert rel_err(runs[2, True][0], ro) <= kernel_bound(rounding_floor(ro, dtype), dtype)
             assert rel_err(runs[2, True][1], rs) < NARROW_STATE_TOL
+
+
+@pytest.mark.hopper_plan
+@pytest.mark.parametrize("in_loop", [False, True], ids=["outer", "in_loop"])
+@pytest.mark.parametrize("contract,ready_groups", [("dense", 0), ("dense", 2), ("dense", 99), ("paged", 1),
+                                                   ("paged", 3)])
+def test_a_walk_whose_wait_gives_up_is_walked_again(contract, ready_groups, in_loop, device, monkeypatch):
+    """Liveness of the walk beside the prepare without any assumption on the SMs: a wait that reaches its budget
+    gives up (`chunk_walk._spin_zero`; the interpreter's budget is one read), the program stores nothing from
+    there on (no output row, checkpoint or final state) and flags itself, and the resume launch after the prepare
+    walks the flagged programs again. Emulated by taking back the prepare's counts from group `ready_groups` on
+    (as if the prepare had not reached them), then watching the first launch and the resume launch: the first
+    leaves the poisoned `out=` rows and checkpoint slots past the last counted group and the final state
+    untouched, flags every program exactly when a group was taken back, and the call ends with the bits of the
+    walk after the prepare (outputs, final state, checkpoints, every other slot). On a GPU the first launch's waits
+    give up after their 20 ms there."""
+    import kda.ops.chunk as kc
+
+    T, H, HV, K, V = 300, 1, 2, 32, 32  # 5 chunks; groups of 2 chunks: 3 groups (99: every group counted)
+    W, BT = 2, 64
+    q, k, v, g, beta, kw = make_inputs(1, T, H, HV, K, V, dtype=torch.float32, gate="lower_bound", device=device,
+                                       seed=26)
+    kw.update(use_qk_l2norm_in_kernel=True)
+    n_groups = -(-T // (W * BT))
+    taken_back = ready_groups < n_groups
+    seen = {}
+    real_prepare, real_walk = kc._prepare, kc._plain_walk
+
+    if device != "cpu" and 0 < ready_groups < n_groups:
+        pytest.skip("on a GPU the walk runs beside the prepare: only none or all of its counts can be taken back")
+
+    def prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, ready=None, after_gate=None):
+        seen["ready"] = ready
+        if ready is None or not taken_back:
+            real_prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, ready, after_gate)
+        elif ready.is_cuda:  # the walk beside counts on zeros: the prepare counts elsewhere
+            ready.zero_()
+            real_prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, torch.zeros_like(ready), after_gate)
+        else:  # the interpreter runs the walk after the prepare: counters [1, groups, HV] taken back from a group on
+            real_prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, ready, after_gate)
+            ready[:n_groups * HV].view(n_groups, HV)[ready_groups:] = 0
+
+    def walk(call, plan, o, st, *rest):
+        resume = len(rest) == 11 and rest[-1]
+        if resume:  # after the first launch: what it left
+            seen["o"] = o.clone()
+            seen["pool"] = (st.final_state if contract == "dense" else kw_pool).clone()
+            seen["flags"] = seen["ready"][n_groups * HV:].clone()
+        real_walk(call, plan, o, st, *rest)
+
+    def run(wait, out, pool_or_h0):
+        errors = torch.zeros(1, dtype=torch.int32, device=device)
+        over = dict(wait_chunks=wait, wait_in_loop=in_loop and wait > 0, gate_pass=True)
+        if contract == "dense":
+            o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, over, initial_state=pool_or_h0,
+                                     output_final_state=True, errors=errors, out=out, **kw)
+        else:
+            o, s, plan = run_planned(kda.chunk_kda, q, k, v, g, beta, over, state_cache=pool_or_h0,
+                                     state_indices=torch.tensor([2], dtype=torch.int32, device=device),
+                                     has_initial_state=torch.tensor([True], device=device), state_v_first=False,
+                                     checkpoint_every=128, errors=errors, out=out,
+                                     checkpoint_indices=torch.tensor([[4, 1]], dtype=torch.int32, device=device),
+                                     **kw)
+            s = pool_or_h0
+        assert plan.wait_chunks == wait and not errors.any()
+        return o, s
+
+    def fresh():
+        if contract == "dense":
+            return 0.1 * torch.randn(1, HV, K, V, generator=torch.Generator().manual_seed(1)).to(device)
+        pool = poison_pool(6, (HV, K, V), torch.float32, device)
+        pool[2] = 0.1 * torch.randn(HV, K, V, generator=torch.Generator().manual_seed(2)).to(device)
+        return pool
+
+    poisoned = torch.full((1, T, HV, V), float("nan"), dtype=torch.float32, device=device)
+    o1, s1 = run(0, poisoned.clone(), fresh())
+    start = fresh()
+    kw_pool = start
+    monkeypatch.setattr(kc, "_prepare", prepare)
+    monkeypatch.setattr(kc, "_plain_walk", walk)
+    o2, s2 = run(W, poisoned.clone(), start)
+    assert same_bits(o2, o1) and same_bits(s2, s1)
+    assert torch.equal(seen["flags"].cpu(), torch.full_like(seen["flags"].cpu(), int(taken_back)))
+    assert seen["flags"].numel() == HV * (V // 32)  # one flag a walk program (V blocks of 32)
+    # rows the first launch may store: the counted groups' (inside the pipelined loop it gives up a chunk early,
+    # at the wait for the next chunk's gt); every row it stored has the one walk's bits
+    stored = min(ready_groups, n_groups) * W * BT
+    assert torch.isnan(seen["o"][:, stored:]).all()
+    kept = ~torch.isnan(seen["o"])
+    assert torch.equal(seen["o"][kept], o1[kept]) and kept[:, :max(stored - BT * in_loop, 0)].all()
+    if contract == "dense":  # the final state (a fresh tensor): written by the first launch where no wait gave up
+        if not taken_back:
+            assert same_bits(seen["pool"], s1)
+    else:
+        first = fresh()
+        assert same_bits(seen["pool"][2], s1[2] if not taken_back else first[2])
+        for j, slot in enumerate((4, 1)):  # checkpoints at 128 and 256 tokens: the ends of groups 0 and 1
+            if (j + 1) * 128 <= stored:  # stored, or (a chunk early) not yet
+                assert same_bits(seen["pool"][slot], s1[slot]) or (in_loop and same_bits(seen["pool"][slot],
+                                                                                          first[slot]))
+            else:
+                assert same_bits(seen["pool"][slot], first[slot])
+        for other in (0, 3, 5):
+            assert same_bits(s2[other], first[other])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

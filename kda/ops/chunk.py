@@ -17,9 +17,18 @@ launched chunk by chunk across the heads, so groups complete in order). Three la
 one call; on the GPU the prepare's SMs and the walk's overlap from the first group on. The prepare is
 launched before the walk, always: the walk spins on it, and a kernel's first launch loads its module lazily,
 a load that waits on the device (a walk launched first hung there). The walk's programs keep at most half
-the SMs (`kda.plan._beside`), so the prepare's always find room. A walk too wide for that (`kda.plan._tail_chunks`)
+the SMs (`kda.plan._beside`), so the prepare's find room. A walk too wide for that (`kda.plan._tail_chunks`)
 runs beside the prepare's last chunks only: the prepare is then two launches, the walk forked between them
 (`ChunkPlan.late_chunks`).
+
+Why it always finishes: no wait is unbounded. A walk program whose wait for a group reaches its time budget
+(`chunk_walk._spin_zero`) gives up: it stores nothing more, not its final state, and flags itself. After the
+join, on the caller's stream (so after the whole prepare), the walk is launched once more (`RESUME`): flagged
+programs walk their columns again from the start without waiting, the others end at once. So the walk's programs
+hold SMs for a bounded time whatever the prepare can reach (a partition of the GPU, other streams' kernels,
+kernels run one at a time), the prepare then runs to its end, and the resume launch waits on nothing; the result
+is the one walk's, bit for bit. On the whole GPU no wait gives up, and the resume launch is a grid of programs
+that read one flag each.
 """
 
 from __future__ import annotations
@@ -83,8 +92,9 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.T
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     # the walk beside the prepare (`ChunkPlan.wait_chunks`, dense): the counters it awaits, and its side stream
-    ready = (torch.empty((B * cdiv(NT, plan.wait_chunks) * HV,), dtype=torch.int32, device=dev)
-             if plan.wait_chunks else None)
+    # (and after them one flag a walk program: `_chunk_state_kernel`'s resume launch)
+    ready = (torch.empty((B * cdiv(NT, plan.wait_chunks) * HV + cdiv(call.V, plan.walk_BV) * HV * kept,),
+                         dtype=torch.int32, device=dev) if plan.wait_chunks else None)
     side = _side_stream(q) if ready is not None and q.is_cuda else None
     main = torch.cuda.current_stream(dev) if side is not None else None
 
@@ -112,6 +122,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.T
         with torch.cuda.stream(side):
             _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles)
         wait_stream(main, side)  # the caller's stream owns o, the state and every workspace again
+    if ready is not None:  # the programs whose wait gave up walk again, after the prepare (module docstring)
+        _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles, True)
     return o, st.final_state
 
 
@@ -157,10 +169,11 @@ def _v_tiles(v: torch.Tensor, rows: int, cols: int):
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
                 N: int, varlen: bool, short: int, ck_args: tuple, has_ckpt: bool,
-                ready: torch.Tensor | None, x_ws) -> None:
+                ready: torch.Tensor | None, x_ws, resume: bool = False) -> None:
     """`_chunk_state_kernel` over `seqs` sequences. `ready`: the walk beside the prepare
-    (module docstring), each group of chunks awaited. `x_ws`: Xb's workspace (or its descriptor) where the walk
-    applies the inverse (`ChunkPlan.fold` off)."""
+    (module docstring), each group of chunks awaited; `resume`: the launch after the prepare that walks again the
+    programs whose wait gave up. `x_ws`: Xb's workspace (or its descriptor) where the walk applies the inverse
+    (`ChunkPlan.fold` off)."""
     T, HV, K, V, BT, BV = call.T, call.HV, call.K, call.V, plan.BT, plan.walk_BV
     s_ot, s_oh = token_head_strides(o, T)
     has_errors = call.errors is not None
@@ -172,8 +185,8 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
         HV=HV, K=K, V=V, BT=BT, BK=max(16, next_power_of_2(K)), BV=BV, IS_VARLEN=varlen, DOT_PREC=plan.dot_prec,
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
         HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
-        WAIT_CHUNKS=0 if ready is None else plan.wait_chunks, WAIT_IN_LOOP=plan.wait_in_loop,
-        SPIN=ready is not None and plan.spin, FOLD=plan.fold,
+        WAIT_CHUNKS=0 if ready is None else plan.wait_chunks, WAIT_IN_LOOP=plan.wait_in_loop and not resume,
+        SPIN=ready is not None and plan.spin and not resume, FOLD=plan.fold, RESUME=resume,
         num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 

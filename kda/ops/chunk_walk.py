@@ -54,8 +54,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
           ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
           HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False, TMA: tl.constexpr = False,
           i_c0=0, V_TMA: tl.constexpr = False, ready_h=None, WAIT: tl.constexpr = 0, SPIN: tl.constexpr = False,
-          x_ws=None, FOLD: tl.constexpr = True):
-    """S [BK, BC] (columns o_c of the state) through the chunks
+          x_ws=None, FOLD: tl.constexpr = True, bail=0):
+    """(S, bail): S [BK, BC] (columns o_c of the state) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). D = V - Kd S (V: columns o_c of the input v of
     this head, `v_h`, token stride s_vt), O = Qd S + N D (stored to `o_h`, token stride s_ot),
@@ -75,7 +75,9 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     a multiple of BT, so every checkpoint offset is a chunk end. The next slot is loaded a checkpoint ahead,
     off the step's serial chain.
     WAIT > 0: the prepare runs beside this walk, counting groups of WAIT chunks into `ready_h` (one counter a
-    group, HV apart); every chunk's loads wait on its group there (`_ready_zero`; SPIN as the kernel's).
+    group, HV apart); every chunk's loads wait on its group there (`_ready_zero`; SPIN as the kernel's). A wait
+    that gives up (`_spin_zero`) sets `bail`: from there on nothing waits and nothing is stored (the chunks after
+    it are walked from unstored tiles, then dropped), and the kernel's resume launch walks this program again.
     TMA: the workspaces are ragged tensor descriptors (`triton.tools.ragged_tma`) of `[tokens, HV, *]`, the
     tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K) read as zeros:
     no per-element addresses or masks, which the pointer loads spend most of their issue slots on. V comes
@@ -103,7 +105,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     z_g = tl.zeros([], dtype=tl.int32)
     z_t = tl.zeros([], dtype=tl.int32)
     if WAIT > 0:
-        z_g = _ready_zero(ready_h, t_begin, t_begin, t_end, HV, BT, WAIT, SPIN, z_g)
+        z_g, bail = _ready_zero(ready_h, t_begin, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail)
     gt_next = tl.load(gt_ptr + z_g, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
     if F16:  # M's and N's inverse scales and max|V|, one chunk ahead as gt
         sc_ptr = sc_ws + (p_first * HV + i_hv) * 4 + z_g
@@ -118,7 +120,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         gt = gt_next
         gt_ptr += HV * K
         if WAIT > 0:  # the next chunk's gt and scales, stored by the prepare (gt where there is no gate pass)
-            z_g = _ready_zero(ready_h, t0 + BT, t_begin, t_end, HV, BT, WAIT, SPIN, z_g)
+            z_g, bail = _ready_zero(ready_h, t0 + BT, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail)
         gt_next = tl.load(gt_ptr + z_g, mask=k_ok & (o_k * 0 + t0 + BT < t_end), other=0.0)
         if F16:
             s_m = sm_next
@@ -135,7 +137,10 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         n_in = tl.minimum(t_end - t0, BT).to(tl.int32)
         t0_32 = tl.cast(t0, tl.int32)
         if WAIT > 0:  # the chunk stored by the prepare: its tiles' coordinates depend on the wait
-            z_t = _ready_zero(ready_h, t0, t_begin, t_end, HV, BT, WAIT, SPIN, z_t)
+            z_t, bail = _ready_zero(ready_h, t0, t_begin, t_end, HV, BT, WAIT, SPIN, z_t, bail)
+            m_c_out = m_c & (o_t[:, None] * 0 + bail == 0)  # broadcast by hand: the interpreter takes no 0-d mask
+        else:
+            m_c_out = m_c
             t0 = t0 + z_t
             t0_32 = t0_32 + z_t
             base_k = base_k + z_t
@@ -187,7 +192,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
                    + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
         tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
-                 mask=m_c)
+                 mask=m_c_out)
         mt = _k_tile(m_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
         if F16:
             S = S * gt[:, None] + tl.dot(tl.trans(mt), Dr) * (s_m * inv_pd)
@@ -195,62 +200,56 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             S = S * gt[:, None] + tl.dot(tl.trans(tf32_round(mt, DOT_PREC)), Dr, input_precision=DOT_PREC)
         if HAS_CHECKPOINTS:
             if t0 + BT == ck_at:
-                if (t0 + BT <= t_end) & (ck_slot >= 0) & (ck_slot < n_slots):  # a whole chunk, a slot in the pool
+                # a whole chunk, a slot in the pool, every wait so far kept
+                if (t0 + BT <= t_end) & (ck_slot >= 0) & (ck_slot < n_slots) & (bail == 0):
                     # the tile's offsets formed here, not kept live through the loop (a [BK, BC] int32 tile)
                     tl.store(pool + ck_slot * pool_stride + _plane_offsets(i_hv, o_k, o_c, K, V, V_FIRST),
                              round_to(S, pool.dtype.element_ty), mask=k_ok[:, None] & c_ok[None, :])
                 ck_j += 1
                 ck_at += ck_every
                 ck_slot = tl.load(ck_row + ck_j, mask=ck_j < n_ck, other=-1).to(tl.int64)
-    return S
-
-
-@triton.jit
-def _await_count(ptr, target, FENCE: tl.constexpr):
-    """Spin until the counter at `ptr` reaches `target` (the outer loop's wait, `_chunk_state_kernel`), as
-    `_spin_zero` does; FENCE: then a proxy fence, for tiles read by TMA (not under the interpreter, which runs
-    no PTX and launches the prepare to its end first)."""
-    n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    while n < target:
-        n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    if FENCE:
-        tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [n], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    return S, bail
 
 
 @triton.jit
 def _ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, WAIT: tl.constexpr,
-                SPIN: tl.constexpr, z_prev):
-    """0, once the group of WAIT chunks holding the chunk at token t (of a walk from t_begin to t_end) is
-    counted in `ready_h` (one counter a group, HV apart). Only a group's first chunk spins; the others take
-    z_prev, the zero of the chunk before (each load depends on every earlier wait, so no compiler moves it
-    above one); at once for t >= t_end (a prefetch past the end)."""
-    first = (t < t_end) & ((t - t_begin) % (WAIT * BT) == 0)
+                SPIN: tl.constexpr, z_prev, bail):
+    """(0, bail), once the group of WAIT chunks holding the chunk at token t (of a walk from t_begin to t_end) is
+    counted in `ready_h` (one counter a group, HV apart), or bail set where the wait gave up (`_spin_zero`). Only a
+    group's first chunk spins, and none once bailed; the others take z_prev, the zero of the chunk before (each
+    load depends on every earlier wait, so no compiler moves it above one); at once for t >= t_end (a prefetch
+    past the end)."""
+    first = (t < t_end) & ((t - t_begin) % (WAIT * BT) == 0) & (bail == 0)
     g_i = tl.where(first, (t - t_begin) // (WAIT * BT), 0)
     target = tl.where(first, tl.cdiv(tl.minimum(t + WAIT * BT, t_end) - t, BT), 0).to(tl.int32)
-    return _spin_zero(ready_h + g_i * HV, target, first.to(tl.int32), z_prev, SPIN)
+    z, gave_up = _spin_zero(ready_h + g_i * HV, target, first.to(tl.int32), z_prev, SPIN)
+    return z, bail | gave_up
 
 
 @triton.jit
 def _spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
-    """z_prev (0), once the counter at `ptr` reaches `target` where `spin` is set (else at once): the prepare
-    programs each add 1 with release semantics after their stores (`_chunk_prepare_kernel`), so what they
-    stored is visible to this thread's later loads. One PTX block with its own loop (an acquire, then a proxy
-    fence for tiles read by TMA, the async proxy; the plan waits in the loop for TMA walks only), so that
-    Triton's IR holds no loop: the pipeliner moves it with the prefetches whose coordinates depend on it. A
-    pure op to the compiler (the pipeliner runs it for prefetches past the end too, where `_ready_zero` asks
-    for no spin). Without SPIN, the interpreter: one atomic read where `spin` is set (it runs the prepare to its
-    end first)."""
+    """(z_prev, 0) once the counter at `ptr` reaches `target` where `spin` is set (else at once); (z_prev, 1) where
+    it has not within 20 ms of the global timer (a prepare group takes microseconds): the wait gives up, so a walk program never holds its SM
+    for longer, whatever runs beside it or however few SMs the prepare can reach (`_chunk_state_kernel`, RESUME).
+    The prepare programs each add 1 with release semantics after their stores (`_chunk_prepare_kernel`), so what
+    they stored is visible to this thread's later loads. One PTX block with its own loop (an acquire, then a proxy
+    fence for tiles read by TMA, the async proxy), so that Triton's IR holds no loop: the pipeliner moves it with
+    the prefetches whose coordinates depend on it. A pure op to the compiler (the pipeliner runs it for prefetches
+    past the end too, where `_ready_zero` asks for no spin). Without SPIN, the interpreter, which runs the prepare
+    to its end first: one atomic read where `spin` is set, and a count short of `target` gives up at once."""
     if SPIN:
         return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .s32 v; setp.eq.s32 p, $3, 0; @p bra DONE; "
-            "SPIN: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; @p bra SPIN; "
-            "fence.proxy.async.global; DONE: mov.b32 $0, $4; }",
-            "=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), target, spin, z_prev], dtype=tl.int32, is_pure=True,
-            pack=1)
+            "{ .reg .pred p; .reg .s32 v; .reg .u64 t0, t1; mov.b32 $1, 0; setp.eq.s32 p, $4, 0; @p bra DONE; "
+            "mov.u64 t0, %globaltimer; "
+            "SPIN: ld.acquire.gpu.global.b32 v, [$2]; setp.ge.s32 p, v, $3; @p bra READY; "
+            "mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.lt.u64 p, t1, 20000000; @p bra SPIN; "
+            "mov.b32 $1, 1; bra DONE; "
+            "READY: fence.proxy.async.global; DONE: mov.b32 $0, $5; }",
+            "=r,=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), target, spin, z_prev], dtype=(tl.int32, tl.int32),
+            is_pure=True, pack=1)
     else:
         n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu", mask=spin != 0)
-        return tl.where(n >= target, z_prev, z_prev).to(tl.int32)
+        return z_prev, ((spin != 0) & (n < target)).to(tl.int32)
 
 
 @triton.jit
@@ -330,7 +329,7 @@ def _chunk_state_kernel(
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
     V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, WAIT_IN_LOOP: tl.constexpr = False,
-    SPIN: tl.constexpr = False, FOLD: tl.constexpr = True,
+    SPIN: tl.constexpr = False, FOLD: tl.constexpr = True, RESUME: tl.constexpr = False,
 ):
     """The plain walk: one program per (V block, value head, sequence) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
@@ -351,9 +350,23 @@ def _chunk_state_kernel(
     The grid is (V block, value head, sequence): a sequence's programs are dispatched together, sequence after
     sequence, so that a batch's long sequences do not wait behind the programs of every head's short ones.
     With SPIN each program first lets a prepare launched after it as a programmatic dependent start
-    (`kda.replay`: a recorded call runs the walk and then the prepare on one stream)."""
-    if SPIN:
+    (`kda.replay`: a recorded call runs the walk and then the prepare on one stream).
+    Every wait is bounded (`_spin_zero`), so the walk finishes whatever the SMs: a program whose wait gave up
+    stores nothing from there on, not its final state (a pool's slot keeps the initial state), and sets its flag
+    in `ready` after the counters (one int32 a program, written by every program). RESUME: the launch after the
+    prepare, on the caller's stream (`kda.ops.chunk`), with the same grid and WAIT_CHUNKS: a program whose flag
+    is clear ends at once, the others walk their columns again from the start without waiting, so every output
+    row and state column is the one walk's, bit for bit."""
+    WAITS: tl.constexpr = WAIT_CHUNKS > 0 and not RESUME
+    if WAIT_CHUNKS > 0:  # this program's flag, after the [N, groups, HV] counters
+        bail_flag = (ready + N * tl.cdiv(NT, WAIT_CHUNKS) * HV
+                     + (tl.program_id(2) * HV + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0))
+        if RESUME:
+            if tl.load(bail_flag) == 0:
+                return
+    if WAITS and SPIN:
         gdc_launch_dependents()
+    bail = tl.zeros([], dtype=tl.int32)
     i_hv = tl.program_id(1)
     i_n = tl.program_id(2)
     if IS_VARLEN:
@@ -364,6 +377,8 @@ def _chunk_state_kernel(
     if SHORT > 0:
         i_n, _ = kept_item(cu_seqlens, i_n, N, SHORT, 0)
         if i_n < 0:  # fewer kept sequences than the host counted (bounds changed under a replayed graph)
+            if WAITS:
+                tl.store(bail_flag, bail)
             return
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
         i_n, tl.program_id(0), i_hv, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots,
@@ -382,21 +397,28 @@ def _chunk_state_kernel(
             v_h = v + i_hv * s_vh
         ck_row = checkpoint_indices + i_n.to(tl.int64) * s_ck
         ready_h = ready
-        if WAIT_CHUNKS > 0:  # the counter of this sequence's and head's first group
+        if WAITS:  # the counter of this sequence's and head's first group
             ready_h = ready_counter(ready, i_n, bos, T, NT, i_hv, HV, BT, WAIT_CHUNKS)
-        if (WAIT_CHUNKS > 0) and not WAIT_IN_LOOP:
+        if WAITS and not WAIT_IN_LOOP:
             SPAN: tl.constexpr = WAIT_CHUNKS * BT
             for g_lo in range(bos, eos, SPAN):
-                g_hi = tl.minimum(g_lo + SPAN, eos)
-                _await_count(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT), SPIN and TMA)
-                S = _walk(S, g_lo, g_hi, p_first + (g_lo - bos) // BT, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt,
-                          qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC,
-                          K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
-                          HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA, x_ws=x_ws, FOLD=FOLD)
+                if bail == 0:
+                    g_hi = tl.minimum(g_lo + SPAN, eos)
+                    _, bail = _spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
+                                         bail + 1, bail, SPIN)  # spin set, z 0
+                    if bail == 0:
+                        S, _ = _walk(S, g_lo, g_hi, p_first + (g_lo - bos) // BT, i_hv, o_h, s_ot, n_ws, kd_ws, v_h,
+                                     s_vt, qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC,
+                                     K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
+                                     HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA, x_ws=x_ws, FOLD=FOLD)
         else:
-            S = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
-                      sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC, K == BK, V % BV == 0,
-                      ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA,
-                      tl.program_id(0) * BV, V_TMA, ready_h, WAIT_CHUNKS, SPIN, x_ws, FOLD)
+            S, bail = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
+                            sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC, K == BK, V % BV == 0,
+                            ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA,
+                            tl.program_id(0) * BV, V_TMA, ready_h, WAIT_CHUNKS if WAITS else 0, SPIN, x_ws, FOLD,
+                            bail)
         if HAS_DST:
-            tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty), mask=kv_ok)
+            tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty),
+                     mask=kv_ok & (o_k[:, None] * 0 + bail == 0))
+    if WAITS:
+        tl.store(bail_flag, bail)
