@@ -403,7 +403,7 @@ def _programmatic(order: list, launches: list) -> list:
     stream and the walk on the side stream, then joins them: two event waits a call. Replayed, the walk is launched
     on the caller's stream where the fork was, and the prepare after it as its programmatic dependent (CUDA's
     programmatic dependent launch): each walk program first lets it start (`_chunk_state_kernel`), and the
-    prepare's program of the last chunk waits for the walk (`chunk_prepare._finish`), so the stream's next work
+    prepare's program of the last chunk waits for the walk (`kda.ops.overlap.finish`), so the stream's next work
     still follows both. The kernels are loaded by then (the recording launched them), so the
     walk spinning first cannot hold up a module load. Any other shape of order (the split prepare's two launches,
     another launcher than Triton 3.6's) is kept as recorded. `launches` is updated in place."""

@@ -794,7 +794,7 @@ def test_walk_beside_prepare_equals_one_walk(contract, dtype, gate_pass, device)
                                                    ("paged", 3)])
 def test_a_walk_whose_wait_gives_up_is_walked_again(contract, ready_groups, in_loop, device, monkeypatch):
     """Liveness of the walk beside the prepare without any assumption on the SMs: a wait that reaches its budget
-    gives up (`chunk_walk._spin_zero`; the interpreter's budget is one read), the program stores nothing from
+    gives up (`kda.ops.overlap.spin_zero`; the interpreter's budget is one read), the program stores nothing from
     there on (no output row, checkpoint or final state) and flags itself, and the resume launch after the prepare
     walks the flagged programs again. Emulated by taking back the prepare's counts from group `ready_groups` on
     (as if the prepare had not reached them), then watching the first launch and the resume launch: the first

@@ -20,7 +20,7 @@ from triton.backends.compiler import BaseBackend
 
 import kda
 from kda import replay
-from kda.ops import chunk_prepare, chunk_walk, fused_recurrent, launch
+from kda.ops import chunk_prepare, chunk_walk, fused_recurrent, launch, overlap
 from kda.ops.launch import DirectKernel, specialization
 
 INTS = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1,
@@ -93,7 +93,7 @@ def test_every_launched_kernel_takes_the_direct_path():
     """The kernels `kda` launches are wrapped, and (off the interpreter) their run-time arguments come first."""
     kernels = [chunk_prepare._chunk_gate_kernel, chunk_prepare._chunk_prepare_kernel,
                chunk_prepare._chunk_intra_kernel, chunk_prepare._chunk_solve_kernel, chunk_walk._chunk_state_kernel,
-               fused_recurrent._fused_recurrent_kda_kernel,
+               overlap._zero_counters_kernel, fused_recurrent._fused_recurrent_kda_kernel,
                fused_recurrent._fused_recurrent_one_token_kernel]
     for kern in kernels:
         assert isinstance(kern, DirectKernel)
@@ -102,7 +102,7 @@ def test_every_launched_kernel_takes_the_direct_path():
 
 
 def _all_kernels():
-    return [getattr(mod, name) for mod in (chunk_prepare, chunk_walk, fused_recurrent) for name in dir(mod)
+    return [getattr(mod, name) for mod in (chunk_prepare, chunk_walk, overlap, fused_recurrent) for name in dir(mod)
             if isinstance(getattr(mod, name), DirectKernel)]
 
 

@@ -10,25 +10,11 @@ in fp32 (the gate pass), and with fp16 workspaces per chunk M's and N's fp32 inv
 Chunks map to sequences on the device (`kda.ops.common.locate_block`): no host copy of the bounds.
 Prefix-cache checkpoints are stored by the walk as it passes them: no extra pass.
 
-The walk beside the prepare (`ChunkPlan.wait_chunks`: a dense call with few walk programs): the walk runs on
-a side stream beside the prepare, each group of `wait_chunks` chunks walked once the prepare has stored it
-(counters in `ready`, zeroed by the gate pass, or their own launch, before either starts; the prepare
-launched chunk by chunk across the heads, so groups complete in order). Three launches, so the host pays for
-one call; on the GPU the prepare's SMs and the walk's overlap from the first group on. The prepare is
-launched before the walk, always: the walk spins on it, and a kernel's first launch loads its module lazily,
-a load that waits on the device (a walk launched first hung there). The walk's programs keep at most half
-the SMs (`kda.plan._beside`), so the prepare's find room. A walk too wide for that (`kda.plan._tail_chunks`)
-runs beside the prepare's last chunks only: the prepare is then two launches, the walk forked between them
-(`ChunkPlan.late_chunks`).
-
-Why it always finishes: no wait is unbounded. A walk program whose wait for a group reaches its time budget
-(`chunk_walk._spin_zero`) gives up: it stores nothing more, not its final state, and flags itself. After the
-join, on the caller's stream (so after the whole prepare), the walk is launched once more (`RESUME`): flagged
-programs walk their columns again from the start without waiting, the others end at once. So the walk's programs
-hold SMs for a bounded time whatever the prepare can reach (a partition of the GPU, other streams' kernels,
-kernels run one at a time), the prepare then runs to its end, and the resume launch waits on nothing; the result
-is the one walk's, bit for bit. On the whole GPU no wait gives up, and the resume launch is a grid of programs
-that read one flag each.
+The walk beside the prepare (`ChunkPlan.wait_chunks`: a dense call with few walk programs) runs on a side
+stream beside the prepare, forked after the gate pass (or after the prepare's first launch, `ChunkPlan.late_chunks`)
+and joined back, then launched once more on the caller's stream for the programs whose bounded wait gave up:
+`kda.ops.overlap` holds the protocol and why it always finishes. The prepare is launched before the walk, always:
+a kernel's first launch loads its module lazily, a load that waits on the device.
 """
 
 from __future__ import annotations
@@ -48,12 +34,12 @@ from .chunk_prepare import (
     _chunk_intra_kernel,
     _chunk_prepare_kernel,
     _chunk_solve_kernel,
-    _zero_counters_kernel,
 )
 from .chunk_walk import _chunk_state_kernel
 from .common import token_head_strides
 from .fused_recurrent import fused_recurrent_kda_fwd
 from .launch import wait_stream
+from .overlap import _zero_counters_kernel, ready_words
 
 
 def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -92,8 +78,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.T
 
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     # the walk beside the prepare (`ChunkPlan.wait_chunks`, dense): the counters it awaits, and its side stream
-    # (and after them one flag a walk program: `_chunk_state_kernel`'s resume launch)
-    ready = (torch.empty((B * cdiv(NT, plan.wait_chunks) * HV + cdiv(call.V, plan.walk_BV) * HV * kept,),
+    ready = (torch.empty((ready_words(B, NT, plan.wait_chunks, HV, cdiv(call.V, plan.walk_BV) * HV * kept),),
                          dtype=torch.int32, device=dev) if plan.wait_chunks else None)
     side = _side_stream(q) if ready is not None and q.is_cuda else None
     main = torch.cuda.current_stream(dev) if side is not None else None

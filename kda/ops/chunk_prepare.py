@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from .common import (
     bad_bounds,
@@ -55,12 +54,12 @@ from .common import (
     locate_block,
     pow2_of,
     pow2_scale,
-    ready_counter,
     seq_bounds,
     tf32_round,
     tile_mask,
 )
 from .launch import direct
+from .overlap import count_chunk, finish, ready_counter
 
 
 @triton.jit
@@ -90,34 +89,6 @@ def _chunk_and_head(HEAD_FASTEST: tl.constexpr):
         i_p = tl.program_id(0)
         i_hv = tl.program_id(1)
     return i_p, i_hv
-
-
-@triton.jit
-def _count_chunk(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
-    """This program's chunk is stored: 1 added to its group's counter with release semantics, after a
-    barrier, so that every thread's stores come before it."""
-    tl.debug_barrier()
-    tl.atomic_add(ready_counter(ready, i_n, t0, T, NT, i_hv, HV, BT, W), 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _finish(i_p, i_hv, N, NT, HV: tl.constexpr):
-    """After this program's chunk is counted: the dense grid's last program (the last sequence's last chunk, the
-    last value head) waits for the grid it was launched after (the walk, when a recorded call launches the prepare
-    as the walk's programmatic dependent: `kda.replay`), so that the prepare ends after the walk and the stream's
-    next work sees the walk's outputs. One waiting program holds one slot, so every chunk the walk awaits still
-    finds one. Without such a launch the wait returns at once."""
-    if (i_p == N * NT - 1) & (i_hv == HV - 1):
-        gdc_wait()
-
-
-@direct
-@triton.jit
-def _zero_counters_kernel(ready, n, BLOCK: tl.constexpr):
-    """The counters of a walk beside a prepare that has no gate pass to zero them, before the prepare. A kernel
-    of ours rather than `Tensor.zero_`: `kda.replay` records and replays only this package's launches."""
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(ready + o, tl.zeros([BLOCK], dtype=tl.int32), mask=o < n)
 
 
 @triton.jit
@@ -558,9 +529,9 @@ def _chunk_prepare_kernel(
         _one_row_chunk(q_h, k_h, g_h, b2_ws, qd_ws, kd_ws, m_ws, n_ws, gt_ws, sc_ws, ws_base, n_base, i_p, i_hv, o_t,
                        rk, rq, b_beta, v_max, a, dt_bias, lower_bound, HV, K, BK, HAS_DT_BIAS, B2_FROM_WS, x_ws, FOLD)
         if SIGNAL_CHUNKS > 0:
-            _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
+            count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
             if LAST_WAITS:
-                _finish(i_p, i_hv, N, NT, HV)
+                finish(i_p, i_hv, N, NT, HV)
         return
     first_half = (o_t < HALF)[:, None]
 
@@ -640,9 +611,9 @@ def _chunk_prepare_kernel(
     else:
         _store_unfolded(A_qk, XbT, n_ws, x_ws, sc_ws, n_off, i_p, i_hv, row_ok, v_max, HV)
     if SIGNAL_CHUNKS > 0:
-        _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
+        count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
         if LAST_WAITS:
-            _finish(i_p, i_hv, N, NT, HV)
+            finish(i_p, i_hv, N, NT, HV)
 
 
 @direct
@@ -820,4 +791,4 @@ def _chunk_solve_kernel(
     _store_folded(A_qk, XbT, n_ws, m_ws, sc_ws, n_base, t0 * (HV * K) + i_hv * K, i_p, i_hv, o_t, row_ok, v_max,
                   HV, K, BT, BK, K % BK == 0, DOT_PREC)
     if SIGNAL_CHUNKS > 0:
-        _count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)
+        count_chunk(ready, i_n, t0, T, NT, i_hv, HV, BT, SIGNAL_CHUNKS)

@@ -33,7 +33,6 @@ from .common import (
     kept_item,
     pow2_of,
     pow2_scale,
-    ready_counter,
     round_to,
     seq_bounds,
     slot_of,
@@ -43,6 +42,7 @@ from .common import (
     zero_trailing_rows,
 )
 from .launch import direct
+from .overlap import ready_counter, ready_zero, spin_zero
 
 
 @triton.jit
@@ -75,8 +75,8 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     a multiple of BT, so every checkpoint offset is a chunk end. The next slot is loaded a checkpoint ahead,
     off the step's serial chain.
     WAIT > 0: the prepare runs beside this walk, counting groups of WAIT chunks into `ready_h` (one counter a
-    group, HV apart); every chunk's loads wait on its group there (`_ready_zero`; SPIN as the kernel's). A wait
-    that gives up (`_spin_zero`) sets `bail`: from there on nothing waits and nothing is stored (the chunks after
+    group, HV apart); every chunk's loads wait on its group there (`ready_zero`; SPIN as the kernel's). A wait
+    that gives up (`spin_zero`) sets `bail`: from there on nothing waits and nothing is stored (the chunks after
     it are walked from unstored tiles, then dropped), and the kernel's resume launch walks this program again.
     TMA: the workspaces are ragged tensor descriptors (`triton.tools.ragged_tma`) of `[tokens, HV, *]`, the
     tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K) read as zeros:
@@ -105,7 +105,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     z_g = tl.zeros([], dtype=tl.int32)
     z_t = tl.zeros([], dtype=tl.int32)
     if WAIT > 0:
-        z_g, bail = _ready_zero(ready_h, t_begin, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail)
+        z_g, bail = ready_zero(ready_h, t_begin, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail)
     gt_next = tl.load(gt_ptr + z_g, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
     if F16:  # M's and N's inverse scales and max|V|, one chunk ahead as gt
         sc_ptr = sc_ws + (p_first * HV + i_hv) * 4 + z_g
@@ -120,7 +120,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         gt = gt_next
         gt_ptr += HV * K
         if WAIT > 0:  # the next chunk's gt and scales, stored by the prepare (gt where there is no gate pass)
-            z_g, bail = _ready_zero(ready_h, t0 + BT, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail)
+            z_g, bail = ready_zero(ready_h, t0 + BT, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail)
         gt_next = tl.load(gt_ptr + z_g, mask=k_ok & (o_k * 0 + t0 + BT < t_end), other=0.0)
         if F16:
             s_m = sm_next
@@ -137,7 +137,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         n_in = tl.minimum(t_end - t0, BT).to(tl.int32)
         t0_32 = tl.cast(t0, tl.int32)
         if WAIT > 0:  # the chunk stored by the prepare: its tiles' coordinates depend on the wait
-            z_t, bail = _ready_zero(ready_h, t0, t_begin, t_end, HV, BT, WAIT, SPIN, z_t, bail)
+            z_t, bail = ready_zero(ready_h, t0, t_begin, t_end, HV, BT, WAIT, SPIN, z_t, bail)
             m_c_out = m_c & (o_t[:, None] * 0 + bail == 0)  # broadcast by hand: the interpreter takes no 0-d mask
         else:
             m_c_out = m_c
@@ -209,47 +209,6 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
                 ck_at += ck_every
                 ck_slot = tl.load(ck_row + ck_j, mask=ck_j < n_ck, other=-1).to(tl.int64)
     return S, bail
-
-
-@triton.jit
-def _ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, WAIT: tl.constexpr,
-                SPIN: tl.constexpr, z_prev, bail):
-    """(0, bail), once the group of WAIT chunks holding the chunk at token t (of a walk from t_begin to t_end) is
-    counted in `ready_h` (one counter a group, HV apart), or bail set where the wait gave up (`_spin_zero`). Only a
-    group's first chunk spins, and none once bailed; the others take z_prev, the zero of the chunk before (each
-    load depends on every earlier wait, so no compiler moves it above one); at once for t >= t_end (a prefetch
-    past the end)."""
-    first = (t < t_end) & ((t - t_begin) % (WAIT * BT) == 0) & (bail == 0)
-    g_i = tl.where(first, (t - t_begin) // (WAIT * BT), 0)
-    target = tl.where(first, tl.cdiv(tl.minimum(t + WAIT * BT, t_end) - t, BT), 0).to(tl.int32)
-    z, gave_up = _spin_zero(ready_h + g_i * HV, target, first.to(tl.int32), z_prev, SPIN)
-    return z, bail | gave_up
-
-
-@triton.jit
-def _spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
-    """(z_prev, 0) once the counter at `ptr` reaches `target` where `spin` is set (else at once); (z_prev, 1) where
-    it has not within 20 ms of the global timer (a prepare group takes microseconds): the wait gives up, so a walk program never holds its SM
-    for longer, whatever runs beside it or however few SMs the prepare can reach (`_chunk_state_kernel`, RESUME).
-    The prepare programs each add 1 with release semantics after their stores (`_chunk_prepare_kernel`), so what
-    they stored is visible to this thread's later loads. One PTX block with its own loop (an acquire, then a proxy
-    fence for tiles read by TMA, the async proxy), so that Triton's IR holds no loop: the pipeliner moves it with
-    the prefetches whose coordinates depend on it. A pure op to the compiler (the pipeliner runs it for prefetches
-    past the end too, where `_ready_zero` asks for no spin). Without SPIN, the interpreter, which runs the prepare
-    to its end first: one atomic read where `spin` is set, and a count short of `target` gives up at once."""
-    if SPIN:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .s32 v; .reg .u64 t0, t1; mov.b32 $1, 0; setp.eq.s32 p, $4, 0; @p bra DONE; "
-            "mov.u64 t0, %globaltimer; "
-            "SPIN: ld.acquire.gpu.global.b32 v, [$2]; setp.ge.s32 p, v, $3; @p bra READY; "
-            "mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.lt.u64 p, t1, 20000000; @p bra SPIN; "
-            "mov.b32 $1, 1; bra DONE; "
-            "READY: fence.proxy.async.global; DONE: mov.b32 $0, $5; }",
-            "=r,=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), target, spin, z_prev], dtype=(tl.int32, tl.int32),
-            is_pure=True, pack=1)
-    else:
-        n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu", mask=spin != 0)
-        return z_prev, ((spin != 0) & (n < target)).to(tl.int32)
 
 
 @triton.jit
@@ -344,14 +303,14 @@ def _chunk_state_kernel(
     the walk passes them (`_walk`).
     WAIT_CHUNKS > 0 (dense): the prepare runs beside this walk, counting each group of WAIT_CHUNKS chunks into
     `ready` (`[B, groups, HV]` int32), and each group is walked once counted: by an outer loop over the groups
-    (`_await_count`; each group's walk restarts its pipeline), or with WAIT_IN_LOOP (TMA walks) inside the
-    walk's pipelined loop, a chunk's tiles and scales loaded once `_ready_zero` has seen its group counted (the
+    (`spin_zero`; each group's walk restarts its pipeline), or with WAIT_IN_LOOP (TMA walks) inside the
+    walk's pipelined loop, a chunk's tiles and scales loaded once `ready_zero` has seen its group counted (the
     pipeliner prefetches behind the wait). SPIN: the waits in PTX (off under the interpreter).
     The grid is (V block, value head, sequence): a sequence's programs are dispatched together, sequence after
     sequence, so that a batch's long sequences do not wait behind the programs of every head's short ones.
     With SPIN each program first lets a prepare launched after it as a programmatic dependent start
     (`kda.replay`: a recorded call runs the walk and then the prepare on one stream).
-    Every wait is bounded (`_spin_zero`), so the walk finishes whatever the SMs: a program whose wait gave up
+    Every wait is bounded (`spin_zero`), so the walk finishes whatever the SMs: a program whose wait gave up
     stores nothing from there on, not its final state (a pool's slot keeps the initial state), and sets its flag
     in `ready` after the counters (one int32 a program, written by every program). RESUME: the launch after the
     prepare, on the caller's stream (`kda.ops.chunk`), with the same grid and WAIT_CHUNKS: a program whose flag
@@ -404,7 +363,7 @@ def _chunk_state_kernel(
             for g_lo in range(bos, eos, SPAN):
                 if bail == 0:
                     g_hi = tl.minimum(g_lo + SPAN, eos)
-                    _, bail = _spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
+                    _, bail = spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
                                          bail + 1, bail, SPIN)  # spin set, z 0
                     if bail == 0:
                         S, _ = _walk(S, g_lo, g_hi, p_first + (g_lo - bos) // BT, i_hv, o_h, s_ot, n_ws, kd_ws, v_h,

@@ -251,15 +251,6 @@ def chunk_program(i_n, bos, t, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def ready_counter(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
-    """The counter of the group of W chunks that holds the chunk at token t0 of dense sequence i_n, in
-    `ready` ([B, groups, HV] int32, a group's counters HV apart): the prepare counts its chunks into it and
-    the walk beside the prepare awaits it (`chunk_walk._chunk_state_kernel`)."""
-    c = (t0 - i_n * T) // BT
-    return ready + (i_n * tl.cdiv(NT, W) + c // W) * HV + i_hv
-
-
-@triton.jit
 def locate_block(i_p, cu_seqlens, N, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
     """Program i_p of a grid over blocks of BT tokens (chunks, or segments of chunks) -> (sequence,
     sequence start, first token of its block, sequence end). Dense: NT blocks per sequence. Varlen: program p belongs to the

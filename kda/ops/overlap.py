@@ -1,0 +1,120 @@
+"""The walk beside the prepare: how `chunk_kda`'s serial walk runs while the prepare still stores the chunks it
+walks, and why such a call always finishes. Every piece of that protocol is here: the counters' place
+(`ready_counter`), the prepare's count (`count_chunk`, and `finish` for the replayed order), the zeroing launch
+where no gate pass zeroes them (`_zero_counters_kernel`), the walk's bounded waits (`ready_zero`, `spin_zero`)
+and the workspace they share (`ready_words`). Which calls take it is `kda.plan`'s (`ChunkPlan.wait_chunks`,
+`late_chunks`); the launch order is `kda.ops.chunk`'s, the replayed order `kda.replay._programmatic`'s; the
+Gluon prepare counts as `count_chunk` does (`hopper_prepare._count_chunk`).
+
+The protocol. The prepare, launched chunk by chunk across the heads so that groups of `wait_chunks` chunks
+complete in order, adds 1 to its group's counter after its stores (release); a walk program, on a side stream of
+higher priority, waits for each group's count (acquire, then a proxy fence before tiles read by TMA) and walks
+it. The counters are zeroed by the gate pass (or their own launch) before either starts. Eager, the prepare is
+launched first and the walk forked after the gate pass (or after the prepare's first launch: the walk beside its
+last chunks); replayed on Hopper, the walk first and the prepare as its programmatic dependent.
+
+Why it always finishes, whatever SMs the call reaches (a GPU partitioned by a green context or MPS, other
+streams' kernels holding SMs, kernels run one at a time): no wait is unbounded. A walk program whose wait for a
+group reaches its budget (20 ms of the global timer; a group takes microseconds) gives up: it stores nothing
+more, not its final state, so the state it started from is still in place, writes its flag (one int32 a walk
+program, after the counters in the same workspace) and ends, giving its SM to the prepare. The prepare waits on
+nothing but SMs (in the replayed order only its last program waits, for the walk grid, whose programs all end),
+so it runs to its end. After the join, on the caller's stream and so after the whole prepare, the walk is launched
+once more (`RESUME`): a flagged program walks its columns again from the start without waiting, the others end
+at once. The result is the one walk's, bit for bit (every store the first launch made holds those bits). On the
+whole GPU, where the walk's programs take at most half the SMs and a prepare program fits beside each
+(`kda.plan._beside`), no wait gives up, and the resume launch costs a grid of programs reading one flag each.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from ..plan import cdiv
+from .launch import direct
+
+
+def ready_words(B: int, NT: int, wait_chunks: int, HV: int, walk_programs: int) -> int:
+    """int32 words of the workspace a walk beside the prepare shares with it: the `[B, groups, HV]` counters, then
+    one flag a walk program (`spin_zero`)."""
+    return B * cdiv(NT, wait_chunks) * HV + walk_programs
+
+
+@triton.jit
+def ready_counter(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
+    """The counter of the group of W chunks that holds the chunk at token t0 of dense sequence i_n, in
+    `ready` ([B, groups, HV] int32, a group's counters HV apart): the prepare counts its chunks into it and
+    the walk beside the prepare awaits it (`ready_zero`)."""
+    c = (t0 - i_n * T) // BT
+    return ready + (i_n * tl.cdiv(NT, W) + c // W) * HV + i_hv
+
+
+@triton.jit
+def count_chunk(ready, i_n, t0, T, NT, i_hv, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
+    """This program's chunk is stored: 1 added to its group's counter with release semantics, after a
+    barrier, so that every thread's stores come before it."""
+    tl.debug_barrier()
+    tl.atomic_add(ready_counter(ready, i_n, t0, T, NT, i_hv, HV, BT, W), 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def finish(i_p, i_hv, N, NT, HV: tl.constexpr):
+    """After this program's chunk is counted: the dense grid's last program (the last sequence's last chunk, the
+    last value head) waits for the grid it was launched after (the walk, when a recorded call launches the prepare
+    as the walk's programmatic dependent: `kda.replay`), so that the prepare ends after the walk and the stream's
+    next work sees the walk's outputs. One waiting program holds one slot, so every chunk the walk awaits still
+    finds one. Without such a launch the wait returns at once."""
+    if (i_p == N * NT - 1) & (i_hv == HV - 1):
+        gdc_wait()
+
+
+@direct
+@triton.jit
+def _zero_counters_kernel(ready, n, BLOCK: tl.constexpr):
+    """The counters of a walk beside a prepare that has no gate pass to zero them, before the prepare. A kernel
+    of ours rather than `Tensor.zero_`: `kda.replay` records and replays only this package's launches."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ready + o, tl.zeros([BLOCK], dtype=tl.int32), mask=o < n)
+
+
+@triton.jit
+def ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, WAIT: tl.constexpr,
+                SPIN: tl.constexpr, z_prev, bail):
+    """(0, bail), once the group of WAIT chunks holding the chunk at token t (of a walk from t_begin to t_end) is
+    counted in `ready_h` (one counter a group, HV apart), or bail set where the wait gave up (`spin_zero`). Only a
+    group's first chunk spins, and none once bailed; the others take z_prev, the zero of the chunk before (each
+    load depends on every earlier wait, so no compiler moves it above one); at once for t >= t_end (a prefetch
+    past the end)."""
+    first = (t < t_end) & ((t - t_begin) % (WAIT * BT) == 0) & (bail == 0)
+    g_i = tl.where(first, (t - t_begin) // (WAIT * BT), 0)
+    target = tl.where(first, tl.cdiv(tl.minimum(t + WAIT * BT, t_end) - t, BT), 0).to(tl.int32)
+    z, gave_up = spin_zero(ready_h + g_i * HV, target, first.to(tl.int32), z_prev, SPIN)
+    return z, bail | gave_up
+
+
+@triton.jit
+def spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
+    """(z_prev, 0) once the counter at `ptr` reaches `target` where `spin` is set (else at once); (z_prev, 1) where
+    it has not within 20 ms of the global timer (a prepare group takes microseconds): the wait gives up, so a walk program never holds its SM
+    for longer, whatever runs beside it or however few SMs the prepare can reach (`chunk_walk._chunk_state_kernel`, RESUME).
+    The prepare programs each add 1 with release semantics after their stores (`chunk_prepare.count_chunk`), so what
+    they stored is visible to this thread's later loads. One PTX block with its own loop (an acquire, then a proxy
+    fence for tiles read by TMA, the async proxy), so that Triton's IR holds no loop: the pipeliner moves it with
+    the prefetches whose coordinates depend on it. A pure op to the compiler (the pipeliner runs it for prefetches
+    past the end too, where `ready_zero` asks for no spin). Without SPIN, the interpreter, which runs the prepare
+    to its end first: one atomic read where `spin` is set, and a count short of `target` gives up at once."""
+    if SPIN:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .s32 v; .reg .u64 t0, t1; mov.b32 $1, 0; setp.eq.s32 p, $4, 0; @p bra DONE; "
+            "mov.u64 t0, %globaltimer; "
+            "SPIN: ld.acquire.gpu.global.b32 v, [$2]; setp.ge.s32 p, v, $3; @p bra READY; "
+            "mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.lt.u64 p, t1, 20000000; @p bra SPIN; "
+            "mov.b32 $1, 1; bra DONE; "
+            "READY: fence.proxy.async.global; DONE: mov.b32 $0, $5; }",
+            "=r,=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), target, spin, z_prev], dtype=(tl.int32, tl.int32),
+            is_pure=True, pack=1)
+    else:
+        n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu", mask=spin != 0)
+        return z_prev, ((spin != 0) & (n < target)).to(tl.int32)
