@@ -823,17 +823,21 @@ def test_a_walk_whose_wait_gives_up_is_walked_again(contract, ready_groups, in_l
             real_prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, ready, after_gate)
         elif ready.is_cuda:  # the walk beside counts on zeros: the prepare counts elsewhere
             ready.zero_()
-            real_prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, torch.zeros_like(ready), after_gate)
+            seen["counts"] = torch.zeros_like(ready)
+            real_prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, seen["counts"], after_gate)
         else:  # the interpreter runs the walk after the prepare: counters [1, groups, HV] taken back from a group on
             real_prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, ready, after_gate)
+            seen["counts"] = ready.clone()
             ready[:n_groups * HV].view(n_groups, HV)[ready_groups:] = 0
 
     def walk(call, plan, o, st, *rest):
         resume = len(rest) == 11 and rest[-1]
-        if resume:  # after the first launch: what it left
+        if resume:  # after the first launch: what it left; then the prepare's counts, all stored by now
             seen["o"] = o.clone()
             seen["pool"] = (st.final_state if contract == "dense" else kw_pool).clone()
             seen["flags"] = seen["ready"][n_groups * HV:].clone()
+            if taken_back:
+                seen["ready"][:n_groups * HV] = seen["counts"][:n_groups * HV]
         real_walk(call, plan, o, st, *rest)
 
     def run(wait, out, pool_or_h0):

@@ -166,12 +166,12 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
     _chunk_state_kernel[(cdiv(V, BV), HV, seqs)](
         o, cu, *walk_ws, *st.pointers(walk_ws[5]), s_ot, s_oh, *token_head_strides(call.v, T), st.src_stride,
         st.dst_stride, *ck_args, errors, walk_ws[5] if ready is None else ready,
-        x_ws, T, N, cdiv(T, BT),
+        x_ws, T, N, cdiv(T, BT), int(resume),
         HV=HV, K=K, V=V, BT=BT, BK=max(16, next_power_of_2(K)), BV=BV, IS_VARLEN=varlen, DOT_PREC=plan.dot_prec,
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
         HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
-        WAIT_CHUNKS=0 if ready is None else plan.wait_chunks, WAIT_IN_LOOP=plan.wait_in_loop and not resume,
-        SPIN=ready is not None and plan.spin and not resume, FOLD=plan.fold, RESUME=resume,
+        WAIT_CHUNKS=0 if ready is None else plan.wait_chunks, WAIT_IN_LOOP=plan.wait_in_loop,
+        SPIN=ready is not None and plan.spin, FOLD=plan.fold,
         num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 

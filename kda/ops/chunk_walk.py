@@ -274,13 +274,13 @@ def _report(errors, code, slot, i_n, bos, eos, ck_row, n_ck, ck_every, n_slots, 
 
 
 @direct
-@triton.jit(do_not_specialize=["n_slots"])
+@triton.jit(do_not_specialize=["n_slots", "resume"])
 def _chunk_state_kernel(
     o, cu_seqlens, n_ws, kd_ws, v, qd_ws, m_ws, gt_ws, sc_ws,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_ot, s_oh, s_vt, s_vh, src_stride, dst_stride,
     checkpoint_indices, s_ck, n_ck, ck_every, n_slots, errors, ready, x_ws,
-    T, N, NT,
+    T, N, NT, resume,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -288,7 +288,7 @@ def _chunk_state_kernel(
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
     V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, WAIT_IN_LOOP: tl.constexpr = False,
-    SPIN: tl.constexpr = False, FOLD: tl.constexpr = True, RESUME: tl.constexpr = False,
+    SPIN: tl.constexpr = False, FOLD: tl.constexpr = True,
 ):
     """The plain walk: one program per (V block, value head, sequence) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
@@ -312,19 +312,19 @@ def _chunk_state_kernel(
     (`kda.replay`: a recorded call runs the walk and then the prepare on one stream).
     Every wait is bounded (`spin_zero`), so the walk finishes whatever the SMs: a program whose wait gave up
     stores nothing from there on, not its final state (a pool's slot keeps the initial state), and sets its flag
-    in `ready` after the counters (one int32 a program, written by every program). RESUME: the launch after the
-    prepare, on the caller's stream (`kda.ops.chunk`), with the same grid and WAIT_CHUNKS: a program whose flag
-    is clear ends at once, the others walk their columns again from the start without waiting, so every output
-    row and state column is the one walk's, bit for bit."""
-    WAITS: tl.constexpr = WAIT_CHUNKS > 0 and not RESUME
-    if WAIT_CHUNKS > 0:  # this program's flag, after the [N, groups, HV] counters
+    in `ready` after the counters (one int32 a program, written by every program). `resume` set: the launch after
+    the prepare, on the caller's stream (`kda.ops.chunk`), the same binary and grid: a program whose flag is clear
+    ends at once, the others walk their columns again from the start (their waits find every group counted), so
+    every output row and state column is the one walk's, bit for bit."""
+    WAITS: tl.constexpr = WAIT_CHUNKS > 0
+    if WAITS:  # this program's flag, after the [N, groups, HV] counters
         bail_flag = (ready + N * tl.cdiv(NT, WAIT_CHUNKS) * HV
                      + (tl.program_id(2) * HV + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0))
-        if RESUME:
+        if resume != 0:
             if tl.load(bail_flag) == 0:
                 return
-    if WAITS and SPIN:
-        gdc_launch_dependents()
+        if SPIN:
+            gdc_launch_dependents()
     bail = tl.zeros([], dtype=tl.int32)
     i_hv = tl.program_id(1)
     i_n = tl.program_id(2)
@@ -374,7 +374,7 @@ def _chunk_state_kernel(
             S, bail = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
                             sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC, K == BK, V % BV == 0,
                             ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA,
-                            tl.program_id(0) * BV, V_TMA, ready_h, WAIT_CHUNKS if WAITS else 0, SPIN, x_ws, FOLD,
+                            tl.program_id(0) * BV, V_TMA, ready_h, WAIT_CHUNKS, SPIN, x_ws, FOLD,
                             bail)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty),

@@ -20,8 +20,8 @@ more, not its final state, so the state it started from is still in place, write
 program, after the counters in the same workspace) and ends, giving its SM to the prepare. The prepare waits on
 nothing but SMs (in the replayed order only its last program waits, for the walk grid, whose programs all end),
 so it runs to its end. After the join, on the caller's stream and so after the whole prepare, the walk is launched
-once more (`RESUME`): a flagged program walks its columns again from the start without waiting, the others end
-at once. The result is the one walk's, bit for bit (every store the first launch made holds those bits). On the
+once more (`resume` set): a flagged program walks its columns again from the start, its waits finding every group
+counted, the others end at once. The result is the one walk's, bit for bit (every store the first launch made holds those bits). On the
 whole GPU, where the walk's programs take at most half the SMs and a prepare program fits beside each
 (`kda.plan._beside`), no wait gives up, and the resume launch costs a grid of programs reading one flag each.
 """
@@ -97,8 +97,9 @@ def ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W
 @triton.jit
 def spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
     """(z_prev, 0) once the counter at `ptr` reaches `target` where `spin` is set (else at once); (z_prev, 1) where
-    it has not within 20 ms of the global timer (a prepare group takes microseconds): the wait gives up, so a walk program never holds its SM
-    for longer, whatever runs beside it or however few SMs the prepare can reach (`chunk_walk._chunk_state_kernel`, RESUME).
+    it has not within 20 ms of the global timer (a prepare group takes microseconds): the wait gives up, so a walk
+    program never holds its SM for longer, whatever runs beside it or however few SMs the prepare can reach
+    (`chunk_walk._chunk_state_kernel`, `resume`).
     The prepare programs each add 1 with release semantics after their stores (`chunk_prepare.count_chunk`), so what
     they stored is visible to this thread's later loads. One PTX block with its own loop (an acquire, then a proxy
     fence for tiles read by TMA, the async proxy), so that Triton's IR holds no loop: the pipeliner moves it with
