@@ -410,8 +410,9 @@ def _tail_chunks(call: KDACall, walk_BV: int, plan: ChunkPlan, device: DeviceInf
     """The chunks beside which a walk too wide to run beside the whole prepare (`_beside`) runs
     (`ChunkPlan.late_chunks`; `Tuning.late_per_slot`), or 0: one sequence, a long fused prepare with its gate pass
     (`Tuning.beside_bv64_chunks`), a walk at V blocks of 64 (two programs an SM) whose programs leave at least a
-    quarter of the prepare's slots, fewer late chunks than chunks. Live: with fewer than two walk programs an SM
-    some SM holds at most one, and a prepare program fits beside one."""
+    quarter of the prepare's slots, fewer late chunks than chunks: with fewer than two walk programs an SM some SM
+    holds at most one, and a prepare program fits beside one, so on the whole GPU no wait reaches its budget
+    (where it would, the call still finishes: `kda.ops.overlap`)."""
     NT = cdiv(call.T, CHUNK)
     if (not _may_wait(call, device) or walk_BV != 64 or call.K > 128 or plan.prepare == "split"
             or not plan.gate_pass or call.N != 1 or call.HV * NT < tune.beside_bv64_chunks):

@@ -390,8 +390,8 @@ def _serialising() -> bool:
     """Whether kernels may run one at a time here: `CUDA_LAUNCH_BLOCKING` set, or a CUDA tool injected
     (`CUDA_INJECTION64_PATH`, the tools' launcher preloaded, or the injection ports compute-sanitizer and Nsight
     Compute set in the environment of the program they run: both seen on the H200 machine). Run one at a time, a
-    walk launched before its prepare (`_programmatic`) would wait for it forever; the recorded order (the prepare
-    launched first) finishes either way."""
+    walk launched before its prepare (`_programmatic`) would wait out its budget (`kda.ops.overlap`) before the
+    prepare could run; the recorded order (the prepare launched first) waits on nothing there."""
     env = os.environ
     blocking = env.get("CUDA_LAUNCH_BLOCKING", "").strip().lower() not in DEBUG_OFF  # the words KDA_DEBUG reads as off
     return blocking or "TreeLauncher" in env.get("LD_PRELOAD", "") or any(env.get(name) for name in TOOL_VARIABLES)

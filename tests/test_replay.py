@@ -34,8 +34,8 @@ def test_walk_beside_prepare_replays_on_one_stream():
     """`replay._programmatic`: a recorded walk beside the prepare (fork, the prepare's launch, the walk on the side
     stream, join) replays as the walk then the prepare on the caller's stream, the prepare launched as the walk's
     programmatic dependent (its launcher's pdl flag set, nothing else of its launch changed); the tail form (the
-    prepare's first launch before the fork) the same; any other order, or a launcher without that flag, as
-    recorded."""
+    prepare's first launch before the fork) the same; a launch after the join (the walk's resume) stays after
+    both; any other order, or a launcher without that flag, as recorded."""
     side = object()
 
     def entry(pdl=0):
@@ -50,6 +50,10 @@ def test_walk_beside_prepare_replays_on_one_stream():
         order = replay._programmatic(walked(*first), launches)
         assert order == [*((0, i, None) for i in first), (0, 2, None), (0, 1, None)]
         assert launches[1] == entry(pdl=1) and launches[0] == launches[2] == launches[3] == entry()
+    # the walk's resume launch (`kda.ops.overlap`), after the join: after both, as recorded
+    launches = [entry() for _ in range(5)]
+    order = replay._programmatic([*walked(0), (0, 4, None)], launches)
+    assert order == [(0, 0, None), (0, 2, None), (0, 1, None), (0, 4, None)] and launches[4] == entry()
     # the split prepare (two launches between the fork and the walk), a decode (no wait), another launcher
     split = [(0, 0, None), (1, (side, None), 0), (0, 1, None), (0, 3, None), (0, 2, side), (1, (None, side), 1)]
     launches = [entry(), entry(), entry(), entry()]

@@ -76,8 +76,9 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     off the step's serial chain.
     WAIT > 0: the prepare runs beside this walk, counting groups of WAIT chunks into `ready_h` (one counter a
     group, HV apart); every chunk's loads wait on its group there (`ready_zero`; SPIN as the kernel's). A wait
-    that gives up (`spin_zero`) sets `bail`: from there on nothing waits and nothing is stored (the chunks after
-    it are walked from unstored tiles, then dropped), and the kernel's resume launch walks this program again.
+    that gives up (`spin_zero`) sets `bail`: from there on nothing waits (the chunks after it are walked from tiles
+    not yet stored, their output rows and checkpoints garbage), the final state is not stored, and the kernel's
+    resume launch walks this program again, rewriting all of them.
     TMA: the workspaces are ragged tensor descriptors (`triton.tools.ragged_tma`) of `[tokens, HV, *]`, the
     tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K) read as zeros:
     no per-element addresses or masks, which the pointer loads spend most of their issue slots on. V comes
@@ -138,9 +139,6 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         t0_32 = tl.cast(t0, tl.int32)
         if WAIT > 0:  # the chunk stored by the prepare: its tiles' coordinates depend on the wait
             z_t, bail = ready_zero(ready_h, t0, t_begin, t_end, HV, BT, WAIT, SPIN, z_t, bail)
-            m_c_out = m_c & (o_t[:, None] * 0 + bail == 0)  # broadcast by hand: the interpreter takes no 0-d mask
-        else:
-            m_c_out = m_c
             t0 = t0 + z_t
             t0_32 = t0_32 + z_t
             base_k = base_k + z_t
@@ -192,7 +190,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             out = (tl.dot(tf32_round(qd, DOT_PREC), Sr, input_precision=DOT_PREC)
                    + tl.dot(tf32_round(nt, DOT_PREC), Dr, input_precision=DOT_PREC))
         tl.store(o_h + t0 * s_ot + o_t[:, None] * s_ot + o_c[None, :], round_to(out, o_h.dtype.element_ty),
-                 mask=m_c_out)
+                 mask=m_c)
         mt = _k_tile(m_ws, t0_32, n_in, i_hv, base_k + ws_k, m_k, TMA)
         if F16:
             S = S * gt[:, None] + tl.dot(tl.trans(mt), Dr) * (s_m * inv_pd)
@@ -200,8 +198,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
             S = S * gt[:, None] + tl.dot(tl.trans(tf32_round(mt, DOT_PREC)), Dr, input_precision=DOT_PREC)
         if HAS_CHECKPOINTS:
             if t0 + BT == ck_at:
-                # a whole chunk, a slot in the pool, every wait so far kept
-                if (t0 + BT <= t_end) & (ck_slot >= 0) & (ck_slot < n_slots) & (bail == 0):
+                if (t0 + BT <= t_end) & (ck_slot >= 0) & (ck_slot < n_slots):  # a whole chunk, a slot in the pool
                     # the tile's offsets formed here, not kept live through the loop (a [BK, BC] int32 tile)
                     tl.store(pool + ck_slot * pool_stride + _plane_offsets(i_hv, o_k, o_c, K, V, V_FIRST),
                              round_to(S, pool.dtype.element_ty), mask=k_ok[:, None] & c_ok[None, :])
@@ -311,7 +308,7 @@ def _chunk_state_kernel(
     With SPIN each program first lets a prepare launched after it as a programmatic dependent start
     (`kda.replay`: a recorded call runs the walk and then the prepare on one stream).
     Every wait is bounded (`spin_zero`), so the walk finishes whatever the SMs: a program whose wait gave up
-    stores nothing from there on, not its final state (a pool's slot keeps the initial state), and sets its flag
+    stores no final state (a pool's slot keeps the initial state; by groups it stores nothing more), and sets its flag
     in `ready` after the counters (one int32 a program, written by every program). `resume` set: the launch after
     the prepare, on the caller's stream (`kda.ops.chunk`), the same binary and grid: a program whose flag is clear
     ends at once, the others walk their columns again from the start (their waits find every group counted), so

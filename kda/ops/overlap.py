@@ -15,15 +15,17 @@ last chunks); replayed on Hopper, the walk first and the prepare as its programm
 
 Why it always finishes, whatever SMs the call reaches (a GPU partitioned by a green context or MPS, other
 streams' kernels holding SMs, kernels run one at a time): no wait is unbounded. A walk program whose wait for a
-group reaches its budget (20 ms of the global timer; a group takes microseconds) gives up: it stores nothing
-more, not its final state, so the state it started from is still in place, writes its flag (one int32 a walk
-program, after the counters in the same workspace) and ends, giving its SM to the prepare. The prepare waits on
-nothing but SMs (in the replayed order only its last program waits, for the walk grid, whose programs all end),
-so it runs to its end. After the join, on the caller's stream and so after the whole prepare, the walk is launched
-once more (`resume` set): a flagged program walks its columns again from the start, its waits finding every group
-counted, the others end at once. The result is the one walk's, bit for bit (every store the first launch made holds those bits). On the
-whole GPU, where the walk's programs take at most half the SMs and a prepare program fits beside each
-(`kda.plan._beside`), no wait gives up, and the resume launch costs a grid of programs reading one flag each.
+group reaches its budget (20 ms of the global timer; a group takes microseconds) gives up and waits for nothing
+more, so it ends within its own walk's time, giving its SM to the prepare; it stores no final state, so the state
+it started from is still in place (output rows and checkpoints it passes after giving up are garbage until the
+resume launch rewrites them), and writes its flag (one int32 a walk program, after the counters in the same
+workspace). The prepare waits on nothing but SMs (in the replayed order only its last program waits, for the walk
+grid, whose programs all end), so it runs to its end. After the join, on the caller's stream and so after the
+whole prepare, the walk is launched once more (`resume` set): a flagged program walks its columns again from the
+start, its waits finding every group counted, the others end at once. The result is the one walk's, bit for bit:
+the resume launch stores every row, checkpoint and final state column a flagged program owns. On the whole GPU,
+where the walk's programs take at most half the SMs and a prepare program fits beside each (`kda.plan._beside`),
+no wait gives up, and the resume launch costs a grid of programs reading one flag each.
 """
 
 from __future__ import annotations
