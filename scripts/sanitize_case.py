@@ -10,7 +10,10 @@
     sequence is a no-op, its error bit set, nothing else touched;
 (d) a mixed step (`chunk_kda` with host bounds: one-token sequences and a 3-token one through the
     recurrent loop kernel, a 70-token one through the chunk kernels, a padding sequence, a NaN slot not
-    read).
+    read);
+(e) a dense `chunk_kda` into a paged pool, which a Hopper GPU runs with the walk beside the prepare (the
+    counters, the walk's bounded waits and its resume launch: `kda.ops.overlap`), twice (the second call
+    replayed): the same bits both times.
 
 All use K = V = 128, bf16 q/k/v, the in-kernel lower-bound gate, q/k L2 norm and beta sigmoid, and run
 for an fp32 and a bf16 pool. Besides giving the sanitizer something to watch, each call checks the
@@ -227,6 +230,27 @@ def case_mixed(dtype: torch.dtype, dev: str) -> None:
                              state_indices=idx, has_initial_state=has_init, state_v_first=True)
 
 
+def case_beside(dtype: torch.dtype, dev: str) -> None:
+    print(f"(e) chunk_kda dense, paged {dtype} pool: the walk beside the prepare on a GPU that plans it (its counters, "
+          f"bounded waits and resume launch), the first call and a repeated (replayed) one")
+    idx = torch.tensor([5], dtype=torch.int32, device=dev)
+    has_init = torch.tensor([True], device=dev)
+    tensors, flags = inputs(300, None, dev)
+    base, pool = padded_pool(dtype, dev)
+    base2 = base.clone()
+    pool2 = base2[:, :HV * V * K].view(SLOTS, HV, V, K)
+    before = base.clone()
+    ref_pool = pool.clone()
+    runs = [kda.chunk_kda(*tensors, state_cache=p, state_indices=idx, has_initial_state=has_init, state_v_first=True,
+                          **flags)[0] for p in (pool, pool2)]
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    check(torch.equal(runs[0], runs[1]) and torch.equal(base, base2), "the repeated call: the same bits")
+    check(bool(torch.isfinite(runs[0].float()).all()), "output finite")
+    check_pool_and_reference(runs[0], base, before, ref_pool, (5,), tensors, flags, state_indices=idx,
+                             has_initial_state=has_init, state_v_first=True)
+
+
 def main() -> int:
     if torch.cuda.is_available():
         dev = "cuda"
@@ -241,6 +265,7 @@ def main() -> int:
         case_decode(dtype, dev)
         case_bad_device_values(dtype, dev)
         case_mixed(dtype, dev)
+        case_beside(dtype, dev)
     if failures:
         print(f"sanitize case FAILED: {len(failures)} check(s): " + "; ".join(failures))
         return 1
