@@ -80,8 +80,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.T
     # the walk beside the prepare (`ChunkPlan.wait_chunks`, dense): the counters it awaits, and its side stream
     ready = (torch.empty((ready_words(B, NT, plan.wait_chunks, HV, cdiv(call.V, plan.walk_BV) * HV * kept),),
                          dtype=torch.int32, device=dev) if plan.wait_chunks else None)
-    side = _side_stream(q) if ready is not None and q.is_cuda else None
-    main = torch.cuda.current_stream(dev) if side is not None else None
+    main = torch.cuda.current_stream(dev) if ready is not None and q.is_cuda else None
+    side = _side_stream(q, main) if main is not None else None
 
     def fork():  # the walk reads gt and the zeroed counters, and what the caller queued before this call
         if side is not None:
@@ -277,12 +277,16 @@ def _hopper_prepare():
 _SIDE_STREAMS: dict = {}
 
 
-def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
-    """One side stream per device for the walk beside the prepare, made at its first use. At a higher priority
-    than the caller's streams: the walk is the call's serial chain, and its programs should take the SMs a
+def _side_stream(x: torch.Tensor, main: torch.cuda.Stream | None = None) -> torch.cuda.Stream:
+    """The side stream of the walk beside the prepare, one per caller's stream (`main`, default the current one on
+    x's device), made at its first use from that stream, so in the CUDA context current then: an engine that
+    gives its streams SM partitions (green contexts) keeps each call's walk in its caller's partition. At a higher
+    priority than the caller's streams: the walk is the call's serial chain, and its programs should take the SMs a
     finished prepare program frees before the next prepare's do."""
-    index = x.device.index or 0
-    stream = _SIDE_STREAMS.get(index)
+    if main is None:
+        main = torch.cuda.current_stream(x.device)
+    key = (x.device.index or 0, main.cuda_stream)
+    stream = _SIDE_STREAMS.get(key)
     if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=x.device, priority=-1)
+        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device=x.device, priority=-1)
     return stream
