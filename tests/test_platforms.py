@@ -269,3 +269,28 @@ def test_import_and_a_call_without_a_gpu_never_load_gluon():
     done = subprocess.run([sys.executable, "-c", code], cwd=root.parent, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root.parent}"})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", ["prefill-1x8192-h8", "prefill-1x16384-h32"])
+def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
+    """The walk beside the prepare waits in PTX that the interpreter never runs (`kda.ops.overlap.spin_zero`: an
+    acquire load in a loop bounded by `%globaltimer`, a proxy fence, two results): compiled offline for sm_90 by
+    `benchmarks/offline_compile.py` (a process outside the interpreter), at the few-head form (groups in an outer
+    loop) and the 32-head one (the wait inside the pipelined TMA loop), ptxas takes it, the kernel fits an SM's
+    registers and shared memory, and the bounded spin is in its PTX."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "offline_compile.py"), "--targets", "sm_90",
+                           "--cases", case, "--pools", "fp32", "--out", str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    walks = [line for line in done.stdout.splitlines()
+             if line.startswith("sm_90 ") and "_chunk_state_kernel" in line and "SPIN=True" in line]
+    assert walks and all("error" not in w.lower() and (" ok (" in w or " spills (" in w) for w in walks), walks
+    assert ("WAIT_IN_LOOP=True" in walks[0]) == (case == "prefill-1x16384-h32")
+    ptx = [p.read_text() for p in tmp_path.glob("*_chunk_state_kernel.ptx")]
+    assert ptx and all("%globaltimer" in p and "ld.acquire.gpu.global.b32" in p and "fence.proxy.async.global" in p
+                       for p in ptx)
