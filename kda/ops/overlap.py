@@ -111,6 +111,7 @@ def spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
     if SPIN:
         return tl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .s32 v; .reg .u64 t0, t1; mov.b32 $1, 0; setp.eq.s32 p, $4, 0; @p bra DONE; "
+            "ld.acquire.gpu.global.b32 v, [$2]; setp.ge.s32 p, v, $3; @p bra READY; "  # counted: no timer read
             "mov.u64 t0, %globaltimer; "
             "SPIN: ld.acquire.gpu.global.b32 v, [$2]; setp.ge.s32 p, v, $3; @p bra READY; "
             "mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.lt.u64 p, t1, 20000000; @p bra SPIN; "
