@@ -360,11 +360,13 @@ def _chunk_state_kernel(
             for g_lo in range(bos, eos, SPAN):
                 if bail == 0:
                     g_hi = tl.minimum(g_lo + SPAN, eos)
-                    _, bail = spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
-                                         bail + 1, bail, SPIN)  # spin set, z 0
+                    # z (0) enters every address the group's walk loads from: the spin is a pure op to the
+                    # compiler, so only that dependence keeps those loads after it
+                    z, bail = spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
+                                        bail + 1, bail, SPIN)  # spin set, z 0
                     if bail == 0:
-                        S, _ = _walk(S, g_lo, g_hi, p_first + (g_lo - bos) // BT, i_hv, o_h, s_ot, n_ws, kd_ws, v_h,
-                                     s_vt, qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC,
+                        S, _ = _walk(S, g_lo + z, g_hi, p_first + (g_lo - bos) // BT + z, i_hv, o_h, s_ot, n_ws, kd_ws,
+                                     v_h, s_vt, qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC,
                                      K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
                                      HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA, x_ws=x_ws, FOLD=FOLD)
         else:
