@@ -83,7 +83,7 @@ def _zero_counters_kernel(ready, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, WAIT: tl.constexpr,
-                SPIN: tl.constexpr, z_prev, bail):
+               SPIN: tl.constexpr, z_prev, bail):
     """(0, bail), once the group of WAIT chunks holding the chunk at token t (of a walk from t_begin to t_end) is
     counted in `ready_h` (one counter a group, HV apart), or bail set where the wait gave up (`spin_zero`). Only a
     group's first chunk spins, and none once bailed; the others take z_prev, the zero of the chunk before (each
@@ -102,8 +102,8 @@ def spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
     it has not within 20 ms of the global timer (a prepare group takes microseconds): the wait gives up, so a walk
     program never holds its SM for longer, whatever runs beside it or however few SMs the prepare can reach
     (`chunk_walk._chunk_state_kernel`, `resume`).
-    The prepare programs each add 1 with release semantics after their stores (`chunk_prepare.count_chunk`), so what
-    they stored is visible to this thread's later loads. One PTX block with its own loop (an acquire, then a proxy
+    The prepare programs each add 1 with release semantics after their stores (`count_chunk`), so what they stored
+    is visible to this thread's later loads. One PTX block with its own loop (an acquire, then a proxy
     fence for tiles read by TMA, the async proxy), so that Triton's IR holds no loop: the pipeliner moves it with
     the prefetches whose coordinates depend on it. A pure op to the compiler (the pipeliner runs it for prefetches
     past the end too, where `ready_zero` asks for no spin). Without SPIN, the interpreter, which runs the prepare
