@@ -314,6 +314,7 @@ def _chunk_state_kernel(
     ends at once, the others walk their columns again from the start (their waits find every group counted), so
     every output row and state column is the one walk's, bit for bit."""
     WAITS: tl.constexpr = WAIT_CHUNKS > 0
+    tl.static_assert(not (WAITS and SHORT > 0), "a walk beside the prepare is dense: every program reaches its flag")
     if WAITS:  # this program's flag, after the [N, groups, HV] counters
         bail_flag = (ready + N * tl.cdiv(NT, WAIT_CHUNKS) * HV
                      + (tl.program_id(2) * HV + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0))
@@ -333,8 +334,6 @@ def _chunk_state_kernel(
     if SHORT > 0:
         i_n, _ = kept_item(cu_seqlens, i_n, N, SHORT, 0)
         if i_n < 0:  # fewer kept sequences than the host counted (bounds changed under a replayed graph)
-            if WAITS:
-                tl.store(bail_flag, bail)
             return
     bos, eos, o_k, k_ok, o_v, v_ok, plane_off, slot, S, code = _sequence_tile(
         i_n, tl.program_id(0), i_hv, cu_seqlens, state_src, slot_of_seq, has_initial_state, src_stride, n_slots,
@@ -358,17 +357,18 @@ def _chunk_state_kernel(
         if WAITS and not WAIT_IN_LOOP:
             SPAN: tl.constexpr = WAIT_CHUNKS * BT
             for g_lo in range(bos, eos, SPAN):
+                # z (0) enters every address the group's walk loads from: the spin is a pure op to the compiler,
+                # so only that dependence keeps those loads after it
+                g_hi = tl.minimum(g_lo + SPAN, eos)
+                z, gave_up = spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
+                                       1 - bail, bail - bail, SPIN)  # no spin once given up
+                bail = bail | gave_up
                 if bail == 0:
-                    g_hi = tl.minimum(g_lo + SPAN, eos)
-                    # z (0) enters every address the group's walk loads from: the spin is a pure op to the
-                    # compiler, so only that dependence keeps those loads after it
-                    z, bail = spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
-                                        bail + 1, bail, SPIN)  # spin set, z 0
-                    if bail == 0:
-                        S, _ = _walk(S, g_lo + z, g_hi, p_first + (g_lo - bos) // BT + z, i_hv, o_h, s_ot, n_ws, kd_ws,
-                                     v_h, s_vt, qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC,
-                                     K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots,
-                                     HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA, x_ws=x_ws, FOLD=FOLD)
+                    S, _ = _walk(S, g_lo + z, g_hi, p_first + (g_lo - bos) // BT + z, i_hv,
+                                 o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV,
+                                 K, V, BT, DOT_PREC, K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst,
+                                 dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA,
+                                 x_ws=x_ws, FOLD=FOLD)
         else:
             S, bail = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
                             sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC, K == BK, V % BV == 0,
