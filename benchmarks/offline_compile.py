@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -201,12 +203,19 @@ def compile_launch(fn, args: tuple, meta: dict, target: Target, maxnreg: int | N
     return row
 
 
+@functools.cache
+def _scratch() -> Path:
+    """This process's folder for the PTX and cubins ptxas reads and writes: a shared one let two runs at once (Triton
+    3.9 and 3.6, say) overwrite each other's files of the same label, and ptxas read a mix."""
+    return Path(tempfile.mkdtemp(prefix="kda_offline_compile_"))
+
+
 def _ptxas(ptx: str, target: Target, out: Path | None, label: str) -> dict:
     """Registers and spill bytes from `ptxas -v` (the ptxas Triton ships) on the kernel's PTX."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     ptxas = get_ptxas(target.target.arch).path
-    work = out or Path("/tmp") / "kda_offline_compile"
+    work = out or _scratch()
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"{label}.ptx"
     src.write_text(ptx)
