@@ -37,6 +37,26 @@ def tests(session):
     session.run("pytest", "-n", workers, "-q", *session.posargs, env=_interpreter_env(session))
 
 
+# The Triton releases pyproject.toml admits, one per minor version (3.6.0: the GPU machine's); the newest
+# is what `nox -s tests` resolves
+TRITON_RANGE = ["3.6.0", "3.7.1", "3.8.0", "3.9.0"]
+
+
+@nox.session
+@nox.parametrize("version", TRITON_RANGE)
+def tests_triton(session, version):
+    """The test suite under each Triton release of the range pyproject.toml admits (`nox -s tests_triton`, or one:
+    `nox -s "tests_triton(version='3.7.1')"`): the range is the range tested. Not in CI (four suites' time)."""
+    session.install(TORCH_CPU)
+    session.install(f"triton=={version}")
+    session.install("-e", ".[test,reports]")
+    if version.startswith("3.6."):  # its interpreter reads one-element arrays as scalars, which NumPy 2.4 refuses
+        session.install("numpy<2.4")
+    workers = os.environ.get("KDA_TEST_WORKERS", "auto")
+    session.run("python", "-c", f"import triton; assert triton.__version__ == {version!r}, triton.__version__")
+    session.run("pytest", "-n", workers, "-q", *session.posargs, env=_interpreter_env(session))
+
+
 @nox.session
 def accuracy(session):
     """The accuracy harness, quick preset on CPU (run time: README); `-- --preset full --device cuda` on a GPU.

@@ -312,16 +312,17 @@ def main() -> int:
                               + (r["error"] if "error" in r else _cell(r) + f" ({r['seconds']} s)"),
                               flush=True)
                     rows.append((case, pool_name, target, seen[bound_key]))
-    md = _markdown(rows, targets, args.maxnreg)
+    md = _markdown(rows, targets, args.maxnreg, args.md)
     print(md)
     if args.md:
         args.md.write_text(md)
     return 0
 
 
-def _markdown(rows: list, targets: list[Target], maxnreg: int | None) -> str:
+def _markdown(rows: list, targets: list[Target], maxnreg: int | None, out: Path | None = None) -> str:
     lines = [f"# Offline compiles: every kernel kda.plan launches, per target (Triton {triton.__version__})", "",
-             "`python benchmarks/offline_compile.py --md benchmarks/results/offline-compile.md` on a CPU machine"
+             f"`python benchmarks/offline_compile.py --md {out or 'FILE'}` on a CPU machine with Triton "
+             f"{triton.__version__} installed"
              + (f", `--maxnreg {maxnreg}`" if maxnreg else "") + ". K = V = 128, bf16 inputs; each call planned "
              "for the target's `DeviceInfo` and compiled with its launch's specialisation. A cell: registers a "
              "thread (AMD: VGPRs incl. AGPRs, +SGPRs) / spill bytes (AMD: scratch bytes a lane) / shared memory "
