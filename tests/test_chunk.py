@@ -32,6 +32,7 @@ from kda.accuracy.config import KERNEL_FP32_TERM, KERNEL_NARROW_TERM
 from kda.accuracy.prefill import kernel_bound
 from kda.ops.chunk import _v_tiles
 from kda.ops.common import tf32_round
+from kda.ops.overlap import counted_after
 from kda.plan import chunk_plan
 
 FP32_TOL = 1e-5
@@ -790,14 +791,15 @@ def test_walk_beside_prepare_equals_one_walk(contract, dtype, gate_pass, device)
 
 @pytest.mark.hopper_plan
 @pytest.mark.parametrize("in_loop", [False, True], ids=["outer", "in_loop"])
-@pytest.mark.parametrize("contract,ready_groups", [("dense", 0), ("dense", 2), ("dense", 99), ("paged", 1),
-                                                   ("paged", 3)])
-def test_a_walk_whose_wait_gives_up_is_walked_again(contract, ready_groups, in_loop, device, monkeypatch):
+@pytest.mark.parametrize("contract,ready_groups,hole", [("dense", 0, False), ("dense", 2, False), ("dense", 99, False),
+                                                        ("paged", 1, False), ("paged", 3, False), ("dense", 1, True)])
+def test_a_walk_whose_wait_gives_up_is_walked_again(contract, ready_groups, hole, in_loop, device, monkeypatch):
     """Liveness of the walk beside the prepare without any assumption on the SMs: a wait that reaches its budget
     gives up (`kda.ops.overlap.spin_zero`; the interpreter's budget is one read), the program writes no final state
     and flags itself, and the resume launch after the prepare walks the flagged programs again. Emulated by taking
-    back the prepare's counts from group `ready_groups` on (as if the prepare had not reached them; restored before
-    the resume launch, as the finished prepare's), then watching the first launch and the resume launch: the first
+    back the prepare's counts from group `ready_groups` on (as if the prepare had not reached them; `hole`: of that
+    group alone, the groups after it counted, which a walk by groups must not go on to from the group before;
+    restored before the resume launch, as the finished prepare's), then watching the first launch and the resume launch: the first
     flags every program exactly when a group was taken back and leaves the final state (a pool's slot) untouched;
     waiting by groups (outer) it stores nothing past the counted groups (poisoned `out=` rows and checkpoint
     slots stay), inside the pipelined loop it may store rows it walked after giving up (the resume launch rewrites
@@ -830,7 +832,7 @@ def test_a_walk_whose_wait_gives_up_is_walked_again(contract, ready_groups, in_l
         else:  # the interpreter runs the walk after the prepare: counters [1, groups, HV] taken back from a group on
             real_prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, ready, after_gate)
             seen["counts"] = ready.clone()
-            ready[:n_groups * HV].view(n_groups, HV)[ready_groups:] = 0
+            ready[:n_groups * HV].view(n_groups, HV)[ready_groups:ready_groups + 1 if hole else n_groups] = 0
 
     def walk(call, plan, o, st, *rest):
         resume = len(rest) == 11 and rest[-1]
@@ -896,6 +898,42 @@ def test_a_walk_whose_wait_gives_up_is_walked_again(contract, ready_groups, in_l
                 assert same_bits(seen["pool"][slot], first[slot])
         for other in (0, 3, 5):
             assert same_bits(s2[other], first[other])
+
+
+@triton.jit
+def _counted_after_kernel(ready, out, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
+                          G: tl.constexpr):
+    t_run, z = counted_after(ready + 1 + 1, t, t_begin, t_end, HV, BT, W, False, tl.zeros([], dtype=tl.int32), G)
+    tl.store(out, t_run + z)
+
+
+@pytest.mark.parametrize("counted,t_group,G,run", [
+    ("all", 1, 8, 6),  # every group from 1 on counted: to the end (the last group holds 2 of its 5 chunks)
+    ("all", 1, 4, 4),  # at most G groups a look
+    ("hole 3", 1, 8, 2),  # group 3 short of its count: the run stops before it, though 4 and 5 are counted
+    ("hole 1", 1, 8, 0),  # the first group looked at not counted: no run
+    ("short last", 4, 8, 3),  # to the end: the last group's counter holds its 2 chunks, as many as it needs
+    ("over", 7, 8, 0),  # from the walk's end: the end
+])
+def test_counted_after_finds_the_run_of_counted_groups(counted, t_group, G, run, device):
+    """`kda.ops.overlap.counted_after`, through which a walk by groups goes on without restarting its loop: the run
+    of groups counted already, from the group at a token on, stops at the first group short of its chunks (never
+    past it to counted groups behind), at the walk's end (a short last group needs only its own chunks), and after
+    G groups. Here a walk from token 64 * 3 over 32 chunks of 64 tokens in 7 groups of 5 chunks, the counters of
+    head 1 of 2 (a group's HV apart) after one word; that word and head 0's hold counts high enough for any group."""
+    HV, BT, W, n_groups = 2, 64, 5, 7
+    t_begin = 3 * BT
+    t_end = t_begin + (6 * W + 2) * BT  # 32 chunks: six groups of 5 and one of 2
+    need = [min(W, (t_end - (t_begin + j * W * BT)) // BT) for j in range(n_groups)]
+    counts = torch.full((n_groups, HV), 99, dtype=torch.int32)
+    counts[:, 1] = torch.tensor(need, dtype=torch.int32)
+    if counted.startswith("hole"):
+        counts[int(counted.split()[1]), 1] -= 1
+    ready = torch.cat([torch.tensor([99], dtype=torch.int32), counts.flatten()]).to(device)
+    out = torch.zeros(1, dtype=torch.int32, device=device)
+    t = t_begin + t_group * W * BT
+    _counted_after_kernel[(1,)](ready, out, t, t_begin, t_end, HV=HV, BT=BT, W=W, G=G)
+    assert out.item() == min(t + run * W * BT, t_end)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

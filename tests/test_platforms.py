@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -277,7 +278,8 @@ def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
     acquire load in a loop bounded by `%globaltimer`, a proxy fence, two results): compiled offline for sm_90 by
     `benchmarks/offline_compile.py` (a process outside the interpreter), at the few-head form (groups in an outer
     loop) and the 32-head one (the wait inside the pipelined TMA loop), ptxas takes it, the kernel fits an SM's
-    registers and shared memory, and the bounded spin is in its PTX."""
+    registers and shared memory, and the bounded spin is in its PTX; the outer loop's look at the groups counted
+    already (`counted_after`) reads them by acquire loads, then a barrier."""
     import subprocess
     import sys
 
@@ -294,3 +296,8 @@ def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
     ptx = [p.read_text() for p in tmp_path.glob("*_chunk_state_kernel.ptx")]
     assert ptx and all("%globaltimer" in p and "ld.acquire.gpu.global.b32" in p and "fence.proxy.async.global" in p
                        for p in ptx)
+    outer = case == "prefill-1x8192-h8"
+    # the predicated acquire load, then (past comments, labels and line notes) the barrier
+    look = re.compile(r"@p ld\.acquire\.gpu\.global\.b32 [^;]*; \}\n(?:[ \t]*(?://.*|\.loc.*|\$L__\w+:)?\n)*"
+                      r"[ \t]*bar\.sync")
+    assert all(bool(look.search(p)) == outer for p in ptx)

@@ -42,7 +42,7 @@ from .common import (
     zero_trailing_rows,
 )
 from .launch import direct
-from .overlap import ready_counter, ready_zero, spin_zero
+from .overlap import counted_after, ready_counter, ready_zero, spin_zero
 
 
 @triton.jit
@@ -300,7 +300,8 @@ def _chunk_state_kernel(
     the walk passes them (`_walk`).
     WAIT_CHUNKS > 0 (dense): the prepare runs beside this walk, counting each group of WAIT_CHUNKS chunks into
     `ready` (`[B, groups, HV]` int32), and each group is walked once counted: by an outer loop over the groups
-    (`spin_zero`; each group's walk restarts its pipeline), or with WAIT_IN_LOOP (TMA walks) inside the
+    (`spin_zero`; a wait's group and the groups counted already after it, `counted_after`, walked in one
+    pipelined loop, restarted only where the walk caught up with the prepare), or with WAIT_IN_LOOP (TMA walks) inside the
     walk's pipelined loop, a chunk's tiles and scales loaded once `ready_zero` has seen its group counted (the
     pipeliner prefetches behind the wait). SPIN: the waits in PTX (off under the interpreter).
     The grid is (V block, value head, sequence): a sequence's programs are dispatched together, sequence after
@@ -356,19 +357,22 @@ def _chunk_state_kernel(
             ready_h = ready_counter(ready, i_n, bos, T, NT, i_hv, HV, BT, WAIT_CHUNKS)
         if WAITS and not WAIT_IN_LOOP:
             SPAN: tl.constexpr = WAIT_CHUNKS * BT
-            for g_lo in range(bos, eos, SPAN):
+            g_lo = bos
+            while g_lo < eos:
                 # z (0) enters every address the group's walk loads from: the spin is a pure op to the compiler,
                 # so only that dependence keeps those loads after it
                 g_hi = tl.minimum(g_lo + SPAN, eos)
                 z, gave_up = spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
-                                       1 - bail, bail - bail, SPIN)  # no spin once given up
+                                       1 - bail, bail - bail, SPIN)  # bail is 0 here (a tensor: the mask)
                 bail = bail | gave_up
-                if bail == 0:
+                if bail == 0:  # this group and the counted ones after it in one pipelined loop
+                    g_hi, z = counted_after(ready_h, g_hi, bos, eos, HV, BT, WAIT_CHUNKS, SPIN, z)
                     S, _ = _walk(S, g_lo + z, g_hi, p_first + (g_lo - bos) // BT + z, i_hv,
                                  o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV,
                                  K, V, BT, DOT_PREC, K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst,
                                  dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA, tl.program_id(0) * BV, V_TMA,
                                  x_ws=x_ws, FOLD=FOLD)
+                g_lo = tl.where(bail == 0, g_hi, eos)  # given up: no group more
         else:
             S, bail = _walk(S, bos, eos, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws,
                             sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC, K == BK, V % BV == 0,

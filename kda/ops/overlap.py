@@ -1,10 +1,11 @@
 """The walk beside the prepare: how `chunk_kda`'s serial walk runs while the prepare still stores the chunks it
 walks, and why such a call always finishes. Every piece of that protocol is here: the counters' place
 (`ready_counter`), the prepare's count (`count_chunk`, and `finish` for the replayed order), the zeroing launch
-where no gate pass zeroes them (`_zero_counters_kernel`), the walk's bounded waits (`ready_zero`, `spin_zero`)
-and the workspace they share (`ready_words`). Which calls take it is `kda.plan`'s (`ChunkPlan.wait_chunks`,
-`late_chunks`); the launch order is `kda.ops.chunk`'s, the replayed order `kda.replay._programmatic`'s; the
-Gluon prepare counts as `count_chunk` does (`hopper_prepare._count_chunk`).
+where no gate pass zeroes them (`_zero_counters_kernel`), the walk's bounded waits (`ready_zero`, `spin_zero`),
+its look at the groups counted already (`counted_after`) and the workspace they share (`ready_words`). Which calls
+take it is `kda.plan`'s (`ChunkPlan.wait_chunks`, `late_chunks`); the launch order is `kda.ops.chunk`'s, the
+replayed order `kda.replay._programmatic`'s; the Gluon prepare counts as `count_chunk` does
+(`hopper_prepare._count_chunk`).
 
 The protocol. The prepare, launched chunk by chunk across the heads so that groups of `wait_chunks` chunks
 complete in order, adds 1 to its group's counter after its stores (release); a walk program, on a side stream of
@@ -94,6 +95,36 @@ def ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W
     target = tl.where(first, tl.cdiv(tl.minimum(t + WAIT * BT, t_end) - t, BT), 0).to(tl.int32)
     z, gave_up = spin_zero(ready_h + g_i * HV, target, first.to(tl.int32), z_prev, SPIN)
     return z, bail | gave_up
+
+
+@triton.jit
+def counted_after(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
+                  SPIN: tl.constexpr, z_prev, G: tl.constexpr = 8):
+    """(t_run, z): where the run of groups of W chunks that are counted already ends, from the group starting at
+    token t of a walk from t_begin to t_end, at most G groups on (t_run = t: that group is not counted). No wait:
+    the G counters read at once, each by acquire loads (a lane a group), then a barrier, so that every thread's
+    later loads come after every acquire, and with SPIN a proxy fence (tiles read by TMA); z is z_prev through
+    it, for the walk's addresses. A walk by groups goes on through the groups the prepare has finished in one
+    pipelined loop rather than restarting its loop at each group; it waits (`spin_zero`) only where it caught up
+    with the prepare. The bits are the same either way."""
+    SPAN: tl.constexpr = W * BT
+    o_g = tl.arange(0, G)
+    lo = t + o_g * SPAN
+    ok = lo < t_end
+    need = tl.cdiv(tl.minimum(lo + SPAN, t_end) - lo, BT)
+    ptr = ready_h + ((t - t_begin) // SPAN + o_g) * HV
+    if SPIN:  # not pure: kept before the barrier
+        n = tl.inline_asm_elementwise(
+            "{ .reg .pred p; mov.b32 $0, 0; setp.ne.s32 p, $2, 0; @p ld.acquire.gpu.global.b32 $0, [$1]; }",
+            "=r,l,r", [ptr.to(tl.int64, bitcast=True), ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+    else:
+        n = tl.atomic_add(ptr, 0, mask=ok, sem="acquire", scope="gpu")
+    run = tl.min(tl.where(ok & (n >= need), G, o_g))
+    if SPIN:  # `run` as an input (unread): after the reads
+        z_prev = tl.inline_asm_elementwise("{ fence.proxy.async.global; mov.b32 $0, $2; }", "=r,r,r", [run, z_prev],
+                                           dtype=tl.int32, is_pure=True, pack=1)
+    return tl.minimum(t + run * SPAN, t_end), z_prev
 
 
 @triton.jit
