@@ -794,18 +794,18 @@ def test_walk_beside_prepare_equals_one_walk(contract, dtype, gate_pass, device)
 @pytest.mark.parametrize("contract,ready_groups,hole", [("dense", 0, False), ("dense", 2, False), ("dense", 99, False),
                                                         ("paged", 1, False), ("paged", 3, False), ("dense", 1, True)])
 def test_a_walk_whose_wait_gives_up_is_walked_again(contract, ready_groups, hole, in_loop, device, monkeypatch):
-    """Liveness of the walk beside the prepare without any assumption on the SMs: a wait that reaches its budget
-    gives up (`kda.ops.overlap.spin_zero`; the interpreter's budget is one read), the program writes no final state
-    and flags itself, and the resume launch after the prepare walks the flagged programs again. Emulated by taking
-    back the prepare's counts from group `ready_groups` on (as if the prepare had not reached them; `hole`: of that
-    group alone, the groups after it counted, which a walk by groups must not go on to from the group before;
-    restored before the resume launch, as the finished prepare's), then watching the first launch and the resume launch: the first
-    flags every program exactly when a group was taken back and leaves the final state (a pool's slot) untouched;
-    waiting by groups (outer) it stores nothing past the counted groups (poisoned `out=` rows and checkpoint
-    slots stay), inside the pipelined loop it may store rows it walked after giving up (the resume launch rewrites
-    them); every row stored before has the one walk's bits; the call ends with the bits of the walk after the
-    prepare (outputs, final state, checkpoints, every other slot). On a GPU the first launch's waits give up after
-    their 20 ms there."""
+    """Liveness of the walk beside the prepare without any assumption on the SMs: a wait that reaches its budget gives
+    up (`kda.ops.overlap.spin_zero`; the interpreter's budget is one read), the program writes no final state and
+    flags itself, and the resume launch after the prepare walks the flagged programs again. Emulated by taking back
+    the prepare's counts from group `ready_groups` on (as if the prepare had not reached them; `hole`: of that group
+    alone, the groups after it counted, which a walk by groups must not go on to from the group before; restored
+    before the resume launch, as the finished prepare's), then watching the first launch and the resume launch: the
+    first flags every program exactly when a group was taken back and leaves the final state (a pool's slot)
+    untouched; waiting by groups (outer) it stores nothing past the counted groups (poisoned `out=` rows and
+    checkpoint slots stay), inside the pipelined loop it may store rows it walked after giving up (the resume launch
+    rewrites them); every row stored before has the one walk's bits; the call ends with the bits of the walk after
+    the prepare (outputs, final state, checkpoints, every other slot). On a GPU the first launch's waits give up
+    after their 20 ms there."""
     import kda.ops.chunk as kc
 
     T, H, HV, K, V = 300, 1, 2, 32, 32  # 5 chunks; groups of 2 chunks: 3 groups (99: every group counted)
