@@ -99,7 +99,7 @@ def ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W
 
 @triton.jit
 def counted_after(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
-                  SPIN: tl.constexpr, z_prev, G: tl.constexpr = 8):
+                  SPIN: tl.constexpr, z_prev, G: tl.constexpr = 32):
     """(t_run, z): where the run of groups of W chunks that are counted already ends, from the group starting at
     token t of a walk from t_begin to t_end, at most G groups on (t_run = t: that group is not counted). No wait:
     the G counters read at once, each by acquire loads (a lane a group), then a barrier, so that every thread's
