@@ -823,6 +823,8 @@ def test_a_walk_whose_wait_gives_up_is_walked_again(contract, ready_groups, hole
 
     def prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, ready=None, after_gate=None):
         seen["ready"] = ready
+        if ready is not None:  # the flags as a workspace reused from another call may hold them: the walk clears them
+            ready[n_groups * HV:] = 1
         if ready is None or not taken_back:
             real_prepare(call, plan, inputs, ws, T_, grid_chunks, short, varlen, ready, after_gate)
         elif ready.is_cuda:  # the walk beside counts on zeros: the prepare counts elsewhere

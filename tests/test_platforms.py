@@ -278,7 +278,8 @@ def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
     acquire load in a loop bounded by `%globaltimer`, a proxy fence, two results): compiled offline for sm_90 by
     `benchmarks/offline_compile.py` (a process outside the interpreter), at the few-head form (groups in an outer
     loop) and the 32-head one (the wait inside the pipelined TMA loop), ptxas takes it, the kernel fits an SM's
-    registers and shared memory, and the bounded spin is in its PTX; the outer loop's look at the groups counted
+    registers and shared memory, and the bounded spin (setting the program's flag where it gives up) is in its PTX;
+    the outer loop's look at the groups counted
     already (`counted_after`) reads them by acquire loads, then a barrier."""
     import subprocess
     import sys
@@ -295,7 +296,7 @@ def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
     assert ("WAIT_IN_LOOP=True" in walks[0]) == (case == "prefill-1x16384-h32")
     ptx = [p.read_text() for p in tmp_path.glob("*_chunk_state_kernel.ptx")]
     assert ptx and all("%globaltimer" in p and "ld.acquire.gpu.global.b32" in p and "fence.proxy.async.global" in p
-                       for p in ptx)
+                       and "red.relaxed.gpu.global.or.b32" in p for p in ptx)  # a give-up sets the program's flag
     outer = case == "prefill-1x8192-h8"
     # the predicated acquire load, then (past comments, labels and line notes) the barrier
     look = re.compile(r"@p ld\.acquire\.gpu\.global\.b32 [^;]*; \}\n(?:[ \t]*(?://.*|\.loc.*|\$L__\w+:)?\n)*"

@@ -54,7 +54,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
           ck_row=None, n_ck=0, ck_every=1, seq_start=0, pool=None, pool_stride=0, n_slots=0,
           HAS_CHECKPOINTS: tl.constexpr = False, V_FIRST: tl.constexpr = False, TMA: tl.constexpr = False,
           i_c0=0, V_TMA: tl.constexpr = False, ready_h=None, WAIT: tl.constexpr = 0, SPIN: tl.constexpr = False,
-          x_ws=None, FOLD: tl.constexpr = True, bail=0):
+          x_ws=None, FOLD: tl.constexpr = True, bail=0, bail_flag=None):
     """(S, bail): S [BK, BC] (columns o_c of the state) through the chunks
     starting at t_begin, t_begin + BT, ... below t_end; the j-th chunk's gt is at prepare program
     p_first + j (EVEN_K, EVEN_C: every o_k, o_c is in range). D = V - Kd S (V: columns o_c of the input v of
@@ -76,9 +76,10 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     off the step's serial chain.
     WAIT > 0: the prepare runs beside this walk, counting groups of WAIT chunks into `ready_h` (one counter a
     group, HV apart); every chunk's loads wait on its group there (`ready_zero`; SPIN as the kernel's). A wait
-    that gives up (`spin_zero`) sets `bail`: from there on nothing waits (the chunks after it are walked from tiles
-    not yet stored, their output rows and checkpoints garbage), the final state is not stored, and the kernel's
-    resume launch walks this program again, rewriting all of them.
+    that gives up (`spin_zero`) sets this thread's `bail` and the program's `bail_flag`: from there on the thread
+    waits for nothing (the chunks after it are walked from tiles not yet stored, their output rows and checkpoints
+    garbage), the final state is not stored, and the kernel's resume launch walks this program again, rewriting
+    all of them.
     TMA: the workspaces are ragged tensor descriptors (`triton.tools.ragged_tma`) of `[tokens, HV, *]`, the
     tiles loaded by the copy engine with rows past the chunk's sequence (and columns past K) read as zeros:
     no per-element addresses or masks, which the pointer loads spend most of their issue slots on. V comes
@@ -106,7 +107,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
     z_g = tl.zeros([], dtype=tl.int32)
     z_t = tl.zeros([], dtype=tl.int32)
     if WAIT > 0:
-        z_g, bail = ready_zero(ready_h, t_begin, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail)
+        z_g, bail = ready_zero(ready_h, t_begin, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail, bail_flag)
     gt_next = tl.load(gt_ptr + z_g, mask=k_ok & (o_k * 0 + t_begin < t_end), other=0.0)
     if F16:  # M's and N's inverse scales and max|V|, one chunk ahead as gt
         sc_ptr = sc_ws + (p_first * HV + i_hv) * 4 + z_g
@@ -121,7 +122,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         gt = gt_next
         gt_ptr += HV * K
         if WAIT > 0:  # the next chunk's gt and scales, stored by the prepare (gt where there is no gate pass)
-            z_g, bail = ready_zero(ready_h, t0 + BT, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail)
+            z_g, bail = ready_zero(ready_h, t0 + BT, t_begin, t_end, HV, BT, WAIT, SPIN, z_g, bail, bail_flag)
         gt_next = tl.load(gt_ptr + z_g, mask=k_ok & (o_k * 0 + t0 + BT < t_end), other=0.0)
         if F16:
             s_m = sm_next
@@ -138,7 +139,7 @@ def _walk(S, t_begin, t_end, p_first, i_hv, o_h, s_ot, n_ws, kd_ws, v_h, s_vt, q
         n_in = tl.minimum(t_end - t0, BT).to(tl.int32)
         t0_32 = tl.cast(t0, tl.int32)
         if WAIT > 0:  # the chunk stored by the prepare: its tiles' coordinates depend on the wait
-            z_t, bail = ready_zero(ready_h, t0, t_begin, t_end, HV, BT, WAIT, SPIN, z_t, bail)
+            z_t, bail = ready_zero(ready_h, t0, t_begin, t_end, HV, BT, WAIT, SPIN, z_t, bail, bail_flag)
             t0 = t0 + z_t
             t0_32 = t0_32 + z_t
             base_k = base_k + z_t
@@ -309,19 +310,25 @@ def _chunk_state_kernel(
     With SPIN each program first lets a prepare launched after it as a programmatic dependent start
     (`kda.replay`: a recorded call runs the walk and then the prepare on one stream).
     Every wait is bounded (`spin_zero`), so the walk finishes whatever the SMs: a program whose wait gave up
-    stores no final state (a pool's slot keeps the initial state; by groups it stores nothing more), and sets its flag
-    in `ready` after the counters (one int32 a program, written by every program). `resume` set: the launch after
+    stores no final state (a pool's slot keeps the initial state; by groups it stores nothing more), and its flag in
+    `ready` after the counters is set (one int32 a program: cleared as it starts, set by any of its threads whose
+    wait gives up, read after a barrier, so that the program decides once). `resume` set: the launch after
     the prepare, on the caller's stream (`kda.ops.chunk`), the same binary and grid: a program whose flag is clear
     ends at once, the others walk their columns again from the start (their waits find every group counted), so
     every output row and state column is the one walk's, bit for bit."""
     WAITS: tl.constexpr = WAIT_CHUNKS > 0
-    tl.static_assert(not (WAITS and SHORT > 0), "a walk beside the prepare is dense: every program reaches its flag")
+    tl.static_assert(not (WAITS and SHORT > 0), "a walk beside the prepare is dense")
+    bail_flag = ready  # a stand-in without waits
     if WAITS:  # this program's flag, after the [N, groups, HV] counters
         bail_flag = (ready + N * tl.cdiv(NT, WAIT_CHUNKS) * HV
                      + (tl.program_id(2) * HV + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0))
         if resume != 0:
-            if tl.load(bail_flag) == 0:
+            flagged = tl.load(bail_flag)
+            tl.debug_barrier()  # read by every thread before it is cleared
+            if flagged == 0:
                 return
+        tl.store(bail_flag, 0)  # set again by any thread whose wait gives up (`spin_zero`)
+        tl.debug_barrier()
         if SPIN:
             gdc_launch_dependents()
     bail = tl.zeros([], dtype=tl.int32)
@@ -362,9 +369,10 @@ def _chunk_state_kernel(
                 # z (0) enters every address the group's walk loads from: the spin is a pure op to the compiler,
                 # so only that dependence keeps those loads after it
                 g_hi = tl.minimum(g_lo + SPAN, eos)
-                z, gave_up = spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
-                                       1 - bail, bail - bail, SPIN)  # bail is 0 here (a tensor: the mask)
-                bail = bail | gave_up
+                z, _ = spin_zero(ready_h + ((g_lo - bos) // SPAN) * HV, tl.cdiv(g_hi - g_lo, BT).to(tl.int32),
+                                 1 - bail, bail - bail, SPIN, bail_flag)  # bail is 0 here (a tensor: the mask)
+                tl.debug_barrier()  # every thread's spin done: one decision for the program
+                bail = tl.load(bail_flag, volatile=True)
                 if bail == 0:  # this group and the counted ones after it in one pipelined loop
                     g_hi, z = counted_after(ready_h, g_hi, bos, eos, HV, BT, WAIT_CHUNKS, SPIN, z)
                     S, _ = _walk(S, g_lo + z, g_hi, p_first + (g_lo - bos) // BT + z, i_hv,
@@ -378,9 +386,10 @@ def _chunk_state_kernel(
                             sc_ws, o_k, k_ok, o_v, v_ok, HV, K, V, BT, DOT_PREC, K == BK, V % BV == 0,
                             ck_row, n_ck, ck_every, bos, state_dst, dst_stride, n_slots, HAS_CHECKPOINTS, V_FIRST, TMA,
                             tl.program_id(0) * BV, V_TMA, ready_h, WAIT_CHUNKS, SPIN, x_ws, FOLD,
-                            bail)
+                            bail, bail_flag)
+            if WAITS:  # a thread's give-up is the program's
+                tl.debug_barrier()
+                bail = tl.load(bail_flag, volatile=True)
         if HAS_DST:
             tl.store(state_dst + slot * dst_stride + plane_off, round_to(S, state_dst.dtype.element_ty),
                      mask=kv_ok & (o_k[:, None] * 0 + bail == 0))
-    if WAITS:
-        tl.store(bail_flag, bail)

@@ -19,8 +19,9 @@ streams' kernels holding SMs, kernels run one at a time): no wait is unbounded. 
 group reaches its budget (20 ms of the global timer; a group takes microseconds) gives up and waits for nothing
 more, so it ends within its own walk's time, giving its SM to the prepare; it stores no final state, so the state
 it started from is still in place (output rows and checkpoints it passes after giving up are garbage until the
-resume launch rewrites them), and writes its flag (one int32 a walk program, after the counters in the same
-workspace). The prepare waits on nothing but SMs (in the replayed order only its last program waits, for the walk
+resume launch rewrites them), and its flag is set (one int32 a walk program, after the counters in the same
+workspace: cleared as the program starts, set by any of its threads whose wait gives up, read after a barrier, so
+that the program decides once even where its threads, each timing its own spin, disagree). The prepare waits on nothing but SMs (in the replayed order only its last program waits, for the walk
 grid, whose programs all end), so it runs to its end. After the join, on the caller's stream and so after the
 whole prepare, the walk is launched once more (`resume` set): a flagged program walks its columns again from the
 start, its waits finding every group counted, the others end at once. The result is the one walk's, bit for bit:
@@ -84,16 +85,17 @@ def _zero_counters_kernel(ready, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, WAIT: tl.constexpr,
-               SPIN: tl.constexpr, z_prev, bail):
+               SPIN: tl.constexpr, z_prev, bail, flag):
     """(0, bail), once the group of WAIT chunks holding the chunk at token t (of a walk from t_begin to t_end) is
-    counted in `ready_h` (one counter a group, HV apart), or bail set where the wait gave up (`spin_zero`). Only a
+    counted in `ready_h` (one counter a group, HV apart), or bail set where the wait gave up (`spin_zero`, which
+    sets the program's `flag` too). Only a
     group's first chunk spins, and none once bailed; the others take z_prev, the zero of the chunk before (each
     load depends on every earlier wait, so no compiler moves it above one); at once for t >= t_end (a prefetch
     past the end)."""
     first = (t < t_end) & ((t - t_begin) % (WAIT * BT) == 0) & (bail == 0)
     g_i = tl.where(first, (t - t_begin) // (WAIT * BT), 0)
     target = tl.where(first, tl.cdiv(tl.minimum(t + WAIT * BT, t_end) - t, BT), 0).to(tl.int32)
-    z, gave_up = spin_zero(ready_h + g_i * HV, target, first.to(tl.int32), z_prev, SPIN)
+    z, gave_up = spin_zero(ready_h + g_i * HV, target, first.to(tl.int32), z_prev, SPIN, flag)
     return z, bail | gave_up
 
 
@@ -128,11 +130,13 @@ def counted_after(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit
-def spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
+def spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr, flag):
     """(z_prev, 0) once the counter at `ptr` reaches `target` where `spin` is set (else at once); (z_prev, 1) where
     it has not within 20 ms of the global timer (a prepare group takes microseconds): the wait gives up, so a walk
     program never holds its SM for longer, whatever runs beside it or however few SMs the prepare can reach
-    (`chunk_walk._chunk_state_kernel`, `resume`).
+    (`chunk_walk._chunk_state_kernel`, `resume`). Each thread spins and times itself, so a count that completes
+    as the budget ends may find one thread given up and another not: a thread that gives up also sets the
+    program's `flag` (an atomic or), which the program reads after a barrier as its one decision.
     The prepare programs each add 1 with release semantics after their stores (`count_chunk`), so what they stored
     is visible to this thread's later loads. One PTX block with its own loop (an acquire, then a proxy
     fence for tiles read by TMA, the async proxy), so that Triton's IR holds no loop: the pipeliner moves it with
@@ -146,10 +150,13 @@ def spin_zero(ptr, target, spin, z_prev, SPIN: tl.constexpr):
             "mov.u64 t0, %globaltimer; "
             "SPIN: ld.acquire.gpu.global.b32 v, [$2]; setp.ge.s32 p, v, $3; @p bra READY; "
             "mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.lt.u64 p, t1, 20000000; @p bra SPIN; "
-            "mov.b32 $1, 1; bra DONE; "
+            "mov.b32 $1, 1; red.relaxed.gpu.global.or.b32 [$6], 1; bra DONE; "
             "READY: fence.proxy.async.global; DONE: mov.b32 $0, $5; }",
-            "=r,=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), target, spin, z_prev], dtype=(tl.int32, tl.int32),
-            is_pure=True, pack=1)
+            "=r,=r,l,r,r,r,l",
+            [ptr.to(tl.int64, bitcast=True), target, spin, z_prev, flag.to(tl.int64, bitcast=True)],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu", mask=spin != 0)
-        return z_prev, ((spin != 0) & (n < target)).to(tl.int32)
+        gave_up = ((spin != 0) & (n < target)).to(tl.int32)
+        tl.atomic_or(flag, gave_up, mask=gave_up != 0)
+        return z_prev, gave_up
