@@ -279,8 +279,9 @@ _SIDE_STREAMS: dict = {}
 
 def _side_stream(x: torch.Tensor, main: torch.cuda.Stream | None = None) -> torch.cuda.Stream:
     """The side stream of the walk beside the prepare, one per caller's stream (`main`, default the current one on
-    x's device), made at its first use from that stream, so in the CUDA context current then: an engine that
-    gives its streams SM partitions (green contexts) keeps each call's walk in its caller's partition. At a higher
+    x's device), made at its first use from that stream; two calls on two streams do not queue their walks on one.
+    A torch stream is not bound to a green context current when it is made: where the caller's stream is confined to
+    an SM partition, the walk still reaches every SM (measured: docs/contract.md, "Streams"). At a higher
     priority than the caller's streams: the walk is the call's serial chain, and its programs should take the SMs a
     finished prepare program frees before the next prepare's do."""
     if main is None:
