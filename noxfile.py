@@ -33,6 +33,11 @@ def tests(session):
 
     Installs the `reports` extra too: the harness tests write the plots."""
     _install(session, "test,reports")
+    _pytest(session)
+
+
+def _pytest(session):
+    """The suite in `KDA_TEST_WORKERS` workers (default: every core), the interpreter where there is no GPU."""
     workers = os.environ.get("KDA_TEST_WORKERS", "auto")
     session.run("pytest", "-n", workers, "-q", *session.posargs, env=_interpreter_env(session))
 
@@ -52,9 +57,8 @@ def tests_triton(session, version):
     session.install("-e", ".[test,reports]")
     if version.startswith("3.6."):  # its interpreter reads one-element arrays as scalars, which NumPy 2.4 refuses
         session.install("numpy<2.4")
-    workers = os.environ.get("KDA_TEST_WORKERS", "auto")
     session.run("python", "-c", f"import triton; assert triton.__version__ == {version!r}, triton.__version__")
-    session.run("pytest", "-n", workers, "-q", *session.posargs, env=_interpreter_env(session))
+    _pytest(session)
 
 
 @nox.session

@@ -302,8 +302,8 @@ def _chunk_state_kernel(
     WAIT_CHUNKS > 0 (dense): the prepare runs beside this walk, counting each group of WAIT_CHUNKS chunks into
     `ready` (`[B, groups, HV]` int32), and each group is walked once counted: by an outer loop over the groups
     (`spin_zero`; a wait's group and the groups counted already after it, `counted_after`, walked in one
-    pipelined loop, restarted only where the walk caught up with the prepare), or with WAIT_IN_LOOP (TMA walks) inside the
-    walk's pipelined loop, a chunk's tiles and scales loaded once `ready_zero` has seen its group counted (the
+    pipelined loop, restarted only where the walk caught up with the prepare), or with WAIT_IN_LOOP (TMA walks)
+    inside the walk's pipelined loop, a chunk's tiles and scales loaded once `ready_zero` has seen its group counted (the
     pipeliner prefetches behind the wait). SPIN: the waits in PTX (off under the interpreter).
     The grid is (V block, value head, sequence): a sequence's programs are dispatched together, sequence after
     sequence, so that a batch's long sequences do not wait behind the programs of every head's short ones.

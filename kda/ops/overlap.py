@@ -21,8 +21,9 @@ more, so it ends within its own walk's time, giving its SM to the prepare; it st
 it started from is still in place (output rows and checkpoints it passes after giving up are garbage until the
 resume launch rewrites them), and its flag is set (one int32 a walk program, after the counters in the same
 workspace: cleared as the program starts, set by any of its threads whose wait gives up, read after a barrier, so
-that the program decides once even where its threads, each timing its own spin, disagree). The prepare waits on nothing but SMs (in the replayed order only its last program waits, for the walk
-grid, whose programs all end), so it runs to its end. After the join, on the caller's stream and so after the
+that the program decides once even where its threads, each timing its own spin, disagree). The prepare waits on
+nothing but SMs (in the replayed order only its last program waits, for the walk grid, whose programs all end),
+so it runs to its end. After the join, on the caller's stream and so after the
 whole prepare, the walk is launched once more (`resume` set): a flagged program walks its columns again from the
 start, its waits finding every group counted, the others end at once. The result is the one walk's, bit for bit:
 the resume launch stores every row, checkpoint and final state column a flagged program owns. On the whole GPU,
@@ -88,10 +89,9 @@ def ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W
                SPIN: tl.constexpr, z_prev, bail, flag):
     """(0, bail), once the group of WAIT chunks holding the chunk at token t (of a walk from t_begin to t_end) is
     counted in `ready_h` (one counter a group, HV apart), or bail set where the wait gave up (`spin_zero`, which
-    sets the program's `flag` too). Only a
-    group's first chunk spins, and none once bailed; the others take z_prev, the zero of the chunk before (each
-    load depends on every earlier wait, so no compiler moves it above one); at once for t >= t_end (a prefetch
-    past the end)."""
+    sets the program's `flag` too). Only a group's first chunk spins, and none once bailed; the others take z_prev,
+    the zero of the chunk before (each load depends on every earlier wait, so no compiler moves it above one); at
+    once for t >= t_end (a prefetch past the end)."""
     first = (t < t_end) & ((t - t_begin) % (WAIT * BT) == 0) & (bail == 0)
     g_i = tl.where(first, (t - t_begin) // (WAIT * BT), 0)
     target = tl.where(first, tl.cdiv(tl.minimum(t + WAIT * BT, t_end) - t, BT), 0).to(tl.int32)
