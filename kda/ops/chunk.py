@@ -39,7 +39,7 @@ from .chunk_walk import _chunk_state_kernel
 from .common import token_head_strides
 from .fused_recurrent import fused_recurrent_kda_fwd
 from .launch import wait_stream
-from .overlap import _zero_counters_kernel, ready_words
+from .overlap import _zero_counters_kernel, ready_words, side_stream
 
 
 def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -81,7 +81,7 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.T
     ready = (torch.empty((ready_words(B, NT, plan.wait_chunks, HV, cdiv(call.V, plan.walk_BV) * HV * kept),),
                          dtype=torch.int32, device=dev) if plan.wait_chunks else None)
     main = torch.cuda.current_stream(dev) if ready is not None and q.is_cuda else None
-    side = _side_stream(q, main) if main is not None else None
+    side = side_stream(dev, main) if main is not None else None
 
     def fork():  # the walk reads gt and the zeroed counters, and what the caller queued before this call
         if side is not None:
@@ -272,22 +272,3 @@ def _hopper_prepare():
     from .hopper_prepare import _chunk_prepare_hopper_kernel
 
     return _chunk_prepare_hopper_kernel
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(x: torch.Tensor, main: torch.cuda.Stream | None = None) -> torch.cuda.Stream:
-    """The side stream of the walk beside the prepare, one per caller's stream (`main`, default the current one on
-    x's device), made at its first use from that stream; two calls on two streams do not queue their walks on one.
-    A torch stream is not bound to a green context current when it is made: where the caller's stream is confined to
-    an SM partition, the walk still reaches every SM (measured: docs/contract.md, "Streams"). At a higher
-    priority than the caller's streams: the walk is the call's serial chain, and its programs should take the SMs a
-    finished prepare program frees before the next prepare's do."""
-    if main is None:
-        main = torch.cuda.current_stream(x.device)
-    key = (x.device.index or 0, main.cuda_stream)
-    stream = _SIDE_STREAMS.get(key)
-    if stream is None:
-        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device=x.device, priority=-1)
-    return stream

@@ -2,10 +2,10 @@
 walks, and why such a call always finishes. Every piece of that protocol is here: the counters' place
 (`ready_counter`), the prepare's count (`count_chunk`, and `finish` for the replayed order), the zeroing launch
 where no gate pass zeroes them (`_zero_counters_kernel`), the walk's bounded waits (`ready_zero`, `spin_zero`),
-its look at the groups counted already (`counted_after`) and the workspace they share (`ready_words`). Which calls
-take it is `kda.plan`'s (`ChunkPlan.wait_chunks`, `late_chunks`); the launch order is `kda.ops.chunk`'s, the
-replayed order `kda.replay._programmatic`'s; the Gluon prepare counts as `count_chunk` does
-(`hopper_prepare._count_chunk`).
+its look at the groups counted already (`counted_after`), the workspace they share (`ready_words`) and the walk's
+side stream (`side_stream`). Which calls take it is `kda.plan`'s (`ChunkPlan.wait_chunks`, `late_chunks`); the
+launch order is `kda.ops.chunk`'s, the replayed order `kda.replay._programmatic`'s; the Gluon prepare counts as
+`count_chunk` does (`hopper_prepare._count_chunk`).
 
 The protocol. The prepare, launched chunk by chunk across the heads so that groups of `wait_chunks` chunks
 complete in order, adds 1 to its group's counter after its stores (release); a walk program, on a side stream of
@@ -33,12 +33,66 @@ no wait gives up, and the resume launch costs a grid of programs reading one fla
 
 from __future__ import annotations
 
+import ctypes
+
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from ..plan import cdiv
 from .launch import direct
+
+_SIDE_STREAMS: dict = {}
+_GREEN: list = []  # libcuda's (cuStreamGetGreenCtx, cuGreenCtxStreamCreate), or None, once looked up
+_CU_STREAM_NON_BLOCKING = 1  # as torch's own streams: no implicit order with the legacy default stream
+
+
+def side_stream(device: torch.device, main: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The walk's side stream beside the prepare on the caller's stream `main`: one per caller's stream and green
+    context, made at its first use, so that two calls on two streams do not queue their walks on one. Where `main`
+    is confined to a green context (made in one, or current in one: `cuStreamGetGreenCtx`), the side stream is made
+    in the same green context (`cuGreenCtxStreamCreate`), so the walk reaches only the SMs the caller's stream does
+    (a torch stream is bound to the context current when torch's pool was made, the whole GPU); else a torch stream.
+    At a higher priority than the caller's: the walk is the call's serial chain, and its programs should take the
+    SMs a finished prepare program frees before the next prepare's do. One driver query a call."""
+    green = _green_context(main.cuda_stream)
+    key = (device.index or 0, main.cuda_stream, green)
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        if green is None:
+            stream = torch.cuda.Stream(device=device, priority=-1)
+        else:
+            handle = ctypes.c_void_p()
+            rc = _GREEN[0][1](ctypes.byref(handle), green, _CU_STREAM_NON_BLOCKING, -1)
+            if rc != 0:
+                raise RuntimeError(f"cuGreenCtxStreamCreate failed with CUresult {rc}")
+            stream = torch.cuda.ExternalStream(handle.value, device=device)
+        _SIDE_STREAMS[key] = stream
+    return stream
+
+
+def _green_context(stream: int) -> int | None:
+    """The green context `stream` (a CUstream handle; 0, the legacy default stream, means the current context's)
+    runs in, or None: not in one, or a driver without green contexts (before CUDA 12.5), or not NVIDIA's."""
+    if not _GREEN:
+        fns = None
+        if torch.version.hip is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+                get, make = lib.cuStreamGetGreenCtx, lib.cuGreenCtxStreamCreate
+            except (OSError, AttributeError):
+                pass
+            else:
+                get.argtypes = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+                make.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint, ctypes.c_int)
+                get.restype = make.restype = ctypes.c_int
+                fns = (get, make)
+        _GREEN.append(fns)
+    if _GREEN[0] is None:
+        return None
+    green = ctypes.c_void_p()
+    return green.value if _GREEN[0][0](stream, ctypes.byref(green)) == 0 and green.value else None
 
 
 def ready_words(B: int, NT: int, wait_chunks: int, HV: int, walk_programs: int) -> int:
