@@ -55,7 +55,7 @@ def row(bench, kda, shape, dev: str):
     return f"{B}x{T} H={H}", functools.partial(kda.chunk_kda, q, k, v, g, beta, None, h0, True, **flags)
 
 
-def child(tree: str, shapes: list) -> None:
+def child(tree: str, shapes: list, accuracy: bool) -> None:
     """Runs in the subprocess: times `tree`'s package and prints one JSON line."""
     sys.path.insert(0, os.path.join(tree, "benchmarks"))
     sys.path.insert(0, tree)
@@ -70,6 +70,7 @@ def child(tree: str, shapes: list) -> None:
 
     rows = []
     for shape in shapes:
+        t0 = time.time()
         name, call = row(bench, kda, shape, dev)
 
         us = timer.graph(call)
@@ -83,10 +84,11 @@ def child(tree: str, shapes: list) -> None:
                    if e.device_type == torch.autograd.DeviceType.CUDA}
         rows.append(dict(shape=name, graph_us=round(us, 1), eager_us=round(eager_us, 1),
                          host_us=round(host_us, 1), cpu_us=round(cpu_us, 1), kernels=kernels))
+        print(f"{tree}: {name} {us:.1f} us, {time.time() - t0:.0f} s with its compiles", file=sys.stderr, flush=True)
         del call
         torch.cuda.empty_cache()
     acc = []
-    for T, H in ACCURACY:
+    for T, H in ACCURACY if accuracy else ():
         q, k, v, g, beta, h0, flags = inputs(bench, 1, T, H, 3, dev)
         o, s = kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)
         # the oracle computes in float64 from the call's own tensors (any tree's oracle takes them)
@@ -102,11 +104,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--shapes", default=SHAPES,
                    help=f"BxTxH or varlen (the benchmark's varlen row), comma separated (default {SHAPES})")
+    p.add_argument("--no-accuracy", action="store_true", help="time only (no accuracy calls)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     shapes = [s if s == "varlen" else tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.child is not None:
-        child(a.child, shapes)
+        child(a.child, shapes, not a.no_accuracy)
         return
     trees = [(t.split(":", 1) + [t])[:2] if ":" in t else [t, t] for t in a.trees]
     best: dict[str, dict[str, float]] = {}
@@ -115,12 +118,14 @@ def main() -> None:
         for path, label in trees:
             env = dict(os.environ, PYTHONPATH="")
             t0 = time.time()
+            # the child's progress (stderr) shows as it goes: a tree's first shape compiles for a minute or more
             out = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(path), "--shapes", a.shapes,
-                                  "x"], capture_output=True, text=True, env=env)
+                                  *(["--no-accuracy"] if a.no_accuracy else []), "x"], stdout=subprocess.PIPE,
+                                 text=True, env=env)
             res = next((json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
             print(f"{label} round {r}: {time.time() - t0:.0f} s in its process (compiles included)", flush=True)
             if res is None:
-                print(f"{label} round {r}: failed\n{out.stderr[-3000:]}", flush=True)
+                print(f"{label} round {r}: failed (its stderr above)", flush=True)
                 continue
             for row in res["rows"]:
                 ker = ", ".join(f"{k[:32]} {v}" for k, v in row["kernels"].items())
