@@ -15,7 +15,7 @@ stream, start and end from the call's first kernel (the walk beside the prepare:
 chunk step takes beside the prepare's programs). Shapes: `--op chunk` is a dense prefill `--B x --T` at `--H`
 heads with an fp32 initial state; `--op decode` is one token for each of `--N` sequences through a paged pool of
 4N slots (`--pool fp32|bf16|fp16`, `--layout v_first|k_first`, `--varlen` for the `cu_seqlens` + `cu_seqlens_cpu`
-form).
+form; `--draft T`: speculative verify of T drafts a sequence through a pool of 4NT slots).
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ def make_call(op: str, args: argparse.Namespace, plan: dict | None = None):
     import kda
 
     dev, H = "cuda", args.H
-    ntok = args.B * args.T if op == "chunk" else args.N
-    B, T = (args.B, args.T) if op == "chunk" else ((1, args.N) if args.varlen else (args.N, 1))
+    D = args.draft if op == "decode" else 1
+    ntok = args.B * args.T if op == "chunk" else args.N * D
+    B, T = (args.B, args.T) if op == "chunk" else ((1, ntok) if args.varlen or D > 1 else (args.N, 1))
     assert B * T == ntok
     q = torch.randn(B, T, H, K_DIM, device=dev, dtype=torch.bfloat16)
     k = torch.randn(B, T, H, K_DIM, device=dev, dtype=torch.bfloat16)
@@ -81,10 +82,15 @@ def make_call(op: str, args: argparse.Namespace, plan: dict | None = None):
         return lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)
     v_first = args.layout == "v_first"
     plane = (H, V_DIM, K_DIM) if v_first else (H, K_DIM, V_DIM)
-    pool = (0.1 * torch.randn(4 * args.N, *plane, device=dev)).to(POOL_DTYPES[args.pool])
-    idx = torch.randperm(4 * args.N, device=dev)[: args.N].to(torch.int32)
+    pool = (0.1 * torch.randn(4 * ntok, *plane, device=dev)).to(POOL_DTYPES[args.pool])
+    idx = torch.randperm(4 * ntok, device=dev)[:ntok].to(torch.int32)
     extra = {}
-    if args.varlen:
+    if D > 1:  # speculative verify: a slot per draft, each sequence's state read from its second draft's slot
+        idx = idx.view(args.N, D)
+        extra = dict(cu_seqlens=torch.arange(0, ntok + 1, D, dtype=torch.int32, device=dev),
+                     cu_seqlens_cpu=list(range(0, ntok + 1, D)),
+                     num_accepted_tokens=torch.full((args.N,), 2, dtype=torch.int32, device=dev))
+    elif args.varlen:
         extra = dict(cu_seqlens=torch.arange(args.N + 1, dtype=torch.int32, device=dev),
                      cu_seqlens_cpu=list(range(args.N + 1)))
     return lambda: kda.fused_recurrent_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx,
@@ -265,7 +271,10 @@ def describe(op: str, args) -> str:
     if op == "chunk":
         return f"chunk_kda {args.B}x{args.T} H={args.H}, dense fp32 initial state"
     form = "varlen cu_seqlens + cu_seqlens_cpu" if args.varlen else f"dense [{args.N}, 1]"
-    return f"fused_recurrent_kda N={args.N} H={args.H}, {args.pool} {args.layout} pool of {4 * args.N} slots, {form}"
+    if args.draft > 1:
+        form = f"verify of {args.draft} drafts a sequence"
+    slots = 4 * args.N * args.draft
+    return f"fused_recurrent_kda N={args.N} H={args.H}, {args.pool} {args.layout} pool of {slots} slots, {form}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -285,6 +294,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         s.add_argument("--pool", choices=tuple(POOL_DTYPES), default="fp32", help="decode: pool dtype")
         s.add_argument("--layout", choices=("v_first", "k_first"), default="v_first", help="decode: pool layout")
         s.add_argument("--varlen", action="store_true", help="decode: cu_seqlens + cu_seqlens_cpu instead of [N, 1]")
+        s.add_argument("--draft", type=int, default=1, metavar="T",
+                       help="decode: speculative verify of T drafts a sequence, a slot each (default 1: decode)")
         if name in ("times", "timeline"):
             s.add_argument("--reps", type=int, default=3, help="calls profiled (default 3)")
             s.add_argument("--plan", action="append", default=[], metavar="K=V,...",
