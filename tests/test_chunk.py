@@ -30,6 +30,7 @@ import kda
 import kda_reference as ref
 from kda.accuracy.config import KERNEL_FP32_TERM, KERNEL_NARROW_TERM
 from kda.accuracy.prefill import kernel_bound
+from kda.ops import overlap
 from kda.ops.chunk import _v_tiles
 from kda.ops.common import tf32_round
 from kda.ops.overlap import counted_after
@@ -1128,3 +1129,42 @@ def test_the_interpreter_warns_of_no_overflow(device):
                                 category=DeprecationWarning)
         o, s = kda.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
     assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+
+
+def test_the_side_stream_is_made_in_the_callers_green_context(monkeypatch):
+    """Where the caller's stream runs in a green context (the driver's answer), the walk's side stream is made in
+    that green context, non-blocking, above the default priority, once per (stream, green context): a handle the
+    driver places in another green context later gets another stream. A stream in no green context gets a torch
+    stream; a failed creation raises. (The GPU test runs it on real green contexts.)"""
+    places = {7: 70, 9: 90}
+    made = []
+
+    def get(stream, out):  # cuStreamGetGreenCtx
+        out._obj.value = places.get(stream)
+        return 0
+
+    def make(out, green, flags, priority):  # cuGreenCtxStreamCreate
+        made.append((green, flags, priority))
+        out._obj.value = 1000 + len(made)
+        return 0 if green != 99 else 1
+
+    monkeypatch.setattr(overlap, "_GREEN", [(get, make)])
+    monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: ("green", handle, device.index))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: ("torch", priority, device.index))
+
+    class Main:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    dev = torch.device("cuda", 0)
+    assert overlap.side_stream(dev, Main(7)) == ("green", 1001, 0)
+    assert overlap.side_stream(dev, Main(7)) == ("green", 1001, 0) and len(made) == 1
+    assert overlap.side_stream(dev, Main(9)) == ("green", 1002, 0)
+    assert made == [(70, 1, -1), (90, 1, -1)]
+    assert overlap.side_stream(dev, Main(5)) == ("torch", -1, 0)
+    places[7] = 71
+    assert overlap.side_stream(dev, Main(7)) == ("green", 1003, 0) and made[-1][0] == 71
+    places[8] = 99
+    with pytest.raises(RuntimeError, match="cuGreenCtxStreamCreate"):
+        overlap.side_stream(dev, Main(8))
