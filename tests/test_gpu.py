@@ -307,10 +307,14 @@ def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
     """On a GPU partitioned into a green context of `num_sms` SMs (the plan still sees the whole device's SM count),
     every form of the walk beside the prepare finishes, eager and replayed, with the bits of the one-walk plan. The
     caller's stream and the walk's side stream reach at most `num_sms` SMs there (more outside it), so the walk and
-    the prepare did share the partition. Each step prints as it ends, so a hang names the form and the step; the
-    kernels are compiled before the partition, and a run inside it that takes 45 s prints its stacks and exits."""
+    the prepare did share the partition; so does the side stream of a caller's stream made in the green context
+    while the primary context is current (a stream per partition, as SGLang makes them). Each step prints as it
+    ends, so a hang names the form and the step; the kernels are compiled before the partition, and a run inside it
+    that takes 45 s prints its stacks and exits."""
     code = (
         _beside_runs(3) + "import kda.replay\n"
+        "import ctypes\n"
+        "from kda.ops import overlap\n"
         "from kda.ops.overlap import _SIDE_STREAMS, side_stream\n"
         "from torch.cuda.green_contexts import GreenContext\n"
         "say = lambda *a: print(*a, flush=True)\n"
@@ -339,7 +343,15 @@ def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
         "reached = [t.sms_reached(main), t.sms_reached(side_stream(main.device, main))]\n"
         "say('inside: SMs reached by the current and the side stream', reached)\n"
         f"assert max(reached) <= {num_sms}, reached\n"
+        "green = overlap._green_context(main.cuda_stream)\n"
         "ctx.pop_context()\n"
+        "# a caller's stream made in the green context while the primary context is current (SGLang's pattern)\n"
+        "handle = ctypes.c_void_p()\n"
+        "assert green and overlap._GREEN[0][1](ctypes.byref(handle), green, 1, 0) == 0\n"
+        "caller = torch.cuda.ExternalStream(handle.value)\n"
+        "reached = [t.sms_reached(caller), t.sms_reached(side_stream(caller.device, caller))]\n"
+        "say('a green stream, the primary context current: SMs reached by it and its side stream', reached)\n"
+        f"assert max(reached) <= {num_sms}, reached\n"
         "print('ok')\n"
     )
     _subprocess_ok(code, timeout=150)  # a hang costs one case 150 s of device time, not 240
