@@ -118,7 +118,7 @@ def main() -> None:
         for path, label in trees:
             env = dict(os.environ, PYTHONPATH="")
             t0 = time.time()
-            # the child's progress (stderr) shows as it goes: a tree's first shape compiles for a minute or more
+            # the child's progress (stderr) shows as it goes, not only its result at its end
             out = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(path), "--shapes", a.shapes,
                                   *(["--no-accuracy"] if a.no_accuracy else []), "x"], stdout=subprocess.PIPE,
                                  text=True, env=env)
