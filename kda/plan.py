@@ -482,6 +482,8 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
     - V-first [V, K]: BV = 16 rows of K contiguous elements, one warp (many small programs keep the memory
       busy at small batch); a 2-byte pool BV = 8.
     - K-first [K, V]: BV = 64 (256-byte rows along V), 4 warps at K = 128 (the K reduction stays in a warp).
+    - The loop (spec verify, varlen decode without host bounds, `chunk_kda`'s short sequences) on a 2-byte pool:
+      BV = 32 at K = 128 (4096 state elements) on one warp, either layout.
     - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
       one block of BV 64 read once and held (`packed`: fp32 on 2 warps; bf16 on 4 warps as 32-bit words of two
@@ -506,6 +508,9 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     state_bytes = state_dtype.itemsize
     BK = max(16, next_power_of_2(K))
     kc = 0
+    # the loop on a 2-byte pool: 32 rows (V-first) or columns (K-first) on one warp, the next token's inputs
+    # loaded during this one's step
+    loop16 = not one_token_per_seq and state_bytes == 2
     if v_first:
         BV = 8 if (V <= 8 or state_bytes == 2) else 16
         nsub = (4 if state_bytes == 2 else 1) if one_token_per_seq else 0
@@ -514,6 +519,8 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         if nsub and state_bytes == 2:  # row chunks of 32, read twice, on one warp
             kc = min(32, BK)
         BV = min(64 if (BK <= 128 or kc) else 32, max(16, next_power_of_2(V)))
+    if loop16:  # 4096 state elements a warp
+        BV = min(4096 // BK, max(8 if v_first else 16, next_power_of_2(V)))
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (fewer threads per plane)
     per_warp = 4096 if (nsub and not v_first) else 2048
     # the V block read once and held: fp32 (2 warps), bf16 as 32-bit words (its halves widen by a shift; 4
@@ -524,6 +531,8 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         num_warps = 1
     elif packed and state_bytes == 2:
         num_warps = 4
+    elif loop16:
+        num_warps = 1
     else:
         num_warps = 1 if kc else max(1, min(8, BK * BV // per_warp))
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0

@@ -210,13 +210,39 @@ def _token_qk(q_t, k_t, scale, USE_L2NORM: tl.constexpr):
 def _token_inputs(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, a, bias, scale, lower_bound,
                   K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                   USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
-    """One token's inputs: (scale q~, k~, log2 decay g, beta). In this order the loop kernel takes 167 registers
+    """One token's inputs: (scale q~, k~, log2 decay g, beta). In this order the loop kernel took 167 registers
     (189 with the gate first), while the held K-first forms take the gate first (`_held_inputs`)."""
     q_t = _k_vector(q_t_ptr, K, BK)
     k_t = _k_vector(k_t_ptr, K, BK)
     g_t = _k_vector(g_t_ptr, K, BK)
     beta_t = tl.load(b_t_ptr).to(tl.float32)
-    q_t, k_t = _token_qk(q_t, k_t, scale, USE_L2NORM)
+    return _token_values(q_t, k_t, g_t, beta_t, a, bias, scale, lower_bound, BK, USE_GATE, USE_LOWER_BOUND,
+                         USE_L2NORM, USE_BETA_SIGMOID)
+
+
+@triton.jit
+def _raw_token(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, v_t_ptr, o_v, ok, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr):
+    """One token's q, k, g over K, beta and v over the V block `o_v`, as stored, loaded where `ok` (else zeros).
+    The masks compare against bounds zeroed where not `ok` (the interpreter's `&` of a scalar with a vector of
+    booleans gives integers)."""
+    o_k = tl.arange(0, BK)
+    k_ok = o_k < tl.where(ok, K, 0)
+    q_r = tl.load(q_t_ptr + o_k, mask=k_ok, other=0.0)
+    k_r = tl.load(k_t_ptr + o_k, mask=k_ok, other=0.0)
+    g_r = tl.load(g_t_ptr + o_k, mask=k_ok, other=0.0)
+    b_r = tl.load(b_t_ptr, mask=ok, other=0.0)
+    v_r = tl.load(v_t_ptr + o_v, mask=o_v < tl.where(ok, V, 0), other=0.0)
+    return q_r, k_r, g_r, b_r, v_r
+
+
+@triton.jit
+def _token_values(q_t, k_t, g_t, beta_t, a, bias, scale, lower_bound, BK: tl.constexpr, USE_GATE: tl.constexpr,
+                  USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
+    """(scale q~, k~, log2 decay g, beta) from one token's loaded q, k, g and beta (any dtype)."""
+    q_t, k_t = _token_qk(q_t.to(tl.float32), k_t.to(tl.float32), scale, USE_L2NORM)
+    g_t = g_t.to(tl.float32)
+    beta_t = beta_t.to(tl.float32)
     if USE_BETA_SIGMOID:  # after the norms, not in `_token_beta` before them: the loop kernel 167 registers, not 187
         beta_t = tl.sigmoid(beta_t)
     return q_t, k_t, _token_gate(g_t, a, bias, lower_bound, BK, USE_GATE, USE_LOWER_BOUND), beta_t
@@ -333,12 +359,17 @@ def _fused_recurrent_kda_kernel(
     v_h = v + i_hv * s_vh
     g_h = g + i_hv * s_gh
     b_h = beta + i_hv * s_bh
+    q_r, k_r, g_r, b_r, v_r = _raw_token(q_h + bos * s_qt, k_h + bos * s_kt, g_h + bos * s_gt, b_h + bos * s_bt,
+                                         v_h + bos * s_vt, o_v, bos < eos, K, V, BK)
     for t in range(bos, eos):
-        q_t, k_t, g_t, beta_t = _token_inputs(q_h + t * s_qt, k_h + t * s_kt, g_h + t * s_gt, b_h + t * s_bt,
-                                              a, bias, scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND,
-                                              USE_L2NORM, USE_BETA_SIGMOID)
-        v_t = tl.load(v_h + t * s_vt + o_v, mask=v_ok, other=0.0).to(tl.float32)
-        S, o_t = _step(S, q_t, k_t, g_t, v_t, beta_t, V_FIRST)
+        # the next token's inputs are in flight while this one's step runs (their load no longer waits a step)
+        n = t + 1
+        q_n, k_n, g_n, b_n, v_n = _raw_token(q_h + n * s_qt, k_h + n * s_kt, g_h + n * s_gt, b_h + n * s_bt,
+                                             v_h + n * s_vt, o_v, n < eos, K, V, BK)
+        q_t, k_t, g_t, beta_t = _token_values(q_r, k_r, g_r, b_r, a, bias, scale, lower_bound, BK, USE_GATE,
+                                              USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID)
+        S, o_t = _step(S, q_t, k_t, g_t, v_r.to(tl.float32), beta_t, V_FIRST)
+        q_r, k_r, g_r, b_r, v_r = q_n, k_n, g_n, b_n, v_n
         tl.store(o_h + t * s_ot + o_v, round_to(o_t, o.dtype.element_ty), mask=v_ok)
         if VERIFY:
             S = round_to(S, state_dst.dtype.element_ty).to(tl.float32)  # the state a decode call would store
