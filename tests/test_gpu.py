@@ -358,6 +358,43 @@ def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
 
 
 @pytest.mark.hopper_plan
+def test_walk_beside_prepare_never_gives_up_on_the_whole_gpu(monkeypatch):
+    """On the whole GPU no wait of the walk beside the prepare gives up (`kda.ops.overlap`: the walk's programs
+    take at most half the SMs and a prepare program fits beside each, so every group is counted within its
+    budget). A give-up would still give the right bits, through the resume launch, but 20 ms late, so the bitwise
+    tests cannot see it: here each form's program flags are read before the resume launch, in three calls (each a
+    first call: a recorded call replays its launches without this Python)."""
+    import kda.replay
+    from kda.ops import chunk
+    from kda.plan import TUNINGS, chunk_plan
+
+    seen = []
+    plain = chunk._plain_walk
+
+    def walk(*a, **kw):
+        resume = a[-1] if len(a) == 15 else kw.get("resume", False)
+        if resume:  # the flags of the launch before, one a walk program, after the counters
+            ready = a[12]
+            seen.append(ready[-(-(-a[0].V // a[1].walk_BV) * a[0].HV * a[6]):].clone())
+        return plain(*a, **kw)
+
+    monkeypatch.setattr(chunk, "_plain_walk", walk)
+    forms = [(8192 + 320, 12), (TUNINGS["sm90"].beside_bv64_chunks // 32 * 64 + 320, 32),
+             (TUNINGS["sm90"].beside_bv64_chunks // 48 * 64 + 320, 48)]
+    for T, H in forms:
+        args, h0, kw = _inputs(T, H=H)
+        full = dict(output_final_state=True, initial_state=h0, **kw)
+        assert chunk_plan(checked_call(kda.chunk_kda, *args, **full)).wait_chunks > 0
+        for _ in range(3):
+            seen.clear()
+            kda.replay.CACHE.clear()
+            kda.chunk_kda(*args, **full)
+            torch.cuda.synchronize()
+            assert seen and all(int(f.count_nonzero()) == 0 for f in seen), (T, H, [int(f.count_nonzero())
+                                                                                    for f in seen])
+
+
+@pytest.mark.hopper_plan
 def test_walks_beside_prepares_on_two_streams_at_once():
     """Two calls whose walks run beside their prepares, issued on two streams with no sync between them (their
     prepares and walks in flight together), both finish with the bits of the one-walk plan, eager and replayed."""
