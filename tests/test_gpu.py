@@ -395,6 +395,36 @@ def test_walk_beside_prepare_never_gives_up_on_the_whole_gpu(monkeypatch):
 
 
 @pytest.mark.hopper_plan
+def test_walk_beside_prepare_replayed_on_another_stream_finishes():
+    """A call recorded on the default stream and replayed on another one (a CUDA graph's warm-up on a side stream,
+    an engine's per-layer streams) finishes with the recorded call's bits, for every form of the walk beside the
+    prepare and at 1x16384 H=12 (256 chunks, 3072 prepare programs: the case that did not finish on the H200 at
+    b6c1600, `2026-12-05-b6c1600-h200-partitioned-carveout-verify-hang.md`). A subprocess: a hang prints its
+    stacks and fails the case instead of stopping the suite."""
+    code = (
+        _beside_runs(3) + "say = lambda *a: print(*a, flush=True)\n"
+        "args, h0, kw = t._inputs(16384, H=12)\n"
+        "full = dict(output_final_state=True, initial_state=h0, **kw)\n"
+        "runs.append((args, full, run_chunk(checked_call(kda.chunk_kda, *args, **full), wait_chunks=0,\n"
+        "                                   wait_in_loop=False, late_chunks=0)))\n"
+        "faulthandler.dump_traceback_later(60, exit=True)\n"
+        "for args, full, (one_o, one_s) in runs:\n"
+        "    kda.chunk_kda(*args, **full)  # recorded on the default stream\n"
+        "    torch.cuda.synchronize()\n"
+        "    side = torch.cuda.Stream()\n"
+        "    side.wait_stream(torch.cuda.current_stream())\n"
+        "    with torch.cuda.stream(side):\n"
+        "        o, s = kda.chunk_kda(*args, **full)  # replayed on another stream\n"
+        "    torch.cuda.synchronize()\n"
+        "    same = torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s))\n"
+        "    say(f'T={args[0].shape[1]} H={args[0].shape[2]}: replayed on another stream: same bits {same}')\n"
+        "    assert same\n"
+        "print('ok')\n"
+    )
+    _subprocess_ok(code, timeout=150)
+
+
+@pytest.mark.hopper_plan
 def test_walks_beside_prepares_on_two_streams_at_once():
     """Two calls whose walks run beside their prepares, issued on two streams with no sync between them (their
     prepares and walks in flight together), both finish with the bits of the one-walk plan, eager and replayed."""
