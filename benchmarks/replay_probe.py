@@ -1,7 +1,7 @@
 """Where a prefill call stops: each step of `chunk_kda` at the benchmark's inputs printed as it ends (the first
 call, replays on the default stream, a call on another stream, a graph captured and replayed), with the walk's
-give-up flags read before the resume launch of each first call, and every thread's stack dumped when a step takes
-longer than `--hang-s` seconds (then the process exits).
+give-up flags read before the resume launch of each call that takes the full path (so replays and full-path calls
+are told apart), and every thread's stack dumped when a step takes longer than `--hang-s` seconds (then it exits).
 
     python benchmarks/replay_probe.py [--tree DIR] [--shapes 1x4096x12,1x16384x12] [--hang-s 30]
                                       [--mode plain|record-on-side|no-pdl|side-high]
@@ -70,8 +70,9 @@ for shape in a.shapes.split(","):
     for _ in range(5):
         again = call()
     torch.cuda.synchronize()
-    say(name, f"5 replays on the default stream, {(time.time() - t0) / 5 * 1e6:.0f} us each, same bits",
-        same(first, again))
+    full = len(flags)  # each call through the full path (not a replay) adds its flags
+    say(name, f"5 calls on the default stream, {(time.time() - t0) / 5 * 1e6:.0f} us each, same bits",
+        same(first, again), f"(full-path calls so far: {full}, recorded kinds: {len(kda.replay.CACHE)})")
     if a.mode == "record-on-side":
         kda.replay.CACHE.clear()
     side = torch.cuda.Stream(priority=-1 if a.mode == "side-high" else 0)
@@ -79,7 +80,8 @@ for shape in a.shapes.split(","):
     with torch.cuda.stream(side):
         other = call()
     torch.cuda.synchronize()
-    say(name, "a call on another stream finished, same bits", same(first, other))
+    say(name, "a call on another stream finished, same bits", same(first, other),
+        "(a replay)" if len(flags) == full else "(the full path)")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = call()
