@@ -14,6 +14,7 @@ recorded two-stream order), `side-high` (the other stream at high priority).
 
 import argparse
 import faulthandler
+import inspect
 import os
 import sys
 import time
@@ -38,11 +39,16 @@ flags = []
 plain_walk = chunk._plain_walk
 
 
+signature = inspect.signature(plain_walk)
+
+
 def walk(*args, **kw):
     """`_plain_walk`, the flags of the launch before read (one a walk program, after the counters) where it is the
-    resume launch."""
-    if (args[-1] if len(args) == 15 else kw.get("resume", False)):
-        flags.append(args[12][-(-(-args[0].V // args[1].walk_BV) * args[0].HV * args[6]):].clone())
+    resume launch (trees before the resume launch have none)."""
+    w = signature.bind(*args, **kw).arguments
+    if w.get("resume"):
+        programs = -(-w["call"].V // w["plan"].walk_BV) * w["call"].HV * w["seqs"]
+        flags.append(w["ready"][-programs:].clone())
     return plain_walk(*args, **kw)
 
 

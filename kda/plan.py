@@ -508,9 +508,8 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     state_bytes = state_dtype.itemsize
     BK = max(16, next_power_of_2(K))
     kc = 0
-    # the loop on a 2-byte pool: 32 rows (V-first) or columns (K-first) on one warp, the next token's inputs
-    # loaded during this one's step
-    loop16 = not one_token_per_seq and state_bytes == 2
+    # the loop on a 2-byte pool: 32 rows (V-first) or columns (K-first) on one warp (docs/performance.md)
+    narrow_loop = not one_token_per_seq and state_bytes == 2
     if v_first:
         BV = 8 if (V <= 8 or state_bytes == 2) else 16
         nsub = (4 if state_bytes == 2 else 1) if one_token_per_seq else 0
@@ -519,7 +518,7 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         if nsub and state_bytes == 2:  # row chunks of 32, read twice, on one warp
             kc = min(32, BK)
         BV = min(64 if (BK <= 128 or kc) else 32, max(16, next_power_of_2(V)))
-    if loop16:  # 4096 state elements a warp
+    if narrow_loop:  # 4096 state elements a warp
         BV = min(4096 // BK, max(8 if v_first else 16, next_power_of_2(V)))
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (fewer threads per plane)
     per_warp = 4096 if (nsub and not v_first) else 2048
@@ -531,7 +530,7 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         num_warps = 1
     elif packed and state_bytes == 2:
         num_warps = 4
-    elif loop16:
+    elif narrow_loop:
         num_warps = 1
     else:
         num_warps = 1 if kc else max(1, min(8, BK * BV // per_warp))

@@ -364,18 +364,21 @@ def test_walk_beside_prepare_never_gives_up_on_the_whole_gpu(monkeypatch):
     budget). A give-up would still give the right bits, through the resume launch, but 20 ms late, so the bitwise
     tests cannot see it: here each form's program flags are read before the resume launch, in three calls (each a
     first call: a recorded call replays its launches without this Python)."""
+    import inspect
+
     import kda.replay
     from kda.ops import chunk
-    from kda.plan import TUNINGS, chunk_plan
+    from kda.plan import TUNINGS, cdiv, chunk_plan
 
     seen = []
     plain = chunk._plain_walk
+    signature = inspect.signature(plain)
 
     def walk(*a, **kw):
-        resume = a[-1] if len(a) == 15 else kw.get("resume", False)
-        if resume:  # the flags of the launch before, one a walk program, after the counters
-            ready = a[12]
-            seen.append(ready[-(-(-a[0].V // a[1].walk_BV) * a[0].HV * a[6]):].clone())
+        w = signature.bind(*a, **kw).arguments
+        if w.get("resume"):  # the flags of the launch before: one a walk program, after the counters
+            programs = cdiv(w["call"].V, w["plan"].walk_BV) * w["call"].HV * w["seqs"]
+            seen.append(w["ready"][-programs:].clone())
         return plain(*a, **kw)
 
     monkeypatch.setattr(chunk, "_plain_walk", walk)

@@ -210,8 +210,8 @@ def _token_qk(q_t, k_t, scale, USE_L2NORM: tl.constexpr):
 def _token_inputs(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, a, bias, scale, lower_bound,
                   K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                   USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
-    """One token's inputs: (scale q~, k~, log2 decay g, beta). In this order the loop kernel took 167 registers
-    (189 with the gate first), while the held K-first forms take the gate first (`_held_inputs`)."""
+    """One token's inputs: (scale q~, k~, log2 decay g, beta), loaded from its pointers (`_token_values`); the held
+    K-first forms take the gate first (`_held_inputs`)."""
     q_t = _k_vector(q_t_ptr, K, BK)
     k_t = _k_vector(k_t_ptr, K, BK)
     g_t = _k_vector(g_t_ptr, K, BK)
