@@ -280,7 +280,7 @@ def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
     loop) and the 32-head one (the wait inside the pipelined TMA loop), ptxas takes it, the kernel fits an SM's
     registers and shared memory, and the bounded spin (setting the program's flag where it gives up) is in its PTX;
     the outer loop's look at the groups counted
-    already (`counted_after`) reads them by acquire loads, then a barrier."""
+    already (`counted_after`) reads them by acquire loads, then a barrier, each by one thread."""
     import subprocess
     import sys
 
@@ -302,3 +302,13 @@ def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
     look = re.compile(r"@p ld\.acquire\.gpu\.global\.b32 [^;]*; \}\n(?:[ \t]*(?://.*|\.loc.*|\$L__\w+:)?\n)*"
                       r"[ \t]*bar\.sync")
     assert all(bool(look.search(p)) == outer for p in ptx)
+    # that look gives every thread the one run: a counter a thread, none read again by another warp (a warp reading
+    # its own copy at its own moment may see other counts and walk another length: the others wait forever)
+    for ir in tmp_path.glob("*_chunk_state_kernel.ttgir") if outer else ():
+        text = ir.read_text()
+        asm = r'@p ld\.acquire\.gpu\.global\.b32 [^"]*".* -> tensor<(\d+)xi32, #(\w+)>'
+        lanes, layout = re.search(asm, text).groups()
+        per_thread, per_warp, warps = re.search(
+            rf"^#{layout} = #ttg\.blocked<{{sizePerThread = \[(\d+)\], threadsPerWarp = \[(\d+)\], "
+            r"warpsPerCTA = \[(\d+)\]", text, re.M).groups()
+        assert int(lanes) >= int(per_thread) * int(per_warp) * int(warps), (lanes, per_thread, per_warp, warps)

@@ -172,7 +172,7 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
         HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
         WAIT_CHUNKS=0 if ready is None else plan.wait_chunks, WAIT_IN_LOOP=plan.wait_in_loop,
         SPIN=ready is not None and plan.spin, FOLD=plan.fold,
-        num_warps=plan.walk_warps, num_stages=plan.walk_stages,
+        WARPS=plan.walk_warps, num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 
 

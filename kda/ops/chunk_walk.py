@@ -283,7 +283,7 @@ def _chunk_state_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
-    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
+    V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, WARPS: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
     V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, WAIT_IN_LOOP: tl.constexpr = False,
     SPIN: tl.constexpr = False, FOLD: tl.constexpr = True,
@@ -291,6 +291,7 @@ def _chunk_state_kernel(
     """The plain walk: one program per (V block, value head, sequence) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
     by pointers (token stride s_vt, head stride s_vh).
+    WARPS: the launch's num_warps (`counted_after` reads the counters a thread a group).
     SHORT > 0 (varlen): sequences of 1..SHORT tokens are the recurrent loop kernel's in this call
     (`kda.plan.Route`), and program i_n walks the i_n-th of the others (`kept_item`).
     IS_VARLEN: the programs of the grid's first sequence index (one per V block and head) also zero the rows past
@@ -374,7 +375,7 @@ def _chunk_state_kernel(
                 tl.debug_barrier()  # every thread's spin done: one decision for the program
                 bail = tl.load(bail_flag, volatile=True)
                 if bail == 0:  # this group and the counted ones after it in one pipelined loop
-                    g_hi, z = counted_after(ready_h, g_hi, bos, eos, HV, BT, WAIT_CHUNKS, SPIN, z)
+                    g_hi, z = counted_after(ready_h, g_hi, bos, eos, HV, BT, WAIT_CHUNKS, SPIN, z, 32 * WARPS)
                     S, _ = _walk(S, g_lo + z, g_hi, p_first + (g_lo - bos) // BT + z, i_hv,
                                  o_h, s_ot, n_ws, kd_ws, v_h, s_vt, qd_ws, m_ws, gt_ws, sc_ws, o_k, k_ok, o_v, v_ok, HV,
                                  K, V, BT, DOT_PREC, K == BK, V % BV == 0, ck_row, n_ck, ck_every, bos, state_dst,

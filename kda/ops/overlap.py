@@ -155,14 +155,17 @@ def ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W
 
 @triton.jit
 def counted_after(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
-                  SPIN: tl.constexpr, z_prev, G: tl.constexpr = 32):
+                  SPIN: tl.constexpr, z_prev, G: tl.constexpr):
     """(t_run, z): where the run of groups of W chunks that are counted already ends, from the group starting at
     token t of a walk from t_begin to t_end, at most G groups on (t_run = t: that group is not counted). No wait:
     the G counters read at once, each by acquire loads (a lane a group), then a barrier, so that every thread's
     later loads come after every acquire, and with SPIN a proxy fence (tiles read by TMA); z is z_prev through
-    it, for the walk's addresses. A walk by groups goes on through the groups the prepare has finished in one
-    pipelined loop rather than restarting its loop at each group; it waits (`spin_zero`) only where it caught up
-    with the prepare. The bits are the same either way."""
+    it, for the walk's addresses. G is 32 x the program's warps, a lane a thread: each counter is read once and
+    the min crosses the warps, so every thread gets the one run. With fewer lanes each warp holds and reads a copy
+    of all of them, at its own moment, and warps that see different counts walk loops of different lengths, the
+    ones ahead waiting at a barrier forever (seen on the H100 and H200). A walk by groups goes on through the
+    groups the prepare has finished in one pipelined loop rather than restarting its loop at each group; it
+    waits (`spin_zero`) only where it caught up with the prepare. The bits are the same either way."""
     SPAN: tl.constexpr = W * BT
     o_g = tl.arange(0, G)
     lo = t + o_g * SPAN
