@@ -3,13 +3,15 @@ call, replays on the default stream, a call on another stream, a graph captured 
 give-up flags read before the resume launch of each call that takes the full path (so replays and full-path calls
 are told apart), and every thread's stack dumped when a step takes longer than `--hang-s` seconds (then it exits).
 
-    python benchmarks/replay_probe.py [--tree DIR] [--shapes 1x4096x12,1x16384x12] [--hang-s 30]
+    python benchmarks/replay_probe.py [--tree DIR] [--shapes 1x4096x12,1x16384x12] [--hang-s 30] [--look]
                                       [--mode plain|record-on-side|no-pdl|side-high]
 
 `--tree`: the package to import (`tree_ab.py`'s trees; default this checkout). Modes, for the call on another
 stream: `plain` (a torch stream, replaying what the default stream recorded), `record-on-side` (recorded calls
 cleared first: the call on the other stream records), `no-pdl` (`kda.replay._programmatic` off: replays keep the
-recorded two-stream order), `side-high` (the other stream at high priority).
+recorded two-stream order), `side-high` (the other stream at high priority). `--look`: each step waited for by
+polling, and where it takes longer than `--hang-s`, the streams still holding work, the walk's counters and flags in
+the replay's workspace, and cuda-gdb's kernels, blocks and warps (the GPU machine has it); then it exits with 3.
 """
 
 import argparse
