@@ -402,7 +402,8 @@ def test_walk_beside_prepare_replayed_on_another_stream_finishes():
     """A call recorded on the default stream and replayed on another one (a CUDA graph's warm-up on a side stream,
     an engine's per-layer streams) finishes with the recorded call's bits, for every form of the walk beside the
     prepare and at 1x16384 H=12 (256 chunks, 3072 prepare programs: the case that did not finish on the H200 at
-    b6c1600, `2026-12-05-b6c1600-h200-partitioned-carveout-verify-hang.md`). A subprocess: a hang prints its
+    b6c1600, `2026-12-05-b6c1600-h200-partitioned-carveout-verify-hang.md`: a deadlock among one walk program's
+    warps, fixed at 8b5f407). A subprocess: a hang prints its
     stacks and fails the case instead of stopping the suite."""
     code = (
         _beside_runs(3) + "say = lambda *a: print(*a, flush=True)\n"
