@@ -4,7 +4,8 @@ chunk oracle, each tree imported in its own process, in turns (a, b, a, b, ...),
 meets the same machine state. This is how a kernel change is weighed before it lands
 (`benchmarks/results/2026-12-02-37c2d18-h200-prepare-folded-inverse.md`).
 
-    python benchmarks/tree_ab.py [--rounds 2] [--shapes 1x16384x32,4x4096x32,varlen] TREE[:LABEL] TREE[:LABEL] ...
+    python benchmarks/tree_ab.py [--rounds 2] [--shapes 1x16384x32,4x4096x32,varlen] [--child-timeout 240]
+                                 TREE[:LABEL] TREE[:LABEL] ...
 
 A TREE is a directory holding `kda/`, `kda_reference/` and `benchmarks/bench.py` (`.` for this checkout;
 another commit: `git archive <rev> kda kda_reference benchmarks | tar -x -C <dir>`, an ignored folder named
@@ -105,6 +106,8 @@ def main() -> None:
     p.add_argument("--shapes", default=SHAPES,
                    help=f"BxTxH or varlen (the benchmark's varlen row), comma separated (default {SHAPES})")
     p.add_argument("--no-accuracy", action="store_true", help="time only (no accuracy calls)")
+    p.add_argument("--child-timeout", type=float, default=240.0, metavar="S",
+                   help="seconds a tree's process may take (a call that never finishes: that round is skipped)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     shapes = [s if s == "varlen" else tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
@@ -119,10 +122,14 @@ def main() -> None:
             env = dict(os.environ, PYTHONPATH="")
             t0 = time.time()
             # the child's progress (stderr) shows as it goes, not only its result at its end
-            out = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(path), "--shapes", a.shapes,
-                                  *(["--no-accuracy"] if a.no_accuracy else []), "x"], stdout=subprocess.PIPE,
-                                 text=True, env=env)
-            res = next((json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
+            try:
+                out = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(path), "--shapes",
+                                      a.shapes, *(["--no-accuracy"] if a.no_accuracy else []), "x"],
+                                     stdout=subprocess.PIPE, text=True, env=env, timeout=a.child_timeout).stdout
+            except subprocess.TimeoutExpired:
+                print(f"{label} round {r}: no result within {a.child_timeout:g} s (killed)", flush=True)
+                continue
+            res = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
             print(f"{label} round {r}: {time.time() - t0:.0f} s in its process (compiles included)", flush=True)
             if res is None:
                 print(f"{label} round {r}: failed (its stderr above)", flush=True)
