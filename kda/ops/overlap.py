@@ -145,9 +145,9 @@ def ready_zero(ready_h, t, t_begin, t_end, HV: tl.constexpr, BT: tl.constexpr, W
     counted in `ready_h` (one counter a group, HV apart), or bail set where the wait gave up (`spin_zero`, which
     sets the program's `flag` too). Only a group's first chunk waits, and none once the program gave up (the wait
     reads the flag before it starts its timer: `bail` kept out of the wait's predicate, where each wait would hang
-    on the one before and the pipelined loop walked 10% slower at 1x16384 H=32 on the H100); the others take
-    z_prev, the zero of the chunk before (each load depends on every earlier wait, so no compiler moves it above
-    one); at once for t >= t_end (a prefetch past the end)."""
+    on the one before and slow the pipelined loop, docs/performance.md); the others take z_prev, the zero of the
+    chunk before (each load depends on every earlier wait, so no compiler moves it above one); at once for
+    t >= t_end (a prefetch past the end)."""
     first = (t < t_end) & ((t - t_begin) % (WAIT * BT) == 0)
     g_i = tl.where(first, (t - t_begin) // (WAIT * BT), 0)
     target = tl.where(first, tl.cdiv(tl.minimum(t + WAIT * BT, t_end) - t, BT), 0).to(tl.int32)
