@@ -429,6 +429,34 @@ def test_walk_beside_prepare_replayed_on_another_stream_finishes():
 
 
 @pytest.mark.hopper_plan
+def test_walk_beside_prepare_replays_back_to_back_finish():
+    """Replays queued back to back, the host's pace varied (none, then a short sleep between calls), for every form
+    of the walk beside the prepare and at 1x16384 H=12: all finish with the recorded call's bits. While each warp
+    of a walk program read its own copy of the counters `overlap.counted_after` looks at, some such replays left a
+    program's warps in loops of different lengths, waiting for each other forever
+    (`2026-12-05-c90e592-h100-walk-deadlock-fix-cost-ab.md`); `tests/test_platforms.py` checks the compiled layout
+    on the CPU, this runs it."""
+    code = (
+        _beside_runs(3) + "import time\n"
+        "args, h0, kw = t._inputs(16384, H=12)\n"
+        "runs.append((args, dict(output_final_state=True, initial_state=h0, **kw), None))\n"
+        "for args, full, _ in runs:\n"
+        "    o0, s0 = kda.chunk_kda(*args, **full)  # recorded\n"
+        "    torch.cuda.synchronize()\n"
+        "    for pause in (0.0, 2e-4):\n"
+        "        outs = []\n"
+        "        for _ in range(20):\n"
+        "            outs.append(kda.chunk_kda(*args, **full))\n"
+        "            time.sleep(pause)\n"
+        "        torch.cuda.synchronize()\n"
+        "        assert all(torch.equal(bits(o), bits(o0)) and torch.equal(bits(s), bits(s0)) for o, s in outs)\n"
+        "    print(f'T={args[0].shape[1]} H={args[0].shape[2]}: 40 replays finished, same bits', flush=True)\n"
+        "print('ok')\n"
+    )
+    _subprocess_ok(code, timeout=200)
+
+
+@pytest.mark.hopper_plan
 def test_walks_beside_prepares_on_two_streams_at_once():
     """Two calls whose walks run beside their prepares, issued on two streams with no sync between them (their
     prepares and walks in flight together), both finish with the bits of the one-walk plan, eager and replayed."""
