@@ -261,15 +261,17 @@ def test_walk_beside_prepare_captured_and_eager_equal_one_walk(form):
         assert torch.equal(bits(out), bits(one_o)) and torch.equal(bits(graph_s), bits(one_s))
 
 
-def _beside_runs(n: int) -> str:
+def _beside_runs(n: int, long: bool = False) -> str:
     """Code that builds `runs`: (args, keywords, the one-walk plan's (o, s)) of the first n forms of the walk beside
-    the prepare (few heads; 32 heads at V blocks of 64; 48 heads beside the prepare's tail)."""
+    the prepare (few heads; 32 heads at V blocks of 64; 48 heads beside the prepare's tail); `long`: then 1x16384
+    H=12 (256 chunks, 3072 prepare programs: where the replay hang of b6c1600 showed)."""
     return (
         "import torch, kda, test_gpu as t\n"
         "from helpers import checked_call, bits, run_chunk\n"
         "from kda.plan import TUNINGS, chunk_plan\n"
         "forms = [(8192 + 320, 12), (TUNINGS['sm90'].beside_bv64_chunks // 32 * 64 + 320, 32),\n"
-        f"         (TUNINGS['sm90'].beside_bv64_chunks // 48 * 64 + 320, 48)][:{n}]\n"
+        f"         (TUNINGS['sm90'].beside_bv64_chunks // 48 * 64 + 320, 48)][:{n}]"
+        f"{' + [(16384, 12)]' if long else ''}\n"
         "runs = []\n"
         "for T, H in forms:\n"
         "    args, h0, kw = t._inputs(T, H=H)\n"
@@ -406,11 +408,7 @@ def test_walk_beside_prepare_replayed_on_another_stream_finishes():
     warps, fixed at 8b5f407). A subprocess: a hang prints its
     stacks and fails the case instead of stopping the suite."""
     code = (
-        _beside_runs(3) + "say = lambda *a: print(*a, flush=True)\n"
-        "args, h0, kw = t._inputs(16384, H=12)\n"
-        "full = dict(output_final_state=True, initial_state=h0, **kw)\n"
-        "runs.append((args, full, run_chunk(checked_call(kda.chunk_kda, *args, **full), wait_chunks=0,\n"
-        "                                   wait_in_loop=False, late_chunks=0)))\n"
+        _beside_runs(3, long=True) + "say = lambda *a: print(*a, flush=True)\n"
         "faulthandler.dump_traceback_later(60, exit=True)\n"
         "for args, full, (one_o, one_s) in runs:\n"
         "    kda.chunk_kda(*args, **full)  # recorded on the default stream\n"
@@ -431,17 +429,15 @@ def test_walk_beside_prepare_replayed_on_another_stream_finishes():
 @pytest.mark.hopper_plan
 def test_walk_beside_prepare_replays_back_to_back_finish():
     """Replays queued back to back, the host's pace varied (none, then a short sleep between calls), for every form
-    of the walk beside the prepare and at 1x16384 H=12: all finish with the recorded call's bits. While each warp
+    of the walk beside the prepare and at 1x16384 H=12: all finish with the one walk's bits. While each warp
     of a walk program read its own copy of the counters `overlap.counted_after` looks at, some such replays left a
     program's warps in loops of different lengths, waiting for each other forever
     (`2026-12-05-c90e592-h100-walk-deadlock-fix-cost-ab.md`); `tests/test_platforms.py` checks the compiled layout
     on the CPU, this runs it."""
     code = (
-        _beside_runs(3) + "import time\n"
-        "args, h0, kw = t._inputs(16384, H=12)\n"
-        "runs.append((args, dict(output_final_state=True, initial_state=h0, **kw), None))\n"
-        "for args, full, _ in runs:\n"
-        "    o0, s0 = kda.chunk_kda(*args, **full)  # recorded\n"
+        _beside_runs(3, long=True) + "import time\n"
+        "for args, full, (one_o, one_s) in runs:\n"
+        "    kda.chunk_kda(*args, **full)  # recorded\n"
         "    torch.cuda.synchronize()\n"
         "    for pause in (0.0, 2e-4):\n"
         "        outs = []\n"
@@ -449,7 +445,7 @@ def test_walk_beside_prepare_replays_back_to_back_finish():
         "            outs.append(kda.chunk_kda(*args, **full))\n"
         "            time.sleep(pause)\n"
         "        torch.cuda.synchronize()\n"
-        "        assert all(torch.equal(bits(o), bits(o0)) and torch.equal(bits(s), bits(s0)) for o, s in outs)\n"
+        "        assert all(torch.equal(bits(o), bits(one_o)) and torch.equal(bits(s), bits(one_s)) for o, s in outs)\n"
         "    print(f'T={args[0].shape[1]} H={args[0].shape[2]}: 40 replays finished, same bits', flush=True)\n"
         "print('ok')\n"
     )
