@@ -13,7 +13,8 @@
 #                        per-step caps in seconds (defaults 380, 150, 400, 400; the budget still applies; the
 #                        test step was 97% done after 280 s at -n 12, the full accuracy preset takes about 230 s)
 #   KDA_PYTEST_ARGS      pytest targets and filters instead of "tests" (e.g. "tests/test_chunk.py -k empty")
-#   KDA_PYTEST_WORKERS   pytest-xdist workers (default 12: at 4 the suite ran past 420 s)
+#   KDA_PYTEST_WORKERS   pytest-xdist workers (default: one per 8 GiB of GPU memory, at most 12; at 4 the suite
+#                        ran past 420 s, 12 workers ran an 80 GB H100 out of memory)
 #   KDA_PLAN_DEVICE      plan kda as this device in the pytest and bench steps (--plan-device; "sm_80": an A100's
 #                        plan on this GPU, no TMA, no walk beside the prepare, no PDL, 163 KiB of shared memory;
 #                        kda.plan.plan_as). The sanitizer and accuracy steps plan for the GPU itself.
@@ -134,7 +135,9 @@ step_pytest() {
     # --durations: the slowest tests named, also when the cap interrupts the run (SIGINT: pytest still summarises)
     local t=$1 args=(-v -rfE -p no:cacheprovider -p no:benchmark --durations=30)
     python3 -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 900)
-    python3 -c "import xdist" 2>/dev/null && args+=(-n "${KDA_PYTEST_WORKERS:-12}")
+    local workers=${KDA_PYTEST_WORKERS:-$(python3 -c "import torch
+print(max(2, min(12, torch.cuda.get_device_properties(0).total_memory // 2**33)))")}
+    python3 -c "import xdist" 2>/dev/null && args+=(-n "$workers")
     [[ -n ${KDA_PLAN_DEVICE:-} ]] && args+=(--plan-device "$KDA_PLAN_DEVICE")
     # shellcheck disable=SC2206
     args+=(${KDA_PYTEST_ARGS:-tests})
