@@ -38,9 +38,12 @@ class StatePlan:
         return self.src.shape[0] if self.paged else DENSE_SLOTS
 
     def pointers(self, stand_in: torch.Tensor) -> tuple:
-        """(src, dst, slot_of_seq, has_initial_state) with `stand_in` for the absent ones (never read: the
-        kernels' matching constexpr flags are off)."""
+        """(src, dst, slot_of_seq, has_initial_state) with stand-ins for the absent ones (never read or written:
+        the kernels' matching constexpr flags are off). An absent pool is stood in for by the other one, so that
+        a kernel choosing its form by the source pool's dtype sees the state's dtype, not `stand_in`'s."""
         src, dst, slots, flags = self.src, self.dst, self.slot_of_seq, self.has_initial_state
+        src = dst if src is None else src
+        dst = src if dst is None else dst
         return (stand_in if src is None else src, stand_in if dst is None else dst,
                 stand_in if slots is None else slots, stand_in if flags is None else flags)
 
