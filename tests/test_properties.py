@@ -3,13 +3,16 @@ float64 oracle. Hypothesis draws the sequence lengths (zeros included), which sl
 sequences take (a permutation, with padding sequences), `has_initial_state`, the pool's dtype and layout,
 the GVA ratio and K, V (powers of two and not). Every real output row equals the oracle's, every written
 slot equals the oracle's final state (to the storage's rounding), padding rows are zero, and every slot
-that no sequence names keeps its bits. Bounded to fit CI: derandomized, a fixed number of examples."""
+that no sequence names keeps its bits. Bounded to fit CI: derandomized, a fixed number of examples.
+The dense and no-state contracts run on a grid instead: every input dtype beside every state dtype, both
+layouts, fixed varlen layouts (one token a sequence among them)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import DEVICE
-from helpers import bits, bounds_of, make_inputs, on_cpu, poison_pool, rel_err
+from helpers import bits, bounds_of, make_inputs, on_cpu, poison_pool, rel_err, rounding_floor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,3 +85,65 @@ def test_chunk_kda_on_random_serving_layouts(layout):
 @given(layout=serving_layouts(max_len=5))
 def test_fused_recurrent_kda_on_random_serving_layouts(layout):
     _check_paged_call(kda.fused_recurrent_kda, layout)
+
+
+# (H, HV, K, V, lengths, host bounds, seed) for the dense and no-state contracts: GVA, K and V not powers of two,
+# an empty sequence, a sequence past one chunk; and one token a sequence with host bounds (the one-token forms)
+DENSE_LAYOUTS = [(1, 2, 24, 20, [70, 0, 9], True, 3), (2, 2, 16, 16, [0, 66, 3], False, 4)]
+DECODE_LAYOUTS = [(1, 2, 24, 20, [1, 1, 1], True, 5), (2, 4, 16, 12, [1, 1], True, 6),
+                  (1, 2, 24, 20, [3, 0, 5], False, 7), (2, 2, 8, 20, [2, 1, 0, 4], True, 8)]
+
+
+def _check_dense_call(fn, layout, contract, storage, in_dtype, v_first):
+    """Output and final state against the oracle (its output exact, its state rounded once to the storage), the
+    inputs' and the state's dtypes apart."""
+    H, HV, K, V, lengths, host_bounds, seed = layout
+    bounds = bounds_of(lengths)
+    q, k, v, g, beta, kw = make_inputs(1, bounds[-1], H, HV, K, V, dtype=in_dtype, seed=seed, device=DEVICE)
+    plane = (HV, V, K) if v_first else (HV, K, V)
+    kw.update(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=DEVICE), state_v_first=v_first,
+              output_final_state=True)
+    if host_bounds:
+        kw["cu_seqlens_cpu"] = torch.tensor(bounds, dtype=torch.int32)
+    if contract == "dense":
+        gen = torch.Generator().manual_seed(seed + 1)
+        kw["initial_state"] = torch.randn(len(lengths), *plane, generator=gen).to(storage).to(DEVICE)
+    else:
+        kw["state_dtype"] = storage
+    o, s = fn(q, k, v, g, beta, **kw)
+    ro, rs = ref.recurrent_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), **on_cpu(kw))
+
+    assert o.dtype == in_dtype and s.dtype == storage
+    if bounds[-1]:
+        assert rel_err(o, ro) <= FP32_TOL + (in_dtype != torch.float32) * 2 * rounding_floor(ro, in_dtype)
+    if storage == torch.float32:
+        assert rel_err(s, rs) <= FP32_TOL
+    else:  # both rounded once to the storage: an ulp apart at most where they round apart
+        a, b = s.double().cpu(), rs.double()
+        assert ((a - b).abs() <= torch.finfo(storage).eps * torch.maximum(a.abs(), b.abs())
+                + FP32_TOL * b.abs().max()).all()
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CONTRACTS = pytest.mark.parametrize("contract", ["dense", "none"])
+STORAGE = pytest.mark.parametrize("storage", DTYPES, ids=["fp32", "bf16", "fp16"])
+INPUTS = pytest.mark.parametrize("in_dtype", DTYPES, ids=["in_fp32", "in_bf16", "in_fp16"])
+LAYOUT = pytest.mark.parametrize("v_first", [True, False], ids=["v_first", "k_first"])
+
+
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS, ids=["gva-host-bounds", "device-bounds"])
+@CONTRACTS
+@STORAGE
+@INPUTS
+@LAYOUT
+def test_chunk_kda_dense_contracts(layout, contract, storage, in_dtype, v_first):
+    _check_dense_call(kda.chunk_kda, layout, contract, storage, in_dtype, v_first)
+
+
+@pytest.mark.parametrize("layout", DECODE_LAYOUTS, ids=["one-token", "one-token-gva", "lengths", "lengths-host"])
+@CONTRACTS
+@STORAGE
+@INPUTS
+@LAYOUT
+def test_fused_recurrent_kda_dense_contracts(layout, contract, storage, in_dtype, v_first):
+    _check_dense_call(kda.fused_recurrent_kda, layout, contract, storage, in_dtype, v_first)
