@@ -125,25 +125,25 @@ def _check_dense_call(fn, layout, contract, storage, in_dtype, v_first):
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-CONTRACTS = pytest.mark.parametrize("contract", ["dense", "none"])
-STORAGE = pytest.mark.parametrize("storage", DTYPES, ids=["fp32", "bf16", "fp16"])
-INPUTS = pytest.mark.parametrize("in_dtype", DTYPES, ids=["in_fp32", "in_bf16", "in_fp16"])
-LAYOUT = pytest.mark.parametrize("v_first", [True, False], ids=["v_first", "k_first"])
+
+
+def dtype_grid(test):
+    """Every contract x state dtype x input dtype x layout."""
+    for mark in (pytest.mark.parametrize("contract", ["dense", "none"]),
+                 pytest.mark.parametrize("storage", DTYPES, ids=["fp32", "bf16", "fp16"]),
+                 pytest.mark.parametrize("in_dtype", DTYPES, ids=["in_fp32", "in_bf16", "in_fp16"]),
+                 pytest.mark.parametrize("v_first", [True, False], ids=["v_first", "k_first"])):
+        test = mark(test)
+    return test
 
 
 @pytest.mark.parametrize("layout", DENSE_LAYOUTS, ids=["gva-host-bounds", "device-bounds"])
-@CONTRACTS
-@STORAGE
-@INPUTS
-@LAYOUT
+@dtype_grid
 def test_chunk_kda_dense_contracts(layout, contract, storage, in_dtype, v_first):
     _check_dense_call(kda.chunk_kda, layout, contract, storage, in_dtype, v_first)
 
 
 @pytest.mark.parametrize("layout", DECODE_LAYOUTS, ids=["one-token", "one-token-gva", "lengths", "lengths-host"])
-@CONTRACTS
-@STORAGE
-@INPUTS
-@LAYOUT
+@dtype_grid
 def test_fused_recurrent_kda_dense_contracts(layout, contract, storage, in_dtype, v_first):
     _check_dense_call(kda.fused_recurrent_kda, layout, contract, storage, in_dtype, v_first)
