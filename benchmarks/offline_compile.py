@@ -123,7 +123,7 @@ CASES = {
     "decode-kfirst-256-h32": _decode(B=256, T=1, H=32, v_first=False),
     "verify-kfirst-256x4-h32": _decode(B=256, T=4, H=32, v_first=False, verify=4),
 }
-POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def launches(case: str, pool: torch.dtype, device: DeviceInfo) -> list[tuple]:

@@ -471,8 +471,8 @@ class DecodePlan:
     sr: int = 0  # store rounding: 0 nearest even, 1 stochastic bf16, 2 stochastic fp16
     kc: int = 0  # K-first one-token kernel: rows of K per chunk, the plane read twice (0: the whole tile once)
     heads_fastest: bool = False  # one-token kernel: grid (V block, value head, sequence), not (.., sequence, head)
-    packed: bool = False  # K-first one-token kernel: the V block read once and held (bf16: as 32-bit words)
-    ptx: bool = False  # packed bf16 words converted by one PTX instruction (`DeviceInfo.ptx`), else two casts
+    packed: bool = False  # K-first one-token kernel: the V block read once and held (2-byte: as 32-bit words)
+    ptx: bool = False  # packed 2-byte words converted by one PTX instruction (`DeviceInfo.ptx`), else two casts
 
 
 def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: DeviceInfo | None = None,
@@ -486,8 +486,8 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
       BV = 32 at K = 128 (4096 state elements) on one warp, either layout.
     - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
-      one block of BV 64 read once and held (`packed`: fp32 on 2 warps; bf16 on 4 warps as 32-bit words of two
-      columns; fp16, or a bf16 pool whose slot stride or address is odd: 1 warp read in row chunks of 32,
+      one block of BV 64 read once and held (`packed`: fp32 on 2 warps; bf16 and fp16 on 4 warps as 32-bit
+      words of two columns; a 2-byte pool whose slot stride or address is odd: 1 warp read in row chunks of 32,
       twice), the grid's value heads before its sequences (a slot's planes read one after another; V-first
       pools lose with it at N = 1024).
     `overrides` replace any field (tests)."""
@@ -522,10 +522,8 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         BV = min(4096 // BK, max(8 if v_first else 16, next_power_of_2(V)))
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (fewer threads per plane)
     per_warp = 4096 if (nsub and not v_first) else 2048
-    # the V block read once and held: fp32 (2 warps), bf16 as 32-bit words (its halves widen by a shift; 4
-    # warps); fp16 halves took more registers that way and ran no faster than the row chunks
-    packed = bool(nsub) and not v_first and (state_dtype == torch.float32 or (bool(kc) and V % 2 == 0
-                                                                              and state_dtype == torch.bfloat16))
+    # the V block read once and held: fp32 (2 warps), 2-byte pools as 32-bit words of two columns (4 warps)
+    packed = bool(nsub) and not v_first and (state_dtype == torch.float32 or (bool(kc) and V % 2 == 0))
     if device.interpreter:
         num_warps = 1
     elif packed and state_bytes == 2:
@@ -536,4 +534,4 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         num_warps = 1 if kc else max(1, min(8, BK * BV // per_warp))
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
     return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first, packed=packed,
-                      ptx=packed and state_dtype == torch.bfloat16 and device.ptx)
+                      ptx=packed and state_bytes == 2 and device.ptx)

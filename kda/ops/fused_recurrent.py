@@ -23,7 +23,7 @@ S^T q~ after the update. When the tile covers the plane exactly (K = BK, BV | V)
 carry no mask. One-token calls (dense q [N, 1], or varlen whose host bounds `cu_seqlens_cpu` are
 0, 1, ..., N) take `_fused_recurrent_one_token_kernel` instead: V-first pools the same arithmetic, NSUB state blocks
 per program, all loaded before any is used; K-first pools one V block read once and held, the decay on the K-vectors
-of the reductions (bf16 as 32-bit words of two columns; fp16 in row chunks read twice) (`kda.plan.decode_plan`).
+of the reductions (2-byte pools as 32-bit words of two columns) (`kda.plan.decode_plan`).
 
 Layout. The tile is kept in the orientation of the caller's plane, so that the contiguous dimension of
 memory is the last (fastest) dimension of the tile and loads and stores vectorise:
@@ -472,28 +472,36 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, dt_bias, a, sc
 
 
 @triton.jit
-def _unpack_pairs(x):
-    """A tile of 32-bit words, each two adjacent bf16 values of a row (little-endian: the even column in the
-    low half) -> (even columns, odd columns) in fp32: a bf16 is the high half of the fp32 it widens to."""
-    lo = (x << 16).to(tl.float32, bitcast=True)
-    hi = (x & 0xFFFF0000).to(tl.float32, bitcast=True)
+def _unpack_pairs(x, dtype: tl.constexpr):
+    """A tile of 32-bit words, each two adjacent `dtype` values of a row (little-endian: the even column in the
+    low half) -> (even columns, odd columns) in fp32. A bf16 is the high half of the fp32 it widens to; an fp16
+    widens by one conversion a half."""
+    if dtype == tl.bfloat16:
+        lo = (x << 16).to(tl.float32, bitcast=True)
+        hi = (x & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
 
 
 @triton.jit
-def _pack_pairs(lo, hi, c_lo, seed, SR: tl.constexpr, PTX: tl.constexpr):
-    """(even, odd) fp32 columns rounded to bf16 (nearest even, or stochastically with Philox counters c_lo and
+def _pack_pairs(lo, hi, c_lo, seed, dtype: tl.constexpr, SR: tl.constexpr, PTX: tl.constexpr):
+    """(even, odd) fp32 columns rounded to `dtype` (nearest even, or stochastically with Philox counters c_lo and
     c_lo + 1) and packed into 32-bit words, the inverse of `_unpack_pairs`. PTX (`DecodePlan.ptx`): one
-    conversion of both halves; else (HIP, the interpreter) the explicit rounding of `round_to`."""
+    conversion of both halves; else (HIP, the interpreter) the rounding of `round_to`."""
     if SR != 0:
         lo = _round_state(lo, c_lo, seed, SR)
         hi = _round_state(hi, c_lo + 1, seed, SR)
     if not PTX:
-        b_lo = round_to(lo, tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
-        b_hi = round_to(hi, tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b_lo = round_to(lo, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b_hi = round_to(hi, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
         y = b_lo | (b_hi << 16)
-    else:  # one conversion of both halves (two single ones and a permute otherwise)
+    elif dtype == tl.bfloat16:  # one conversion of both halves (two single ones and a permute otherwise)
         y = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
+                                      is_pure=True, pack=1)
+    else:
+        y = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
                                       is_pure=True, pack=1)
     return y
 
@@ -567,7 +575,7 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
                         USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
                         HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
                         PTX: tl.constexpr):
-    """`_one_token_k_held` on a bf16 K-first V block held as 32-bit words (two columns each): kept packed (half
+    """`_one_token_k_held` on a 2-byte K-first V block held as 32-bit words (two columns each): kept packed (half
     a register an element) across the reductions over K, unpacked again for the update. `zero` is a run-time 0:
     the second unpacking reads x ^ zero, so the compiler cannot reuse the first's fp32 values and keeps the
     packed tile instead (128 registers a thread instead of 96). The block's lines, read and written, are marked
@@ -584,18 +592,18 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
                                                  a, scale, lower_bound, i_hv, tl.uint32, K, BK, USE_GATE,
                                                  HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC,
                                                  FULL_TILE, True)
-    lo, hi = _unpack_pairs(x)
+    lo, hi = _unpack_pairs(x, src_plane.dtype.element_ty)
     # the four sums over K in one reduction (one exchange between warps instead of four)
     kS_lo, kS_hi, qS_lo, qS_hi = tl.reduce((lo * dk[:, None], hi * dk[:, None], lo * dq[:, None], hi * dq[:, None]),
                                            0, _add4)
     u_lo = beta_t * (tl.load(v_h + 2 * o_p, mask=p_ok, other=0.0).to(tl.float32) - kS_lo)
     u_hi = beta_t * (tl.load(v_h + 2 * o_p + 1, mask=p_ok, other=0.0).to(tl.float32) - kS_hi)
     if HAS_DST:
-        lo, hi = _unpack_pairs(x ^ zero)
+        lo, hi = _unpack_pairs(x ^ zero, src_plane.dtype.element_ty)
         lo = lo * d[:, None] + k_t[:, None] * u_lo[None, :]
         hi = hi * d[:, None] + k_t[:, None] * u_hi[None, :]
         c_lo = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + 2 * o_p[None, :]
-        y = _pack_pairs(lo, hi, c_lo, seed, SR, PTX)
+        y = _pack_pairs(lo, hi, c_lo, seed, dst_plane.dtype.element_ty, SR, PTX)
         dst = dst_plane.to(tl.pointer_type(tl.uint32), bitcast=True)
         tl.store(dst + tile_off, y, mask=None if FULL_TILE else k_ok[:, None] & p_ok[None, :],
                  eviction_policy="evict_first")
@@ -658,7 +666,7 @@ def _fused_recurrent_one_token_kernel(
         read = 1
         if HAS_INIT_FLAGS:
             read = (tl.load(has_initial_state + i_n) != 0).to(tl.int32)
-    if PACKED:  # the V block read once and held (`_one_token_k_held`; bf16 as words, `_one_token_k_packed`)
+    if PACKED:  # the V block read once and held (`_one_token_k_held`; 2-byte as words, `_one_token_k_packed`)
         dst_plane = state_dst + slot * dst_stride + i_hv * (K * V)
         q_t = q + i_h * s_qh + t * s_qt
         k_t = k + i_h * s_kh + t * s_kt
@@ -666,7 +674,7 @@ def _fused_recurrent_one_token_kernel(
         b_t = beta + i_hv * s_bh + t * s_bt
         v_t = v + i_hv * s_vh + t * s_vt
         a = decay_rate(A_log, i_hv, HAS_A_LOG)
-        if state_src.dtype.element_ty == tl.bfloat16:
+        if state_src.dtype.element_ty != tl.float32:
             o_lo, o_hi, o_p, p_ok = _one_token_k_packed(
                 src_plane, read, dst_plane, q_t, k_t, g_t, b_t, v_t, dt_bias, a, scale, lower_bound, i_vb, slot,
                 i_hv, seed, zero, HV, K, V, BK, BV, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM,
@@ -780,9 +788,10 @@ def fused_recurrent_kda_fwd(
     )
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
-        # bf16 words need V even (rows and head planes start on words) and 4-byte aligned pools, else the row chunks
+        # 2-byte words need V even (rows and head planes start on words) and 4-byte aligned pools, else the row
+        # chunks
         packed = plan.packed and (call.state_dtype == torch.float32 or (
-            call.state_dtype == torch.bfloat16 and V % 2 == 0 and all(
+            V % 2 == 0 and all(
                 s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0) for s in (st.src, st.dst))))
         grid = (cdiv(V, rows), HV, N) if plan.heads_fastest else (cdiv(V, rows), N, HV)
         _fused_recurrent_one_token_kernel[grid](
