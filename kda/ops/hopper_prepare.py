@@ -232,8 +232,9 @@ def _chunk_b2(b2_s, anc_s, g_h, s_gt, n_rows, a, bias_h, lower_bound, gt_h, K: g
 @gluon.jit
 def _anchor_store(anc_s, j: gl.constexpr, b2, o_t, r: gl.constexpr):
     """Row r of the register tile b2 (a channel a thread: the select stays in the thread) stored as row j of
-    `anc_s`; returned."""
-    row = gl.sum(gl.where((o_t == r)[:, None], b2, 0.0), 0)
+    `anc_s`; returned. The other rows enter the sum as -0.0, which every addition drops exactly, so the compiler
+    keeps one register instead of a chain of additions."""
+    row = gl.sum(gl.where((o_t == r)[:, None], b2, -0.0), 0)
     anc_s.slice(j, 1).store(gl.expand_dims(row, 0))
     return row
 
