@@ -101,8 +101,8 @@ def _locate(i_p, cu_seqlens, N, T, NT, IS_VARLEN: gl.constexpr, BT: gl.constexpr
 
 
 @gluon.jit
-def _one_row_chunk(q_h, k_h, anc_s, PA: gl.constexpr, PC: gl.constexpr, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq,
-                   b_beta, o_t, o_c, K: gl.constexpr, BK: gl.constexpr, FOLD: gl.constexpr):
+def _one_row_chunk(q_h, k_h, anc_s, PA: gl.constexpr, PC: gl.constexpr, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc,
+                   ws_base, n_base, rk, rq, b_beta, o_t, o_c, K: gl.constexpr, BK: gl.constexpr, FOLD: gl.constexpr):
     """`chunk_prepare._one_row_chunk` (fp16 workspaces, b2 from row 4 of `anc_s`): a chunk of one token stores its rows
     without a product, exact in fp32 (A_kk = 0, X = I, Xb = beta)."""
     first = o_t == 0
@@ -355,8 +355,8 @@ def _chunk_prepare_hopper_kernel(
         gl.store(sc + 2, v_max)  # now: no register holds it through the K loop
 
         if n_rows == 1:  # one token (a decode step in a varlen batch, a sequence's last token alone in its chunk)
-            _one_row_chunk(q_h, k_h, anc_s, PA, PCOL, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq, b_beta,
-                           o_t, o_c, K, BK, FOLD)
+            _one_row_chunk(q_h, k_h, anc_s, PA, PCOL, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq,
+                           b_beta, o_t, o_c, K, BK, FOLD)
         else:
             # the K loop: A_kk and A_qk as the twin forms them (kernel docstring)
             kk = gl.zeros([BT, BT], gl.float32, layout=MMA64)
