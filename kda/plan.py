@@ -303,9 +303,9 @@ def _check_device(plan: ChunkPlan, device: DeviceInfo) -> None:
     if plan.wait_chunks and plan.wait_in_loop and not device.spin and not device.interpreter:
         raise ValueError(f"ChunkPlan.wait_in_loop: a wait inside the walk's loop needs the PTX spin, which {device} "
                          "lacks")
-    if plan.prepare == "hopper" and not (device.gluon and plan.gate_pass and plan.ws_dtype == torch.float16):
+    if plan.prepare == "hopper" and not (device.gluon and plan.ws_dtype == torch.float16):
         raise ValueError(f"ChunkPlan.prepare='hopper': the Gluon prepare needs sm_90 under Triton {GLUON_TRITON} "
-                         f"({device}), the gate pass and fp16 workspaces")
+                         f"({device}) and fp16 workspaces")
 
 
 def route(call: KDACall, plan: ChunkPlan, device: DeviceInfo | None = None) -> Route:

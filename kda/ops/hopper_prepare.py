@@ -205,17 +205,32 @@ def _issue_copies(k_s, q_s, v_s, k_h, q_h, v_h, s_kt, s_qt, s_vt, n_rows, K: gl.
 
 
 @gluon.jit
-def _chunk_b2(b2_s, anc_s, g_h, s_gt, n_rows, a, bias_h, lower_bound, gt_h, K: gl.constexpr, BT: gl.constexpr,
+def _issue_gate_copy(g_s, g_h, s_gt, n_rows, K: gl.constexpr, BT: gl.constexpr, CG: gl.constexpr):
+    """The chunk's raw gate copied into `g_s` asynchronously, a group of its own (committed before the inputs'
+    group, so `_chunk_b2` waits for it alone); rows past the sequence zero."""
+    o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, CG))
+    o_c = gl.arange(0, K, layout=gl.SliceLayout(0, CG))
+    async_copy.async_copy_global_to_shared(g_s, g_h + o_t[:, None] * s_gt + o_c[None, :],
+                                           mask=(o_t < n_rows)[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_h, lower_bound, gt_h, K: gl.constexpr, BT: gl.constexpr,
               HAS_DT_BIAS: gl.constexpr, GT: gl.constexpr):
     """The chunk's b2 (the cumulative log2 decay from its start, Kimi's lower-bound gate as `common.kda_gate_log2`
     forms it with FAST) into `b2_s` ([BT, K] fp32), its rows BT/4, 3BT/4, BT/2, BT - 1 and 0 into `anc_s` ([8, K],
     unswizzled: a row of it is read whole, `_anchor_row`), and gt = 2^b2 of its last row into `gt_h`: a thread a
     channel, its BT rows in registers, so the scan runs in the thread (the twin's gate pass, `_chunk_gate_kernel`,
-    is a kernel of its own). Rows past the sequence add 0 (they repeat the last row's b2)."""
+    is a kernel of its own). Rows past the sequence add 0 (they repeat the last row's b2). The raw gate is read
+    from `g_s` (`_issue_gate_copy`; an fp32 gate is staged in `b2_s` itself: a thread reads, then overwrites, its
+    own channel only)."""
     o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, GT))
     o_c = gl.arange(0, K, layout=gl.SliceLayout(0, GT))
     row_ok = (o_t < n_rows)[:, None]
-    x = gl.load(g_h + o_t[:, None] * s_gt + o_c[None, :], mask=row_ok, other=0.0).to(gl.float32)
+    async_copy.wait_group(1)  # the gate's group; the inputs' may still be in flight
+    gl.thread_barrier()  # every thread's part of the copy
+    x = g_s.load(GT).to(gl.float32)
     if HAS_DT_BIAS:
         x = x + gl.load(bias_h + o_c).to(gl.float32)[None, :]
     e = gl.exp2(x * (a * -1.4426950408889634))
@@ -298,6 +313,9 @@ def _chunk_prepare_hopper_kernel(
     S_ANC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     CP: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     GT: gl.constexpr = gl.BlockedLayout([BT, 1], [1, 32], [1, 4], [0, 1])  # the gate: a channel a thread
+    G32: gl.constexpr = g.dtype.element_ty == gl.float32
+    CG: gl.constexpr = gl.BlockedLayout([1, 4 if G32 else 8], [1, 32], [4, 1], [1, 0])  # the raw gate's 16-byte copies
+    S_G16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
 
     if SIGNAL_CHUNKS > 0:
         i_p = gl.program_id(1) + p0
@@ -318,14 +336,19 @@ def _chunk_prepare_hopper_kernel(
         k_h = k + t0 * s_kt + i_h * s_kh
         ws_base = (t0 * HV + i_hv) * K
         n_base = (t0 * HV + i_hv) * BT
+        if G32:
+            g_s = b2_s
+        else:
+            g_s = gl.allocate_shared_memory(g.dtype.element_ty, [BT, K], S_G16)
+        _issue_gate_copy(g_s, g + t0 * s_gt + i_hv * s_gh, s_gt, n_rows, K, BT, CG)
         _issue_copies(k_s, q_s, v_s, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, s_kt, s_qt, s_vt, n_rows, K, V, BT, BK,
                       CP)
         a = 1.0
         if HAS_A_LOG:
             a = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
         # the gate and its scan while the copies run
-        _chunk_b2(b2_s, anc_s, g + t0 * s_gt + i_hv * s_gh, s_gt, n_rows, a, dt_bias + i_hv * K, lower_bound,
-                  gt_ws + (i_p * HV + i_hv) * K, K, BT, HAS_DT_BIAS, GT)
+        _chunk_b2(b2_s, anc_s, g_s, n_rows, a, dt_bias + i_hv * K, lower_bound, gt_ws + (i_p * HV + i_hv) * K, K,
+                  BT, HAS_DT_BIAS, GT)
 
         o_t = gl.arange(0, BT, layout=PROW)
         o_c = gl.arange(0, BK, layout=PCOL)
