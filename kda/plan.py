@@ -284,6 +284,8 @@ def prefill_plan(call: KDACall, device: DeviceInfo | None = None, **overrides) -
         plan = _beside_plan(plan, walk_BV != 64, tune)
     if overrides:
         plan = replace(plan, **overrides)
+        if plan.prepare == "hopper" and plan.gate_pass:  # the Gluon form forms b2 itself
+            plan = replace(plan, gate_pass=False)
         if not plan.fold and (plan.prepare not in ("fused", "hopper") or plan.ws_dtype != torch.float16):
             raise ValueError("ChunkPlan.fold=False needs the fused prepare and fp16 workspaces")
         _check_device(plan, device)
@@ -301,9 +303,9 @@ def _check_device(plan: ChunkPlan, device: DeviceInfo) -> None:
     if plan.wait_chunks and plan.wait_in_loop and not device.spin and not device.interpreter:
         raise ValueError(f"ChunkPlan.wait_in_loop: a wait inside the walk's loop needs the PTX spin, which {device} "
                          "lacks")
-    if plan.prepare == "hopper" and not (device.gluon and plan.gate_pass and plan.ws_dtype == torch.float16):
+    if plan.prepare == "hopper" and not (device.gluon and plan.ws_dtype == torch.float16):
         raise ValueError(f"ChunkPlan.prepare='hopper': the Gluon prepare needs sm_90 under Triton {GLUON_TRITON} "
-                         f"({device}), the gate pass and fp16 workspaces")
+                         f"({device}) and fp16 workspaces")
 
 
 def route(call: KDACall, plan: ChunkPlan, device: DeviceInfo | None = None) -> Route:
@@ -369,9 +371,9 @@ def gluon_prepare(call: KDACall, device: DeviceInfo) -> bool:
     it is the long pole and beside it the Gluon form is slower (docs/performance.md, "Tuning constants"). It needs
     K = V = 128 and as many q/k heads as value heads (the shapes its GPU tests and timings cover; K = V = 256
     compiles to 184 KB of shared memory, one program an SM), and q, k, v at 16-byte aligned addresses and token and
-    head strides (its asynchronous copies); `_chunk_plan` takes it only for the fused prepare after the gate pass
-    with fp16 workspaces. It changes the bits (about 2e-5 relative from the twin), so it follows the heads, K, V,
-    the inputs' layout and the device, never the batch."""
+    head strides (its asynchronous copies); `_chunk_plan` takes it only for the fused prepare with tf32 dots and
+    fp16 workspaces, in place of the gate pass (it forms b2 itself). It changes the bits (about 2e-5 relative from
+    the twin), so it follows the heads, K, V, the inputs' layout and the device, never the batch."""
     if (not device.gluon or call.HV * cdiv(call.V, 64) < device.sm_count or call.K != 128 or call.V != 128
             or call.H != call.HV):
         return False
@@ -408,14 +410,15 @@ def _beside(call: KDACall, walk_BV: int, device: DeviceInfo, tune: Tuning) -> bo
 
 def _tail_chunks(call: KDACall, walk_BV: int, plan: ChunkPlan, device: DeviceInfo, tune: Tuning) -> int:
     """The chunks beside which a walk too wide to run beside the whole prepare (`_beside`) runs
-    (`ChunkPlan.late_chunks`; `Tuning.late_per_slot`), or 0: one sequence, a long fused prepare with its gate pass
-    (`Tuning.beside_bv64_chunks`), a walk at V blocks of 64 (two programs an SM) whose programs leave at least a
-    quarter of the prepare's slots, fewer late chunks than chunks: with fewer than two walk programs an SM some SM
-    holds at most one, and a prepare program fits beside one, so on the whole GPU no wait reaches its budget
-    (where it would, the call still finishes: `kda.ops.overlap`)."""
+    (`ChunkPlan.late_chunks`; `Tuning.late_per_slot`), or 0: one sequence, a long fused prepare after its gate pass
+    or the Gluon one (`Tuning.beside_bv64_chunks`), a walk at V blocks of 64 (two programs an SM) whose programs
+    leave at least a quarter of the prepare's slots, fewer late chunks than chunks: with fewer than two walk programs
+    an SM some SM holds at most one, and a prepare program fits beside one, so on the whole GPU no wait reaches its
+    budget (where it would, the call still finishes: `kda.ops.overlap`)."""
     NT = cdiv(call.T, CHUNK)
     if (not _may_wait(call, device) or walk_BV != 64 or call.K > 128 or plan.prepare == "split"
-            or not plan.gate_pass or call.N != 1 or call.HV * NT < tune.beside_bv64_chunks):
+            or not (plan.gate_pass or plan.prepare == "hopper") or call.N != 1
+            or call.HV * NT < tune.beside_bv64_chunks):
         return 0
     slots = 2 * device.sm_count
     free = slots - call.HV * cdiv(call.V, 64)  # the prepare slots beside the walk's programs
@@ -449,12 +452,13 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     stages = max(1, min(tune.walk_max_stages, (device.max_smem - tune.walk_smem_reserve) // per_stage))
     if walk_tma and walk_BV == 64 and BK <= 128:
         stages = min(stages, 2)  # two programs an SM by TMA: twice the walk programs run at once
+    # the Gluon form stores fp16 workspaces and forms b2 itself (`gluon_prepare`): no gate pass before it
+    hopper = fused and gluon and prec == "tf32" and ws_dtype == torch.float16
     return ChunkPlan(
-        # the Gluon form reads b2 from the gate pass and stores fp16 workspaces (`gluon_prepare`)
-        prepare=("hopper" if gluon and prec == "tf32" and ws_dtype == torch.float16 else "fused") if fused else "split",
+        prepare="hopper" if hopper else ("fused" if fused else "split"),
         dot_prec=prec, ws_dtype=ws_dtype, prepare_BK=min(32, BK), cumsum_fp64=prec == "ieee",
         gate_BK=min(64, BK),
-        gate_pass=prec != "ieee",  # the fp32 cumsum in its own pass is faster (docs/performance.md)
+        gate_pass=prec != "ieee" and not hopper,  # the twin's fp32 cumsum: faster in its own pass (docs/performance.md)
         walk_BV=walk_BV, walk_stages=stages, walk_tma=walk_tma, short_len=tune.short_len,
         fold=not (wide and fused and ws_dtype == torch.float16), spin=device.spin,
     )

@@ -1,6 +1,6 @@
 """The Gluon prepare (`kda/ops/hopper_prepare.py`, `ChunkPlan.prepare == "hopper"`) on a Hopper GPU: held to the
-float64 oracle at tests/test_gpu.py's bounds and to its `tl` twin (the same function; the products' rounding order
-differs, 3e-5 apart at most where measured), in dense calls of one or several sequences, a chunk of one token, varlen
+float64 oracle at tests/test_gpu.py's bounds and to its `tl` twin (the same function; its gate scan and the products'
+rounding order differ), in dense calls of one or several sequences, a chunk of one token, varlen
 with empty, one-token and routed sequences, and the walk beside the prepare (its counters). The public call takes it
 where the plan picks it (`kda.plan.gluon_prepare`: 96 heads) and the twin elsewhere (12 heads, a misaligned head
 stride), bit for bit what the forced plan gives. sm_90 under a Triton release the kernel was tested with only."""
@@ -21,7 +21,17 @@ pytestmark = [
                        reason="the Gluon kernels are Hopper's (sm_90), under Triton releases they were tested with"),
 ]
 
-TWIN_BOUND = 2e-4  # relative L2 against the twin: an eighth of the bf16 output's rounding floor (1.66e-3)
+TWIN_STATE = 2e-4  # the fp32 final state's relative L2 against the twin (measured 2e-6 to 2e-5)
+# the bf16 output's against the twin: the Gluon form scans the raw gate in the thread where the twin takes the gate
+# pass's b2, so values a few ulp apart in fp32 round to neighbouring bf16 values in a few percent of the outputs
+# (measured 4.6e-4 to 4.8e-4); half the bf16 rounding floor (1.66e-3), and each as near the oracle as the twin
+TWIN_OUTPUT = 8.3e-4
+
+
+def _as_the_twin(o_h, s_h, o_t, s_t, ro=None):
+    assert rel_err(o_h, o_t) <= TWIN_OUTPUT and rel_err(s_h, s_t) <= TWIN_STATE
+    if ro is not None:
+        assert rel_err(o_h, ro) <= 1.02 * rel_err(o_t, ro)
 
 
 def _inputs(B, T, H, lengths=None, seed=0, pad=0):
@@ -56,7 +66,7 @@ def test_against_float64_and_the_twin(B, T, lengths):
     o_t, s_t = _run(args, h0, kw, "fused")
     ro, rs = ref.chunk_kda(*args, initial_state=h0.double(), output_final_state=True, allow_float64=True, **kw)
     assert rel_err(o_h, ro) <= 2.5e-3 and rel_err(s_h, rs) <= 1.5e-3
-    assert rel_err(o_h, o_t) <= TWIN_BOUND and rel_err(s_h, s_t) <= TWIN_BOUND
+    _as_the_twin(o_h, s_h, o_t, s_t, ro)
 
 
 def test_beside_the_walk_at_32_heads():
@@ -64,7 +74,7 @@ def test_beside_the_walk_at_32_heads():
     args, h0, kw = _inputs(1, 4096, 32, seed=5)
     o_h, s_h = _run(args, h0, kw, "hopper")
     o_t, s_t = _run(args, h0, kw, "fused")
-    assert rel_err(o_h, o_t) <= TWIN_BOUND and rel_err(s_h, s_t) <= TWIN_BOUND
+    _as_the_twin(o_h, s_h, o_t, s_t)
 
 
 @pytest.mark.parametrize("H,pad,prepare", [(96, 0, "hopper"), (12, 0, "fused"), (96, 8, "fused")],

@@ -214,7 +214,8 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
     signal = plan.wait_chunks if ready is not None else 0
     if signal and not (fused and plan.gate_pass):  # no gate pass to zero the counters
         _zero_counters_kernel[(cdiv(ready.numel(), 1024),)](ready, ready.numel(), BLOCK=1024, num_warps=4)
-        after_gate()
+        if not fused:
+            after_gate()
     ready = gt_ws if ready is None else ready  # a stand-in never touched (SIGNAL_CHUNKS 0)
     if fused:
         gate = dict(HAS_A_LOG=call.A_log is not None, HAS_DT_BIAS=call.dt_bias is not None)
@@ -229,15 +230,15 @@ def _prepare(call: KDACall, plan: ChunkPlan, inputs: tuple, ws: tuple, T: int, g
         late = min(plan.late_chunks, grid_chunks - 1)  # grid_chunks >= 1 here
         parts = ((0, grid_chunks - late), (grid_chunks - late, late)) if late else ((0, grid_chunks),)
         for i, (p0, n_p) in enumerate(parts):
-            if signal and plan.gate_pass and i == len(parts) - 1:
+            if signal and i == len(parts) - 1:
                 after_gate()  # the walk forks before the last launch: it starts once the chunks before are stored
             if plan.prepare == "hopper":
                 _hopper_prepare()[(HV, n_p) if signal else (n_p, HV)](
-                    q, k, v, beta, cu, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
-                    *strides, *v_strides, *g_beta[2:], T, N, NT, p0, n_p, call.scale,
+                    q, k, v, g, beta, A_log, dt_bias, cu, kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws, ready, x_ws,
+                    *strides, *v_strides, *g_beta, T, N, NT, p0, n_p, call.scale, lower_bound,
                     H=H, HV=HV, K=K, V=V, BT=BT, BC=plan.BC, BK=plan.prepare_BK, IS_VARLEN=varlen, SHORT=short,
-                    USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, SIGNAL_CHUNKS=signal, FOLD=plan.fold,
-                    LAST_WAITS=signal > 0 and plan.spin, num_warps=4,
+                    **gate, USE_BETA_SIGMOID=call.use_beta_sigmoid_in_kernel, SIGNAL_CHUNKS=signal,
+                    FOLD=plan.fold, LAST_WAITS=signal > 0 and plan.spin, num_warps=4,
                 )
                 continue
             _chunk_prepare_kernel[(HV, n_p) if signal else (n_p, HV)](

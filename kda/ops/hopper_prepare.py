@@ -1,13 +1,14 @@
 """The fused prepare of `chunk_kda` for Hopper (sm_90), in Gluon: the same stage as `chunk_prepare._chunk_prepare_kernel`
 (its `tl` twin, which the CPU tests hold to the oracle and every other device runs), for the plans `kda.plan` gives it
-(`ChunkPlan.prepare == "hopper"`: Kimi's bounded gate with 16-bit inputs, b2 from the gate pass, fp16 workspaces, K a
-multiple of 32, 16-byte aligned token strides for the asynchronous copies). Imported only when a plan picks it, so
-`import kda` never needs Gluon.
+(`ChunkPlan.prepare == "hopper"`: Kimi's bounded gate with 16-bit inputs, no gate pass, fp16 workspaces, K = 128,
+16-byte aligned token strides for the asynchronous copies). Imported only when a plan picks it, so `import kda` never
+needs Gluon.
 
 How it differs from the twin (one program per (chunk, value head), one warpgroup of 4 warps):
-- The chunk's k, q, v, b2 and b2's anchor rows are copied into shared memory asynchronously as the program starts
-  (`_issue_copies`: k, q, v and the anchors as one group, b2 a group per K slice), so the norms pass waits once and
-  each K slice only for its own b2; the twin loads each slice from global memory as it reaches it.
+- The chunk's k, q and v are copied into shared memory asynchronously as the program starts (`_issue_copies`), and
+  while they come the program forms b2 itself from the raw gate (`_chunk_b2`: a thread a channel, the scan in its
+  registers) into shared memory, with the walk's gt: no gate pass before it (the twin either reads b2 from
+  `_chunk_gate_kernel` or scans it per K slice across its warps). The anchor rows are rows of that tile.
 - Every K-loop operand is formed in the registers the tensor cores read it from (`_as_operand`: warpgroup_mma's
   register A operand), each B tile stored to shared memory once; the twin's `tl.dot` goes through shared memory.
 - A_kk's (and A_qk's) diagonal quadrants in one tf32 product per K slice (every row at its half's middle row against
@@ -100,9 +101,9 @@ def _locate(i_p, cu_seqlens, N, T, NT, IS_VARLEN: gl.constexpr, BT: gl.constexpr
 
 
 @gluon.jit
-def _one_row_chunk(q_h, k_h, b2_h, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq, b_beta, o_t, o_c,
-                   K: gl.constexpr, BK: gl.constexpr, FOLD: gl.constexpr):
-    """`chunk_prepare._one_row_chunk` (fp16 workspaces, b2 from the gate pass): a chunk of one token stores its rows
+def _one_row_chunk(q_h, k_h, anc_s, PA: gl.constexpr, PC: gl.constexpr, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc,
+                   ws_base, n_base, rk, rq, b_beta, o_t, o_c, K: gl.constexpr, BK: gl.constexpr, FOLD: gl.constexpr):
+    """`chunk_prepare._one_row_chunk` (fp16 workspaces, b2 from row 4 of `anc_s`): a chunk of one token stores its rows
     without a product, exact in fp32 (A_kk = 0, X = I, Xb = beta)."""
     first = o_t == 0
     rk0 = gl.sum(gl.where(first, rk, 0.0), 0)
@@ -117,7 +118,7 @@ def _one_row_chunk(q_h, k_h, b2_h, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, 
         cols = s * BK + o_c
         kn = gl.load(k_h + cols).to(gl.float32) * rk0
         qn = gl.load(q_h + cols).to(gl.float32) * rq0
-        d = gl.exp2(gl.load(b2_h + cols))
+        d = gl.exp2(_anchor_row(anc_s.slice(s * BK, BK, 1), 4, PA, PC))
         gl.store(qd_ws + ws_base + cols, (qn * d).to(gl.float16))
         gl.store(kd_ws + ws_base + cols, (kn * d).to(gl.float16))
         gl.store(m_ws + ws_base + cols, (kn * m_row).to(gl.float16))
@@ -184,18 +185,14 @@ def _cat_acc(lo, hi, L: gl.constexpr):
 
 
 @gluon.jit
-def _issue_copies(k_s, q_s, v_s, b2_s, anc_s, k_h, q_h, v_h, b2_h, s_kt, s_qt, s_vt, n_rows,
-               HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-               CP: gl.constexpr, ANC: gl.constexpr):
-    """`_issue_copies` for one item (one buffer): k, q, v and b2's anchor rows as one group, b2 a group per K slice;
-    rows past the sequence: k, q, v zero, b2 the last row's."""
+def _issue_copies(k_s, q_s, v_s, k_h, q_h, v_h, s_kt, s_qt, s_vt, n_rows, K: gl.constexpr, V: gl.constexpr,
+                  BT: gl.constexpr, BK: gl.constexpr, CP: gl.constexpr):
+    """The chunk's k, q and v copied into shared memory asynchronously, one group; rows past the sequence zero."""
     NKS: gl.constexpr = K // BK
     NV: gl.constexpr = (V + BK - 1) // BK
-    HALF: gl.constexpr = BT // 2
     o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, CP))
     o_c = gl.arange(0, BK, layout=gl.SliceLayout(0, CP))
     m_rows = (o_t < n_rows)[:, None]
-    last_row = n_rows - 1
     for s in gl.static_range(NKS):
         cols = s * BK + o_c
         async_copy.async_copy_global_to_shared(k_s.index(s), k_h + o_t[:, None] * s_kt + cols[None, :], mask=m_rows)
@@ -204,29 +201,69 @@ def _issue_copies(k_s, q_s, v_s, b2_s, anc_s, k_h, q_h, v_h, b2_h, s_kt, s_qt, s
         cols = s * BK + o_c
         async_copy.async_copy_global_to_shared(v_s.index(s), v_h + o_t[:, None] * s_vt + cols[None, :],
                                                mask=m_rows & (cols < V)[None, :])
-    j = gl.arange(0, 8, layout=gl.SliceLayout(1, ANC))
-    r_anc = gl.where(j == 0, HALF // 2, gl.where(j == 1, HALF + HALF // 2, gl.where(j == 2, HALF, BT - 1)))
-    r_anc = gl.minimum(r_anc, last_row)
-    c_anc = gl.arange(0, BK, layout=gl.SliceLayout(0, ANC))
-    for s in gl.static_range(NKS):
-        async_copy.async_copy_global_to_shared(anc_s.index(s), b2_h + r_anc[:, None] * (HV * K) + (s * BK + c_anc)[None, :])
     async_copy.commit_group()
-    b2_rows = gl.minimum(o_t, last_row)
-    for s in gl.static_range(NKS):
-        cols = s * BK + o_c
-        async_copy.async_copy_global_to_shared(b2_s.index(s), b2_h + b2_rows[:, None] * (HV * K) + cols[None, :])
-        async_copy.commit_group()
+
+
+@gluon.jit
+def _issue_gate_copy(g_s, g_h, s_gt, n_rows, K: gl.constexpr, BT: gl.constexpr, CG: gl.constexpr):
+    """The chunk's raw gate copied into `g_s` asynchronously, a group of its own (committed before the inputs'
+    group, so `_chunk_b2` waits for it alone); rows past the sequence zero."""
+    o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, CG))
+    o_c = gl.arange(0, K, layout=gl.SliceLayout(0, CG))
+    async_copy.async_copy_global_to_shared(g_s, g_h + o_t[:, None] * s_gt + o_c[None, :],
+                                           mask=(o_t < n_rows)[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_h, lower_bound, gt_h, K: gl.constexpr, BT: gl.constexpr,
+              HAS_DT_BIAS: gl.constexpr, GT: gl.constexpr):
+    """The chunk's b2 (the cumulative log2 decay from its start, Kimi's lower-bound gate as `common.kda_gate_log2`
+    forms it with FAST) into `b2_s` ([BT, K] fp32), its rows BT/4, 3BT/4, BT/2, BT - 1 and 0 into `anc_s` ([8, K],
+    unswizzled: a row of it is read whole, `_anchor_row`), and gt = 2^b2 of its last row into `gt_h`: a thread a
+    channel, its BT rows in registers, so the scan runs in the thread (the twin's gate pass, `_chunk_gate_kernel`,
+    is a kernel of its own). Rows past the sequence add 0 (they repeat the last row's b2). The raw gate is read
+    from `g_s` (`_issue_gate_copy`; an fp32 gate is staged in `b2_s` itself: a thread reads, then overwrites, its
+    own channel only)."""
+    o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, GT))
+    o_c = gl.arange(0, K, layout=gl.SliceLayout(0, GT))
+    row_ok = (o_t < n_rows)[:, None]
+    async_copy.wait_group(1)  # the gate's group; the inputs' may still be in flight
+    gl.thread_barrier()  # every thread's part of the copy
+    x = g_s.load(GT).to(gl.float32)
+    if HAS_DT_BIAS:
+        x = x + gl.load(bias_h + o_c).to(gl.float32)[None, :]
+    e = gl.exp2(x * (a * -1.4426950408889634))
+    b2 = gl.associative_scan(gl.where(row_ok, gl.fdiv(lower_bound * 1.4426950408889634, 1.0 + e), 0.0), 0, _add)
+    b2_s.store(b2)
+    HALF: gl.constexpr = BT // 2
+    _anchor_store(anc_s, 0, b2, o_t, HALF // 2)
+    _anchor_store(anc_s, 1, b2, o_t, HALF + HALF // 2)
+    _anchor_store(anc_s, 2, b2, o_t, HALF)
+    _anchor_store(anc_s, 4, b2, o_t, 0)
+    gl.store(gt_h + o_c, gl.exp2(_anchor_store(anc_s, 3, b2, o_t, BT - 1)))
+
+
+@gluon.jit
+def _anchor_store(anc_s, j: gl.constexpr, b2, o_t, r: gl.constexpr):
+    """Row r of the register tile b2 (a channel a thread: the select stays in the thread) stored as row j of
+    `anc_s`; returned. The other rows enter the sum as -0.0, which every addition drops exactly, so the compiler
+    keeps one register instead of a chain of additions."""
+    row = gl.sum(gl.where((o_t == r)[:, None], b2, -0.0), 0)
+    anc_s.slice(j, 1).store(gl.expand_dims(row, 0))
+    return row
 
 
 @direct
 @gluon.jit
 def _chunk_prepare_hopper_kernel(
-    q, k, v, beta, cu_seqlens, kd_ws, qd_ws, m_ws, n_ws, b2_ws, sc_ws, ready, x_ws,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_bt, s_bh,
-    T, N, NT, p0, n_p, scale,
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, kd_ws, qd_ws, m_ws, n_ws, gt_ws, sc_ws, ready, x_ws,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
+    T, N, NT, p0, n_p, scale, lower_bound,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
     BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr, IS_VARLEN: gl.constexpr, SHORT: gl.constexpr,
-    USE_BETA_SIGMOID: gl.constexpr, SIGNAL_CHUNKS: gl.constexpr, FOLD: gl.constexpr, LAST_WAITS: gl.constexpr,
+    HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr, USE_BETA_SIGMOID: gl.constexpr, SIGNAL_CHUNKS: gl.constexpr,
+    FOLD: gl.constexpr, LAST_WAITS: gl.constexpr,
 ):
     """What the twin `_chunk_prepare_kernel` stores (Qd, Kd, M, N, Xb, the scales; the chunk counted where the walk
     awaits it), one program per (chunk, value head), 4 warps. The K loop forms A_kk and A_qk with the twin's
@@ -238,6 +275,7 @@ def _chunk_prepare_hopper_kernel(
     gl.static_assert(BK == 32)
     gl.static_assert(K % BK == 0)
     gl.static_assert(gl.num_warps() == 4)
+    gl.static_assert(K == 32 * 4)  # the gate's scan: a thread a channel
     HALF: gl.constexpr = BT // 2
     NKS: gl.constexpr = K // BK
     NV: gl.constexpr = (V + BK - 1) // BK
@@ -274,7 +312,10 @@ def _chunk_prepare_hopper_kernel(
     S_IN32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
     S_ANC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     CP: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    ANC: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 4], [1, 0])
+    GT: gl.constexpr = gl.BlockedLayout([BT, 1], [1, 32], [1, 4], [0, 1])  # the gate: a channel a thread
+    G32: gl.constexpr = g.dtype.element_ty == gl.float32
+    CG: gl.constexpr = gl.BlockedLayout([1, 4 if G32 else 8], [1, 32], [4, 1], [1, 0])  # the raw gate's 16-byte copies
+    S_G16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
 
     if SIGNAL_CHUNKS > 0:
         i_p = gl.program_id(1) + p0
@@ -288,16 +329,26 @@ def _chunk_prepare_hopper_kernel(
         k_s = gl.allocate_shared_memory(k.dtype.element_ty, [NKS, BT, BK], S_IN16)
         q_s = gl.allocate_shared_memory(q.dtype.element_ty, [NKS, BT, BK], S_IN16)
         v_s = gl.allocate_shared_memory(v.dtype.element_ty, [NV, BT, BK], S_IN16)
-        b2_s = gl.allocate_shared_memory(gl.float32, [NKS, BT, BK], S_IN32)
-        anc_s = gl.allocate_shared_memory(gl.float32, [NKS, 8, BK], S_ANC)
+        b2_s = gl.allocate_shared_memory(gl.float32, [BT, K], S_IN32)  # a K slice: b2_s.slice(s * BK, BK, 1)
+        anc_s = gl.allocate_shared_memory(gl.float32, [8, K], S_ANC)  # b2's anchor rows (`_chunk_b2`)
         n_rows = gl.minimum(eos - t0, BT).to(gl.int32)
         q_h = q + t0 * s_qt + i_h * s_qh
         k_h = k + t0 * s_kt + i_h * s_kh
         ws_base = (t0 * HV + i_hv) * K
         n_base = (t0 * HV + i_hv) * BT
-        b2_h = b2_ws + ws_base
-        _issue_copies(k_s, q_s, v_s, b2_s, anc_s, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, b2_h, s_kt, s_qt, s_vt, n_rows,
-                   HV, K, V, BT, BK, CP, ANC)
+        if G32:
+            g_s = b2_s
+        else:
+            g_s = gl.allocate_shared_memory(g.dtype.element_ty, [BT, K], S_G16)
+        _issue_gate_copy(g_s, g + t0 * s_gt + i_hv * s_gh, s_gt, n_rows, K, BT, CG)
+        _issue_copies(k_s, q_s, v_s, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, s_kt, s_qt, s_vt, n_rows, K, V, BT, BK,
+                      CP)
+        a = 1.0
+        if HAS_A_LOG:
+            a = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
+        # the gate and its scan while the copies run
+        _chunk_b2(b2_s, anc_s, g_s, n_rows, a, dt_bias + i_hv * K, lower_bound, gt_ws + (i_p * HV + i_hv) * K, K,
+                  BT, HAS_DT_BIAS, GT)
 
         o_t = gl.arange(0, BT, layout=PROW)
         o_c = gl.arange(0, BK, layout=PCOL)
@@ -308,7 +359,8 @@ def _chunk_prepare_hopper_kernel(
             b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
         b_beta = gl.where(row_ok, b_beta, 0.0)
         # the norms pass (k, q, and max|V| for the walk's bound on D) from the staged tiles
-        async_copy.wait_group(NKS)
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # b2_s stored by every thread
         ssk = gl.zeros([BT], gl.float32, layout=PROW)
         ssq = gl.zeros([BT], gl.float32, layout=PROW)
         for s in gl.static_range(NKS):
@@ -326,9 +378,8 @@ def _chunk_prepare_hopper_kernel(
         gl.store(sc + 2, v_max)  # now: no register holds it through the K loop
 
         if n_rows == 1:  # one token (a decode step in a varlen batch, a sequence's last token alone in its chunk)
-            async_copy.wait_group(0)  # its b2 groups, before the program ends
-            _one_row_chunk(q_h, k_h, b2_h, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq, b_beta,
-                           o_t, o_c, K, BK, FOLD)
+            _one_row_chunk(q_h, k_h, anc_s, PA, PCOL, qd_ws, kd_ws, m_ws, n_ws, x_ws, sc, ws_base, n_base, rk, rq,
+                           b_beta, o_t, o_c, K, BK, FOLD)
         else:
             # the K loop: A_kk and A_qk as the twin forms them (kernel docstring)
             kk = gl.zeros([BT, BT], gl.float32, layout=MMA64)
@@ -341,9 +392,8 @@ def _chunk_prepare_hopper_kernel(
             kr_s = gl.allocate_shared_memory(gl.float16, [NKS, BT, BK], S_KR)
             for s in gl.static_range(NKS):
                 cols = s * BK + o_c
-                async_copy.wait_group(NKS - 1 - s)
-                b2 = b2_s.index(s).load(P)
-                a_t = anc_s.index(s)
+                b2 = b2_s.slice(s * BK, BK, 1).load(P)
+                a_t = anc_s.slice(s * BK, BK, 1)
                 b2_q1 = _anchor_row(a_t, 0, PA, PCOL)[None, :]
                 b2_q3 = _anchor_row(a_t, 1, PA, PCOL)[None, :]
                 b2_mid = _anchor_row(a_t, 2, PA, PCOL)[None, :]
