@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# a cache of its own: the launch cache may be a packed one (scripts/triton_cache.py keeps no ttgir or ptx to read)
+os.environ["TRITON_CACHE_DIR"] = str(Path.home() / ".triton" / "offline_compile_cache")
 
 import torch  # noqa: E402
 import triton  # noqa: E402

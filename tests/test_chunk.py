@@ -1086,8 +1086,8 @@ def test_walk_at_the_prepares_tail_leaves_prepare_slots(sms, triton):
     of it): its programs wait until those chunks are stored, so the plan puts it there only where they run two an
     SM at V blocks of 64 and leave at least a quarter of the prepare's slots (then some SM holds at most one walk
     program, and a prepare program fits beside it: no wait reaches its budget on the whole GPU), for one whole
-    sequence with the fused prepare after its gate pass (or the Gluon one), never beside the whole prepare as well; the late chunks are fewer
-    than the chunks."""
+    sequence with the fused prepare after its gate pass (or the Gluon one), never beside the whole prepare as
+    well; the late chunks are fewer than the chunks."""
     from types import SimpleNamespace
 
     from kda import plan as P

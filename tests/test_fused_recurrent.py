@@ -174,16 +174,22 @@ def test_has_initial_state_false_equals_zero_start(v_first):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("v_first", [True, False])
 def test_no_initial_state_equals_zero_planes(v_first, state_dtype, in_dtype):
-    """One token a sequence without an initial state gives the bits of a start from planes of zeros, whatever
+    """One token a sequence without an initial state gives what a start from planes of zeros gives, whatever
     the inputs' dtype beside the pool's (the kernels pick their form by the state's dtype: a bf16 q standing
-    in for an absent fp32 pool once wrote bf16 words into the fp32 final state)."""
+    in for an absent fp32 pool once wrote bf16 words into the fp32 final state): the same bits under the
+    interpreter; compiled, the two are different specialisations whose fp32 arithmetic may contract apart,
+    so at most two units of the stored dtype's roundoff."""
     H, HV, K, V = 1, 2, 32, 32
     q, k, v, g, beta, kw = make_inputs(3, 1, H, HV, K, V, dtype=in_dtype, gate="lower_bound", seed=5)
     kw.update(state_v_first=v_first, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, s = kda.fused_recurrent_kda(q, k, v, g, beta, state_dtype=state_dtype, **kw)
     zeros = torch.zeros(3, *state_plane(HV, K, V, v_first), dtype=state_dtype, device=DEVICE)
     o0, s0 = kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=zeros, **kw)
-    assert s.dtype == state_dtype and same_bits(o, o0) and same_bits(s, s0)
+    assert s.dtype == state_dtype
+    if DEVICE == "cpu":
+        assert same_bits(o, o0) and same_bits(s, s0)
+    else:
+        assert rel(o, o0) <= 2 * torch.finfo(o.dtype).eps and rel(s, s0) <= 2 * torch.finfo(s.dtype).eps
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
