@@ -372,8 +372,9 @@ def gluon_prepare(call: KDACall, device: DeviceInfo) -> bool:
     K = V = 128 and as many q/k heads as value heads (the shapes its GPU tests and timings cover; K = V = 256
     compiles to 184 KB of shared memory, one program an SM), and q, k, v at 16-byte aligned addresses and token and
     head strides (its asynchronous copies); `_chunk_plan` takes it only for the fused prepare with tf32 dots and
-    fp16 workspaces, in place of the gate pass (it forms b2 itself). It changes the bits (about 2e-5 relative from
-    the twin), so it follows the heads, K, V, the inputs' layout and the device, never the batch."""
+    fp16 workspaces, in place of the gate pass (it forms b2 itself). It changes the bits (the state about 2e-5
+    relative from the twin's, the bf16 output 5e-4), so it follows the heads, K, V, the inputs' layout and the
+    device, never the batch."""
     if (not device.gluon or call.HV * cdiv(call.V, 64) < device.sm_count or call.K != 128 or call.V != 128
             or call.H != call.HV):
         return False
