@@ -284,11 +284,11 @@ def prefill_plan(call: KDACall, device: DeviceInfo | None = None, **overrides) -
         plan = _beside_plan(plan, walk_BV != 64, tune)
     if overrides:
         plan = replace(plan, **overrides)
-        if plan.prepare == "hopper" and plan.gate_pass:  # the Gluon form forms b2 itself
-            plan = replace(plan, gate_pass=False)
         if not plan.fold and (plan.prepare not in ("fused", "hopper") or plan.ws_dtype != torch.float16):
             raise ValueError("ChunkPlan.fold=False needs the fused prepare and fp16 workspaces")
         _check_device(plan, device)
+        if plan.prepare == "hopper" and plan.gate_pass:
+            raise ValueError("ChunkPlan.prepare='hopper' forms b2 itself: it takes gate_pass=False")
     return plan, route(call, plan, device)
 
 

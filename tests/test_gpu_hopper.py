@@ -51,8 +51,9 @@ def _inputs(B, T, H, lengths=None, seed=0, pad=0):
 
 
 def _run(args, h0, kw, prepare):
-    o, s, plan = run_planned(kda.chunk_kda, *args, {"prepare": prepare}, initial_state=h0, output_final_state=True,
-                             **kw)
+    # the twin as every other device runs it, after its gate pass; the Gluon form scans the gate itself
+    o, s, plan = run_planned(kda.chunk_kda, *args, {"prepare": prepare, "gate_pass": prepare != "hopper"},
+                             initial_state=h0, output_final_state=True, **kw)
     assert plan.prepare == prepare
     return o, s
 

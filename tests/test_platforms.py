@@ -245,6 +245,8 @@ def test_the_gluon_prepare_only_where_the_plan_measured_and_tested_it(prefill_ca
     for device in others:
         with pytest.raises(ValueError, match="Gluon prepare"):
             P.prefill_plan(wide, device=device, prepare="hopper")
+    with pytest.raises(ValueError, match="forms b2 itself"):  # a gate pass it would never read
+        P.prefill_plan(wide, device=h200_36, prepare="hopper", gate_pass=True)
     # shapes its GPU tests do not cover take the twin: 48 q/k heads for 96 value heads, K = V = 256
     for H, HV, KV in ((48, 96, 128), (96, 96, 256)):
         gva = checked_call(kda.chunk_kda, _meta(1, 4096, H, KV), _meta(1, 4096, H, KV), _meta(1, 4096, HV, KV),
