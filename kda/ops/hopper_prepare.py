@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .common import bad_bounds, chunk_program, locate_block, seq_bounds
+from .common import LOG2E, bad_bounds, chunk_program, locate_block, seq_bounds
 from .launch import direct
 
 
@@ -233,8 +233,8 @@ def _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_h, lower_bound, gt_h, K: gl.cons
     x = g_s.load(GT).to(gl.float32)
     if HAS_DT_BIAS:
         x = x + gl.load(bias_h + o_c).to(gl.float32)[None, :]
-    e = gl.exp2(x * (a * -1.4426950408889634))
-    b2 = gl.associative_scan(gl.where(row_ok, gl.fdiv(lower_bound * 1.4426950408889634, 1.0 + e), 0.0), 0, _add)
+    e = gl.exp2(x * (a * -LOG2E))
+    b2 = gl.associative_scan(gl.where(row_ok, gl.fdiv(lower_bound * LOG2E, 1.0 + e), 0.0), 0, _add)
     b2_s.store(b2)
     HALF: gl.constexpr = BT // 2
     _anchor_store(anc_s, 0, b2, o_t, HALF // 2)
@@ -273,7 +273,6 @@ def _chunk_prepare_hopper_kernel(
     read (`_as_operand`), each B tile stored once."""
     gl.static_assert(BT == 64)
     gl.static_assert(BK == 32)
-    gl.static_assert(K % BK == 0)
     gl.static_assert(gl.num_warps() == 4)
     gl.static_assert(K == 32 * 4)  # the gate's scan: a thread a channel
     HALF: gl.constexpr = BT // 2
