@@ -125,6 +125,7 @@ CASES = {
     "decode-vfirst-256-h32": _decode(B=256, T=1, H=32),
     "decode-kfirst-256-h32": _decode(B=256, T=1, H=32, v_first=False),
     "verify-kfirst-256x4-h32": _decode(B=256, T=4, H=32, v_first=False, verify=4),
+    "verify-vfirst-256x4-h32": _decode(B=256, T=4, H=32, v_first=True, verify=4),
 }
 POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

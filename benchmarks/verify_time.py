@@ -5,7 +5,8 @@ once, the T states written, the inputs and outputs, at the measured copy bandwid
 (`_fused_recurrent_kda_kernel`); `--plans` times other tiles of it (`kda.plan.decode_plan` overridden, recorded
 calls cleared per plan) and prints each one's largest output difference from the planned tile's.
 
-    python benchmarks/verify_time.py [--plans NAME,...|all] [--pools fp32,bf16,fp16]      (a CUDA device)
+    python benchmarks/verify_time.py [--plans NAME,...|all] [--pools fp32,bf16,fp16] [--layouts v_first,k_first]
+        (a CUDA device)
 """
 
 import argparse
@@ -38,6 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/verify_time.py")
     p.add_argument("--plans", default="planned", help="comma list of PLANS names, or all (default: planned)")
     p.add_argument("--pools", default="fp32,bf16,fp16", help="pool dtypes (default fp32,bf16,fp16)")
+    p.add_argument("--layouts", default="v_first,k_first", help="pool layouts (default v_first,k_first)")
     args = p.parse_args()
     names = list(PLANS) if args.plans == "all" else args.plans.split(",")
     dev = "cuda"
@@ -51,7 +53,7 @@ def main() -> None:
     bounds = list(range(0, N * T + 1, T))
     out = torch.empty_like(v)
     planner = kp.decode_plan
-    for v_first in (True, False):
+    for v_first in [name == "v_first" for name in args.layouts.split(",")]:
         for pool_name in args.pools.split(","):
             pool_dtype = DTYPES[pool_name]
             plane = (H, V, K) if v_first else (H, K, V)

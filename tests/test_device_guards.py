@@ -79,9 +79,9 @@ def test_bounds_out_of_range_make_no_op_sequences(fn, case, device):
     assert torch.equal(bits(s[:, HV * K * V:]), bits(before[:, HV * K * V:]))  # the padding past each plane
 
 
-def _verify_call(device, idx_rows, accepted, errors):
+def _verify_call(device, idx_rows, accepted, errors, dtype=torch.float32):
     q, k, v, g, beta, kw = make_inputs(1, 5, H, HV, K, V, gate="lower_bound", device=device, seed=72)
-    storage, pool = poisoned_pool(8, (HV, K, V), torch.float32, device)
+    storage, pool = poisoned_pool(8, (HV, K, V), dtype, device)
     pool[[0, 3]] = 0.5
     call = checked_call(kda.fused_recurrent_kda, q, k, v, g, beta,
                         cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32, device=device),
@@ -102,9 +102,11 @@ def _verify_call(device, idx_rows, accepted, errors):
     ("kept slot past the pool", [[0, 1, 9], [3, 4, 5]], [1, 1], [kda.ERROR_KEPT_SLOT, 0]),
     ("kept slot past the sequence's end: not looked at", [[0, 1, 2], [3, 4, 99]], [1, 1], [0, 0]),
 ])
-def test_verify_error_word(case, rows, accepted, expect, device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16 words"])
+def test_verify_error_word(case, rows, accepted, expect, dtype, device):
+    """The error word on an fp32 pool and on a 2-byte one (its state rounded after each draft)."""
     errors = torch.zeros(2, dtype=torch.int32, device=device)
-    _verify_call(device, rows, accepted, errors)
+    _verify_call(device, rows, accepted, errors, dtype)
     assert errors.tolist() == expect, case
 
 
