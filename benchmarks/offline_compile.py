@@ -2,7 +2,7 @@
 SGPRs on AMD), spills, shared memory (LDS) and whether they fit the target, as that GPU would run them.
 
     python benchmarks/offline_compile.py [--targets sm_80,sm_90,...] [--cases NAME,...] [--maxnreg N]
-                                         [--out DIR] [--md FILE]
+                                         [--plan FIELD=VALUE,...] [--out DIR] [--md FILE]
 
 Each case is a call at K = V = 128 with bf16 inputs (Kimi's gate unless it says otherwise) on an fp32 or a bf16
 state pool. For each target its call is planned for that GPU (`kda.plan.prefill_plan` / `decode_plan` with the
@@ -13,6 +13,8 @@ of its arguments (16-byte aligned pointers, 16-divisible and unit integers, TMA 
 walk beside the prepare, its PTX spin and the tiles, warps and stages are what the plan chooses on that target.
 Run it under the Triton the GPU machine runs: another version compiles other code. `--out DIR` keeps each
 kernel's TTGIR, PTX or AMDGCN (and SASS where `cuobjdump` ships with Triton); `--md FILE` writes the table.
+`--plan BV=64,num_warps=4` replaces fields of every case's plan (`DecodePlan` or `ChunkPlan`, as the tests'
+overrides do): another tile's registers and spills before any GPU time is spent on it.
 The specialisation matters: without it every integer is a scalar of unknown divisibility, and vector loads,
 TMA and asynchronous copies compile to narrower code or not at all. docs/platforms.md reads the committed table
 (benchmarks/results/offline-compile.md).
@@ -130,9 +132,27 @@ CASES = {
 POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def launches(case: str, pool: torch.dtype, device: DeviceInfo) -> list[tuple]:
-    """(kernel, args, meta) of every launch the case's call makes on `device`, caught before any reaches a device
-    (the arguments are meta tensors)."""
+def plan_overrides(text: str) -> dict:
+    """`--plan`'s FIELD=VALUE,... as keyword overrides: integers, true / false, else the string."""
+    import dataclasses
+
+    from kda.plan import ChunkPlan, DecodePlan
+
+    known = {f.name for cls in (ChunkPlan, DecodePlan) for f in dataclasses.fields(cls)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in known:
+            raise SystemExit(f"--plan: {item!r} is not FIELD=VALUE with a field of DecodePlan or ChunkPlan")
+        low = value.lower()
+        out[name] = (low == "true") if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() \
+            else value
+    return out
+
+
+def launches(case: str, pool: torch.dtype, device: DeviceInfo, overrides: dict | None = None) -> list[tuple]:
+    """(kernel, args, meta) of every launch the case's call makes on `device` (its plan's fields replaced by
+    `overrides`), caught before any reaches a device (the arguments are meta tensors)."""
     from kda.ops import launch as L
     from kda.ops.chunk import chunk_kda_fwd
     from kda.ops.fused_recurrent import fused_recurrent_kda_fwd
@@ -144,9 +164,9 @@ def launches(case: str, pool: torch.dtype, device: DeviceInfo) -> list[tuple]:
     L.DirectKernel.launch = lambda self, grid, args, meta, *_: caught.append((self.fn, args, meta))
     try:
         if kind == "prefill":
-            chunk_kda_fwd(call, *prefill_plan(call, device=device))
+            chunk_kda_fwd(call, *prefill_plan(call, device=device, **(overrides or {})))
         else:
-            fused_recurrent_kda_fwd(call, decode_plan(call, device=device))
+            fused_recurrent_kda_fwd(call, decode_plan(call, device=device, **(overrides or {})))
     finally:
         L.DirectKernel.launch = real
     return caught
@@ -296,6 +316,8 @@ def main() -> int:
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     p.add_argument("--pools", default="fp32,bf16")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (NVIDIA), a launch option")
+    p.add_argument("--plan", default="", metavar="FIELD=VALUE,...",
+                   help="replace these fields of every case's plan (DecodePlan or ChunkPlan)")
     p.add_argument("--out", type=Path, default=None, help="keep TTGIR, PTX/AMDGCN, SASS here")
     p.add_argument("--md", type=Path, default=None, help="write the markdown tables here")
     args = p.parse_args()
@@ -305,7 +327,7 @@ def main() -> int:
     for target in targets:
         for case in args.cases.split(","):
             for pool_name in args.pools.split(","):
-                for fn, a, m in launches(case, POOLS[pool_name], target.device):
+                for fn, a, m in launches(case, POOLS[pool_name], target.device, plan_overrides(args.plan)):
                     bound_key = (target.name, fn.__name__, repr(create_function_from_signature(
                         fn.signature, fn.params, make_backend(target.target))(*a, **m)[1:]))
                     if bound_key not in seen:

@@ -275,6 +275,29 @@ def test_import_and_a_call_without_a_gpu_never_load_gluon():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
 
 
+def test_offline_compile_plan_overrides_reach_the_compile():
+    """`offline_compile.py --plan` replaces plan fields before the call is launched: the K-first one-token decode
+    compiles at the tile asked (BV 32, not held) instead of the plan's (BV 64, held), and a field no plan has is
+    refused by name before anything compiles."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = [sys.executable, str(root / "benchmarks" / "offline_compile.py"), "--targets", "sm_90", "--cases",
+           "decode-kfirst-256-h32", "--pools", "fp32"]
+    lines = {}
+    for plan in ("", "BV=32,packed=false"):
+        done = subprocess.run(run + ["--plan", plan], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines[plan] = [x for x in done.stdout.splitlines() if x.startswith("sm_90 ")]
+    assert len(lines[""]) == 1 and "BV=64" in lines[""][0] and "PACKED=True" in lines[""][0], lines
+    assert len(lines["BV=32,packed=false"]) == 1, lines
+    assert "BV=32" in lines["BV=32,packed=false"][0] and "PACKED" not in lines["BV=32,packed=false"][0], lines
+    bad = subprocess.run(run + ["--plan", "BW=32"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--plan: 'BW=32'" in bad.stderr and "sm_90 " not in bad.stdout
+
+
 @pytest.mark.parametrize("case", ["prefill-1x8192-h8", "prefill-1x16384-h32"])
 def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
     """The walk beside the prepare waits in PTX that the interpreter never runs (`kda.ops.overlap.spin_zero`: an
