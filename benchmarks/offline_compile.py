@@ -322,12 +322,13 @@ def main() -> int:
     p.add_argument("--md", type=Path, default=None, help="write the markdown tables here")
     args = p.parse_args()
     targets = [TARGETS[t] for t in args.targets.split(",")]
+    overrides = plan_overrides(args.plan)  # a bad field refused before anything compiles
     rows = []  # (case, pool, target, row)
     seen: dict = {}  # one compile per (target, kernel, specialisation)
     for target in targets:
         for case in args.cases.split(","):
             for pool_name in args.pools.split(","):
-                for fn, a, m in launches(case, POOLS[pool_name], target.device, plan_overrides(args.plan)):
+                for fn, a, m in launches(case, POOLS[pool_name], target.device, overrides):
                     bound_key = (target.name, fn.__name__, repr(create_function_from_signature(
                         fn.signature, fn.params, make_backend(target.target))(*a, **m)[1:]))
                     if bound_key not in seen:
