@@ -4,7 +4,7 @@ chunk oracle, each tree imported in its own process, in turns (a, b, a, b, ...),
 meets the same machine state. This is how a kernel change is weighed before it lands
 (`benchmarks/results/2026-12-02-37c2d18-h200-prepare-folded-inverse.md`).
 
-    python benchmarks/tree_ab.py [--rounds 2] [--shapes 1x16384x32,4x4096x32,varlen] [--child-timeout 240]
+    python benchmarks/tree_ab.py [--rounds 2] [--shapes 1x16384x32,4x4096x32,varlen,mixed] [--child-timeout 240]
                                  TREE[:LABEL] TREE[:LABEL] ...
 
 A TREE is a directory holding `kda/`, `kda_reference/` and `benchmarks/bench.py` (`.` for this checkout;
@@ -44,12 +44,13 @@ def inputs(bench, B: int, T: int, H: int, seed: int, dev: str):
 
 
 def row(bench, kda, shape, dev: str):
-    """(name, call) of one shape: B x T x H dense, or the benchmark's own varlen row as `bench.py` builds it."""
+    """(name, call) of one shape: B x T x H dense, or the benchmark's own varlen or mixed row (one `chunk_kda`
+    call) as `bench.py` builds it."""
     import torch
 
-    if shape == "varlen":
+    if shape in ("varlen", "mixed"):
         torch.manual_seed(0)
-        case = next(c for c in bench.all_cases() if c.group == "varlen")
+        case = next(c for c in bench.all_cases() if c.group == shape)
         return case.name, bench.build(case, None, {}, dev)[0]["kda"]
     B, T, H = shape
     q, k, v, g, beta, h0, flags = inputs(bench, B, T, H, 0, dev)
@@ -104,13 +105,13 @@ def main() -> None:
     p.add_argument("trees", nargs="+", metavar="TREE[:LABEL]")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--shapes", default=SHAPES,
-                   help=f"BxTxH or varlen (the benchmark's varlen row), comma separated (default {SHAPES})")
+                   help=f"BxTxH, varlen or mixed (the benchmark's rows), comma separated (default {SHAPES})")
     p.add_argument("--no-accuracy", action="store_true", help="time only (no accuracy calls)")
     p.add_argument("--child-timeout", type=float, default=240.0, metavar="S",
                    help="seconds a tree's process may take (a call that never finishes: that round is skipped)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    shapes = [s if s == "varlen" else tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    shapes = [s if s in ("varlen", "mixed") else tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.child is not None:
         child(a.child, shapes, not a.no_accuracy)
         return
