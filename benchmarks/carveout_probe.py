@@ -115,5 +115,6 @@ def main() -> None:
                   f"{sms} {b} programs started beside a running {a} program; median start {delay:.1f} us after the "
                   f"{a} kernel's (spin {args.spin_us:.0f} us)", flush=True)
 
+
 if __name__ == "__main__":
     main()

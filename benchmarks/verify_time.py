@@ -35,11 +35,19 @@ PLANS = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _layouts(text: str) -> list[bool]:
+    """--layouts as v_first flags; a name other than v_first or k_first refused."""
+    names = text.split(",")
+    if not set(names) <= {"v_first", "k_first"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: v_first and/or k_first")
+    return [name == "v_first" for name in names]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/verify_time.py")
     p.add_argument("--plans", default="planned", help="comma list of PLANS names, or all (default: planned)")
     p.add_argument("--pools", default="fp32,bf16,fp16", help="pool dtypes (default fp32,bf16,fp16)")
-    p.add_argument("--layouts", default="v_first,k_first", help="pool layouts (default v_first,k_first)")
+    p.add_argument("--layouts", default="v_first,k_first", type=_layouts, help="pool layouts (default v_first,k_first)")
     args = p.parse_args()
     names = list(PLANS) if args.plans == "all" else args.plans.split(",")
     dev = "cuda"
@@ -53,7 +61,7 @@ def main() -> None:
     bounds = list(range(0, N * T + 1, T))
     out = torch.empty_like(v)
     planner = kp.decode_plan
-    for v_first in [name == "v_first" for name in args.layouts.split(",")]:
+    for v_first in args.layouts:
         for pool_name in args.pools.split(","):
             pool_dtype = DTYPES[pool_name]
             plane = (H, V, K) if v_first else (H, K, V)
