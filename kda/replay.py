@@ -302,7 +302,11 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
         return regions[sp] + x.data_ptr() - sp
 
     n_waits = 0
+    dependents = []  # launches a ("dependent",) note precedes (`kda.ops.launch.dependent`)
     for op in record:
+        if op[0] == "dependent":
+            dependents.append(len(launches))
+            continue
         if op[0] == "wait":
             order.append((1, (None if op[1].cuda_stream == main else op[1],
                               None if op[2].cuda_stream == main else op[2]), n_waits))
@@ -372,7 +376,7 @@ def remember(key, tensors: tuple, record: list, result: tuple, bounds=None) -> N
         order.append((0, i, None if st == main else sides[st]))
     uses = tuple((r, tuple(p)) for r, p in places.items())
     if device_info(device).pdl and not _serialising():  # programmatic dependent launch: Hopper and later
-        order = _programmatic(order, launches)
+        order = _programmatic(order, launches, dependents)
     entry = Replay(
         launches=tuple(launches), order=tuple(order), uses=uses,
         residues=tuple(roles[r].data_ptr() & 15 for r, _ in uses), workspaces=size,
@@ -397,7 +401,7 @@ def _serialising() -> bool:
     return blocking or "TreeLauncher" in env.get("LD_PRELOAD", "") or any(env.get(name) for name in TOOL_VARIABLES)
 
 
-def _programmatic(order: list, launches: list) -> list:
+def _programmatic(order: list, launches: list, dependents: list = ()) -> list:
     """The walk beside the prepare on the caller's stream alone. Recorded, that call forks a side stream after
     the gate pass (or the counters' zeroing, or the prepare's first launch), launches the prepare on the caller's
     stream and the walk on the side stream, then joins them: two event waits a call. Replayed, the walk is launched
@@ -406,7 +410,15 @@ def _programmatic(order: list, launches: list) -> list:
     prepare's program of the last chunk waits for the walk (`kda.ops.overlap.finish`), so the stream's next work
     still follows both. The kernels are loaded by then (the recording launched them), so the
     walk spinning first cannot hold up a module load. Any other shape of order (the split prepare's two launches,
-    another launcher than Triton 3.6's) is kept as recorded. `launches` is updated in place."""
+    another launcher than Triton 3.6's) is kept as recorded. `dependents`: launches noted as the programmatic
+    dependent of the launch before them on their stream (`kda.ops.launch.dependent`: the routed short sequences'
+    loop after the walk), their PDL flag set where they follow a launch on that stream. `launches` is updated in
+    place."""
+    for i in dependents:
+        at = next((j for j, op in enumerate(order) if not op[0] and op[1] == i), None)
+        prefix = None if not at else launch.with_pdl(launches[i][1])
+        if prefix is not None and not order[at - 1][0] and order[at - 1][2] == order[at][2]:
+            launches[i] = (launches[i][0], prefix, *launches[i][2:])
     waits = [i for i, op in enumerate(order) if op[0]]
     sides = [i for i, op in enumerate(order) if not op[0] and op[2] is not None]
     if len(waits) != 2 or len(sides) != 1:

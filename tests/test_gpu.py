@@ -540,6 +540,61 @@ def test_prefill_graph_replays_with_new_bounds_bitwise():
         assert torch.equal(bits(pool), bits(eager_pool)), bounds
 
 
+@pytest.mark.parametrize("H", [4, 32])
+def test_routed_loop_beside_the_walk_replays_bitwise(H):
+    """A varlen paged call whose one-token sequences take the recurrent loop (`Route.short`) launches the loop
+    after the walk; a recorded call replays it as the walk's programmatic dependent (`kda.ops.chunk`), in the SMs
+    the walk leaves. Replayed calls, with copies queued right behind them and no sync between, and a captured
+    graph give the first (unrecorded, serial) call's bits, output and pool, call after call: the loop's last
+    program holds the kernel open until the walk has finished (an ordering fault would show as a stale row)."""
+    from kda.plan import device_info
+
+    lens = [1] * 6 + [1100, 1, 1300, 1, 900]
+    T, K, V = sum(lens), 128, 128
+    q, k, v, g, beta, kw = make_inputs(1, T, H, H, K, V, dtype=torch.bfloat16, gate="lower_bound", device="cuda",
+                                       seed=5, normalize_k=False, beta_sigmoid=True)
+    kw["use_qk_l2norm_in_kernel"] = True
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    idx = torch.randperm(2 * len(lens), device="cuda")[:len(lens)].to(torch.int32)
+    start = 0.1 * torch.randn(2 * len(lens), H, V, K, device="cuda")
+    pool = start.clone()
+    out = torch.empty(v.shape, dtype=v.dtype, device="cuda")
+
+    def call():
+        kda.chunk_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, cu_seqlens=cu, state_v_first=True,
+                      out=out, **kw)
+
+    kda.replay.CACHE.clear()
+    call()
+    torch.cuda.synchronize()
+    first_o, first_pool = out.clone(), pool.clone()
+    (entry,) = kda.replay.CACHE.values()
+    loop = entry.order[-1][1]  # the last launch: the loop kernel, after the walk
+    # its launcher's PDL flag, set where the device has PDL and kernels may run at once (`kda.replay`)
+    assert entry.launches[loop][1][1] == int(device_info(0).pdl and not kda.replay._serialising())
+    for _ in range(4):
+        pool.copy_(start)
+        out.fill_(float("nan"))
+        call()
+        next_o, next_pool = out.clone(), pool.clone()  # queued behind the replay, no sync between
+        torch.cuda.synchronize()
+        assert torch.equal(bits(next_o), bits(first_o)) and torch.equal(bits(next_pool), bits(first_pool))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(4):
+        pool.copy_(start)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), bits(first_o)) and torch.equal(bits(pool), bits(first_pool))
+
+
 def test_two_streams_on_disjoint_slots_equal_a_serial_run_bitwise():
     """Two streams running different layers (their own inputs) on disjoint slots of one pool, a prefill and
     two decode steps each, concurrently, give the same bits as the same calls one after the other on the

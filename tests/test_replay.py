@@ -63,6 +63,31 @@ def test_walk_beside_prepare_replays_on_one_stream():
     assert replay._programmatic(walked(0), other) == walked(0)
 
 
+def test_dependent_launch_replays_with_pdl():
+    """`replay._programmatic`: a launch noted as a programmatic dependent (`kda.ops.launch.dependent`: the routed
+    short sequences' loop after the walk) replays with its launcher's PDL flag set, nothing else of it or of any
+    other launch changed, the order as recorded; not where it is the first launch, follows a stream wait, or runs
+    on another stream than the launch before it, nor with a launcher that takes no such flag."""
+    side = object()
+
+    def entry(pdl=0):
+        return ("run", (0, pdl, None, None), 1, 1, 1, "fn", "packed", ("args",), None, (), ())
+
+    plain = [(0, 0, None), (0, 1, None), (0, 2, None)]  # gate, prepare, walk, then the loop (3)
+    launches = [entry() for _ in range(4)]
+    order = replay._programmatic([*plain, (0, 3, None)], launches, [3])
+    assert order == [*plain, (0, 3, None)]
+    assert launches[3] == entry(pdl=1) and launches[:3] == [entry()] * 3
+    for bad_order, noted in (([(0, 0, None), (0, 1, None)], [0]),  # the first launch
+                             ([(0, 0, None), (1, (side, None), 0), (0, 1, None)], [1]),  # after a wait
+                             ([(0, 0, side), (0, 1, None)], [1])):  # after a launch on another stream
+        launches = [entry(), entry()]
+        assert replay._programmatic(list(bad_order), launches, noted) == bad_order
+        assert launches == [entry(), entry()]
+    other = [("run", (), 1, 1, 1, "fn", "packed", (), None, (), ())] * 2
+    assert replay._programmatic([(0, 0, None), (0, 1, None)], list(other), [1]) == [(0, 0, None), (0, 1, None)]
+
+
 SANITIZER_PRELOAD = "/opt/cuda/compute-sanitizer/TreeLauncherTargetLdPreloadHelper"
 
 

@@ -15,6 +15,12 @@ stream beside the prepare, forked after the gate pass (or after the prepare's fi
 and joined back, then launched once more on the caller's stream for the programs whose bounded wait gave up:
 `kda.ops.overlap` holds the protocol and why it always finishes. The prepare is launched before the walk, always:
 a kernel's first launch loads its module lazily, a load that waits on the device.
+
+The sequences routed to the recurrent loop (`Route.short`: their own rows of o, their own slots) are launched
+after the walk. On a GPU with programmatic dependent launch a recorded call (`kda.replay`) launches them as the
+walk's dependent: every walk program lets them start at once (its DEPENDENTS), so the loop's state traffic runs in
+the SMs the walk's programs leave, and the loop's last program waits for the walk (its LAST_WAITS), so the stream's
+next work still follows both. Neither waits for the other's data.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from .chunk_prepare import (
 from .chunk_walk import _chunk_state_kernel
 from .common import token_head_strides
 from .fused_recurrent import fused_recurrent_kda_fwd
-from .launch import wait_stream
+from .launch import dependent, wait_stream
 from .overlap import _zero_counters_kernel, ready_words, side_stream
 
 
@@ -53,8 +59,6 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.T
     st = state_plan(call)
     if N == 0:
         return o, st.final_state
-    if short:
-        fused_recurrent_kda_fwd(call, route.loop, short=short, o=o, st=st)
     BT, dev = plan.BT, call.q.device
     total = B * T
     NT = cdiv(T, BT)
@@ -101,14 +105,23 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.T
                else (gt_ws, 0, 0, BT, st.slot_count))
     tiles = _walk_tiles(plan, walk_ws, BK)  # with short sequences routed, only the kept ones have programs
     x_tiles = _ragged(x_ws, BT, BT) if plan.walk_tma and not plan.fold else x_ws  # folded: a stand-in
+    # the routed short sequences' loop after the walk (other rows of o, other slots): on a GPU with PDL
+    # (`ChunkPlan.spin`) a recorded call launches it as the walk's programmatic dependent, into the SMs the walk
+    # leaves (module docstring)
+    dependents = bool(short) and plan.spin
     if side is None:
-        _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles)
+        _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles,
+                    dependents=dependents)
     else:  # launched after the prepare, always (module docstring)
         with torch.cuda.stream(side):
             _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles)
         wait_stream(main, side)  # the caller's stream owns o, the state and every workspace again
     if ready is not None:  # the programs whose wait gave up walk again, after the prepare (module docstring)
         _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles, True)
+    if short:
+        if dependents:
+            dependent()
+        fused_recurrent_kda_fwd(call, route.loop, short=short, o=o, st=st, last_waits=dependents)
     return o, st.final_state
 
 
@@ -154,11 +167,11 @@ def _v_tiles(v: torch.Tensor, rows: int, cols: int):
 
 def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, walk_ws: tuple, cu, seqs: int,
                 N: int, varlen: bool, short: int, ck_args: tuple, has_ckpt: bool,
-                ready: torch.Tensor | None, x_ws, resume: bool = False) -> None:
+                ready: torch.Tensor | None, x_ws, resume: bool = False, dependents: bool = False) -> None:
     """`_chunk_state_kernel` over `seqs` sequences. `ready`: the walk beside the prepare
     (module docstring), each group of chunks awaited; `resume`: the launch after the prepare that walks again the
     programs whose wait gave up. `x_ws`: Xb's workspace (or its descriptor) where the walk applies the inverse
-    (`ChunkPlan.fold` off)."""
+    (`ChunkPlan.fold` off). `dependents`: the loop kernel follows as its programmatic dependent (DEPENDENTS)."""
     T, HV, K, V, BT, BV = call.T, call.HV, call.K, call.V, plan.BT, plan.walk_BV
     s_ot, s_oh = token_head_strides(o, T)
     has_errors = call.errors is not None
@@ -171,7 +184,7 @@ def _plain_walk(call: KDACall, plan: ChunkPlan, o: torch.Tensor, st: StatePlan, 
         **st.flags(call.state_v_first), HAS_CHECKPOINTS=has_ckpt,
         HAS_ERRORS=has_errors, SHORT=short, TMA=plan.walk_tma, V_TMA=isinstance(walk_ws[2], TensorDescriptor),
         WAIT_CHUNKS=0 if ready is None else plan.wait_chunks, WAIT_IN_LOOP=plan.wait_in_loop,
-        SPIN=ready is not None and plan.spin, FOLD=plan.fold,
+        SPIN=ready is not None and plan.spin, FOLD=plan.fold, DEPENDENTS=dependents,
         WARPS=plan.walk_warps, num_warps=plan.walk_warps, num_stages=plan.walk_stages,
     )
 

@@ -286,7 +286,7 @@ def _chunk_state_kernel(
     V_FIRST: tl.constexpr, DOT_PREC: tl.constexpr, WARPS: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr = False,
     HAS_ERRORS: tl.constexpr = False, SHORT: tl.constexpr = 0, TMA: tl.constexpr = False,
     V_TMA: tl.constexpr = False, WAIT_CHUNKS: tl.constexpr = 0, WAIT_IN_LOOP: tl.constexpr = False,
-    SPIN: tl.constexpr = False, FOLD: tl.constexpr = True,
+    SPIN: tl.constexpr = False, FOLD: tl.constexpr = True, DEPENDENTS: tl.constexpr = False,
 ):
     """The plain walk: one program per (V block, value head, sequence) over all chunks of the sequence.
     TMA: the workspaces come as ragged descriptors (`_walk`); V_TMA: v too (`chunk._v_tiles`), else it is read
@@ -309,7 +309,9 @@ def _chunk_state_kernel(
     The grid is (V block, value head, sequence): a sequence's programs are dispatched together, sequence after
     sequence, so that a batch's long sequences do not wait behind the programs of every head's short ones.
     With SPIN each program first lets a prepare launched after it as a programmatic dependent start
-    (`kda.replay`: a recorded call runs the walk and then the prepare on one stream).
+    (`kda.replay`: a recorded call runs the walk and then the prepare on one stream); with DEPENDENTS it lets the
+    routed short sequences' loop kernel launched after it start (`kda.ops.chunk`: it runs in the SMs the walk
+    leaves).
     Every wait is bounded (`spin_zero`), so the walk finishes whatever the SMs: a program whose wait gave up
     stores no final state (a pool's slot keeps the initial state; by groups it stores nothing more), and its flag in
     `ready` after the counters is set (one int32 a program: cleared as it starts, set by any of its threads whose
@@ -319,6 +321,8 @@ def _chunk_state_kernel(
     every output row and state column is the one walk's, bit for bit."""
     WAITS: tl.constexpr = WAIT_CHUNKS > 0
     tl.static_assert(not (WAITS and SHORT > 0), "a walk beside the prepare is dense")
+    if DEPENDENTS:
+        gdc_launch_dependents()
     bail_flag = ready  # a stand-in without waits
     if WAITS:  # this program's flag, after the [N, groups, HV] counters
         bail_flag = (ready + N * tl.cdiv(NT, WAIT_CHUNKS) * HV

@@ -66,6 +66,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ..contract import KDACall
 from ..plan import DecodePlan, cdiv
@@ -298,7 +299,7 @@ def _fused_recurrent_kda_kernel(
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, PAGED: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     V_FIRST: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
     VERIFY: tl.constexpr = False, HAS_ACCEPTED: tl.constexpr = False, HAS_ERRORS: tl.constexpr = False,
-    SHORT: tl.constexpr = 0,
+    SHORT: tl.constexpr = 0, LAST_WAITS: tl.constexpr = False,
 ):
     """Any number of tokens per sequence (varlen, empty sequences): one program per (V block of BV rows,
     sequence, value head) walks its sequence's tokens.
@@ -311,7 +312,11 @@ def _fused_recurrent_kda_kernel(
 
     IS_VARLEN without SHORT (the kernel runs the whole call): the programs of sequence 0 (dispatched first) also
     zero the rows past the last bound, [cu_seqlens[N], T) (`zero_trailing_rows`); inside `chunk_kda` the walk
-    does."""
+    does.
+
+    LAST_WAITS (inside `chunk_kda`, launched after the walk): the grid's last program waits for the grid launched
+    before it (`_wait_if_last`), so that where a recorded call launches this kernel as the walk's programmatic
+    dependent (`kda.replay`) it still ends after the walk."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -323,6 +328,7 @@ def _fused_recurrent_kda_kernel(
             zero_trailing_rows(o + i_hv * s_oh, s_ot, cu_seqlens, tl.num_programs(1), T, o_tail, o_tail < V, 16, BV)
     if SHORT > 0:  # inside `chunk_kda`: only its sequences of 1..SHORT tokens (`kda.plan.Route`)
         if (eos - bos < 1) | (eos - bos > SHORT):
+            _wait_if_last(LAST_WAITS)
             return
     o_v, v_ok, tile_off, tile_ok = _tile(i_v, BV, BK, K, V, V_FIRST)
 
@@ -347,6 +353,7 @@ def _fused_recurrent_kda_kernel(
         # padding sequence: no read, no write of state; its output rows are zeros
         for t in range(bos, eos):
             tl.store(o_h + t * s_ot + o_v, tl.zeros([BV], dtype=o.dtype.element_ty), mask=v_ok)
+        _wait_if_last(LAST_WAITS)
         return
 
     S = _first_state(state_src + slot * src_stride + i_hv * (K * V), has_initial_state, i_n, i_v, BV, BK, K, V,
@@ -385,6 +392,17 @@ def _fused_recurrent_kda_kernel(
             _store_state(S, state_dst + slot * dst_stride + i_hv * (K * V), tile_off, tile_ok,
                          (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
     flag_errors(errors, i_n, tl.where(first, code, 0), HAS_ERRORS)
+    _wait_if_last(LAST_WAITS)
+
+
+@triton.jit
+def _wait_if_last(LAST_WAITS: tl.constexpr):
+    """With LAST_WAITS, the grid's last program (dispatched last) waits for the grid this one was launched after
+    as its programmatic dependent; one waiting program holds one slot. Without such a launch it returns at once."""
+    if LAST_WAITS:
+        if ((tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
+                & (tl.program_id(2) == tl.num_programs(2) - 1)):
+            gdc_wait()
 
 
 @triton.jit
@@ -745,13 +763,14 @@ def _zero_trailing_kernel(o, cu_seqlens, s_ot, s_oh, T, V: tl.constexpr, BV: tl.
 
 def fused_recurrent_kda_fwd(
     call: KDACall, plan: DecodePlan, *, seed: int = 0,
-    short: int = 0, o: torch.Tensor | None = None, st: StatePlan | None = None,
+    short: int = 0, o: torch.Tensor | None = None, st: StatePlan | None = None, last_waits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a validated call (`kda.contract.check_call`) as planned (`kda.plan.decode_plan`). Returns
     (o, final_state); final_state is None for the paged contract (the pool is written in place) and when no
     final state was asked for. `short` > 0 (from `chunk_kda_fwd`, with its `o` and state plan `st`): the
     loop kernel takes only the sequences of 1..short tokens, the chunk kernels the others (never with the
-    one-token plan: a call whose sequences all hold one token comes here whole)."""
+    one-token plan: a call whose sequences all hold one token comes here whole); `last_waits`: launched after
+    the walk, the loop kernel's LAST_WAITS."""
     o = output_buffer(call) if o is None else o
     st = state_plan(call) if st is None else st
     N = call.N
@@ -806,6 +825,6 @@ def fused_recurrent_kda_fwd(
             q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
             st.slot_count, *verify_args, errors, T, call.scale, lower_bound, seed,
             IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags, **verify_flags,
-            SHORT=short,
+            SHORT=short, LAST_WAITS=last_waits,
         )
     return o, st.final_state

@@ -271,6 +271,15 @@ def wait_stream(waiter, waited) -> None:
         record.append(("wait", waiter, waited))
 
 
+def dependent() -> None:
+    """The next launch may run as the programmatic dependent of the launch before it on its stream (the next
+    kernel's last program waits for that grid), noted in `RECORD.launches` as ("dependent",) while launches are
+    recorded: a replay sets that launch's PDL flag where the device has it (`kda.replay`). Unrecorded, nothing."""
+    record = getattr(RECORD, "launches", None)
+    if record is not None:
+        record.append(("dependent",))
+
+
 def direct(fn=None, *, drops_overflow: bool = False):
     """Decorator, above `@triton.jit` (`@direct`, or `@direct(drops_overflow=True)`): launches through
     `DirectKernel`."""
@@ -279,6 +288,6 @@ def direct(fn=None, *, drops_overflow: bool = False):
     return DirectKernel(fn)
 
 
-__all__ = ["FAST_PATH", "NUMERICS", "RECORD", "TESTED_TRITON", "DirectKernel", "HostDescriptor", "direct", "fast_path_tested",
-           "int_class", "launch_hooked", "launcher_entry", "raw_stream", "specialization", "tma_encoder", "wait_stream",
-           "with_pdl"]
+__all__ = ["FAST_PATH", "NUMERICS", "RECORD", "TESTED_TRITON", "DirectKernel", "HostDescriptor", "dependent", "direct",
+           "fast_path_tested", "int_class", "launch_hooked", "launcher_entry", "raw_stream", "specialization",
+           "tma_encoder", "wait_stream", "with_pdl"]
