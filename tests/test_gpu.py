@@ -556,13 +556,14 @@ def test_routed_loop_beside_the_walk_replays_bitwise(H):
     kw["use_qk_l2norm_in_kernel"] = True
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     idx = torch.randperm(2 * len(lens), device="cuda")[:len(lens)].to(torch.int32)
+    has = torch.arange(len(lens), device="cuda") % 3 != 1  # some sequences start from zeros
     start = 0.1 * torch.randn(2 * len(lens), H, V, K, device="cuda")
     pool = start.clone()
     out = torch.empty(v.shape, dtype=v.dtype, device="cuda")
 
     def call():
-        kda.chunk_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, cu_seqlens=cu, state_v_first=True,
-                      out=out, **kw)
+        kda.chunk_kda(q, k, v, g, beta, state_cache=pool, state_indices=idx, has_initial_state=has, cu_seqlens=cu,
+                      state_v_first=True, out=out, **kw)
 
     kda.replay.CACHE.clear()
     call()
