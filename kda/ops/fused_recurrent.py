@@ -66,7 +66,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from ..contract import KDACall
 from ..plan import DecodePlan, cdiv
@@ -86,6 +85,7 @@ from .common import (
     zero_trailing_rows,
 )
 from .launch import direct
+from .overlap import last_program_waits
 
 # store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
 # 1 stochastic bf16, 2 stochastic fp16
@@ -315,8 +315,8 @@ def _fused_recurrent_kda_kernel(
     does.
 
     LAST_WAITS (inside `chunk_kda`, launched after the walk): the grid's last program waits for the grid launched
-    before it (`_wait_if_last`), so that where a recorded call launches this kernel as the walk's programmatic
-    dependent (`kda.replay`) it still ends after the walk."""
+    before it (`overlap.last_program_waits`), so that where a recorded call launches this kernel as the walk's
+    programmatic dependent (`kda.replay`) it still ends after the walk."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -328,7 +328,7 @@ def _fused_recurrent_kda_kernel(
             zero_trailing_rows(o + i_hv * s_oh, s_ot, cu_seqlens, tl.num_programs(1), T, o_tail, o_tail < V, 16, BV)
     if SHORT > 0:  # inside `chunk_kda`: only its sequences of 1..SHORT tokens (`kda.plan.Route`)
         if (eos - bos < 1) | (eos - bos > SHORT):
-            _wait_if_last(LAST_WAITS)
+            last_program_waits(LAST_WAITS)
             return
     o_v, v_ok, tile_off, tile_ok = _tile(i_v, BV, BK, K, V, V_FIRST)
 
@@ -353,7 +353,7 @@ def _fused_recurrent_kda_kernel(
         # padding sequence: no read, no write of state; its output rows are zeros
         for t in range(bos, eos):
             tl.store(o_h + t * s_ot + o_v, tl.zeros([BV], dtype=o.dtype.element_ty), mask=v_ok)
-        _wait_if_last(LAST_WAITS)
+        last_program_waits(LAST_WAITS)
         return
 
     S = _first_state(state_src + slot * src_stride + i_hv * (K * V), has_initial_state, i_n, i_v, BV, BK, K, V,
@@ -392,17 +392,8 @@ def _fused_recurrent_kda_kernel(
             _store_state(S, state_dst + slot * dst_stride + i_hv * (K * V), tile_off, tile_ok,
                          (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
     flag_errors(errors, i_n, tl.where(first, code, 0), HAS_ERRORS)
-    _wait_if_last(LAST_WAITS)
+    last_program_waits(LAST_WAITS)
 
-
-@triton.jit
-def _wait_if_last(LAST_WAITS: tl.constexpr):
-    """With LAST_WAITS, the grid's last program (dispatched last) waits for the grid this one was launched after
-    as its programmatic dependent; one waiting program holds one slot. Without such a launch it returns at once."""
-    if LAST_WAITS:
-        if ((tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
-                & (tl.program_id(2) == tl.num_programs(2) - 1)):
-            gdc_wait()
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """The walk beside the prepare: how `chunk_kda`'s serial walk runs while the prepare still stores the chunks it
 walks, and why such a call always finishes. Every piece of that protocol is here: the counters' place
-(`ready_counter`), the prepare's count (`count_chunk`, and `finish` for the replayed order), the zeroing launch
+(`ready_counter`), the prepare's count (`count_chunk`, and `finish` for the replayed order; `last_program_waits`
+for the loop kernel replayed after the walk), the zeroing launch
 where no gate pass zeroes them (`_zero_counters_kernel`), the walk's bounded waits (`ready_zero`, `spin_zero`),
 its look at the groups counted already (`counted_after`), the workspace they share (`ready_words`) and the walk's
 side stream (`side_stream`). Which calls take it is `kda.plan`'s (`ChunkPlan.wait_chunks`, `late_chunks`); the
@@ -127,6 +128,17 @@ def finish(i_p, i_hv, N, NT, HV: tl.constexpr):
     finds one. Without such a launch the wait returns at once."""
     if (i_p == N * NT - 1) & (i_hv == HV - 1):
         gdc_wait()
+
+
+@triton.jit
+def last_program_waits(WAITS: tl.constexpr):
+    """With WAITS, the grid's last program (dispatched last) waits for the grid this one was launched after as its
+    programmatic dependent (the routed short sequences' loop after the walk, `kda.ops.chunk`), so that the launch
+    still ends after that grid; one waiting program holds one slot. Without such a launch it returns at once."""
+    if WAITS:
+        if ((tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
+                & (tl.program_id(2) == tl.num_programs(2) - 1)):
+            gdc_wait()
 
 
 @direct
