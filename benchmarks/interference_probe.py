@@ -1,0 +1,131 @@
+"""What slows the walk when another program shares its SM?
+
+The walk of one `chunk_kda` call (1x16384 H=32 by default: 64 programs at V blocks of 64, one an SM), run after
+the prepare (the walk beside the prepare switched off), is timed alone and beside a co-runner: a kernel holding one
+program on every SM (extra programs exit at once) that, until a deadline on the global timer, does one kind of
+work in a loop: nothing (`nanosleep`), tf32 dots or fp16 dots (64 x 64 x 64, one accumulator chain, operands from
+shared memory as the prepare's), FMA chains, or loads from global memory that miss L2. Each co-runner program
+leaves room beside it for a walk program (registers and shared memory), so the walk's programs land beside them.
+
+    python benchmarks/interference_probe.py [--shape 1x16384x32] [--repeats 3]      (a CUDA GPU)
+
+Prints the walk kernel's time (torch profiler) and its time a chunk, per co-runner, and the co-runner's work
+done (loop trips a program). Which co-runner slows the walk as the prepare does (about 1.6x a step beside it on
+an H100) says which of the SM's units the two contend for.
+"""
+
+import argparse
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, "benchmarks")
+import bench  # noqa: E402
+
+KINDS = {"alone": None, "sleep": 0, "tf32 dots": 1, "fp16 dots": 2, "fma": 3, "loads": 4}
+LOAD_ELEMS = 1 << 27  # 512 MiB of fp32 for the loads co-runner: well past L2
+
+
+@triton.jit
+def _clock():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _corunner(x, big, claim, stats, out, spin_ns, KIND: tl.constexpr):
+    """One program an SM (the first to claim its SM; the others return): KIND's work until spin_ns have passed."""
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    if tl.atomic_cas(claim + sm, 0, 1) != 0:
+        return
+    start = _clock()
+    r = tl.arange(0, 64)
+    a = tl.load(x + r[:, None] * 64 + r[None, :])
+    acc = tl.zeros([64, 64], dtype=tl.float32)
+    now = start
+    trips = 0
+    while now - start < spin_ns:
+        for i in tl.static_range(8):
+            if KIND == 0:
+                tl.inline_asm_elementwise("nanosleep.u32 500; mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+            elif KIND == 1:
+                acc = tl.dot(a, a, acc, input_precision="tf32")
+            elif KIND == 2:
+                acc = tl.dot(a.to(tl.float16), a.to(tl.float16), acc)
+            elif KIND == 3:
+                acc = acc * 0.9990234375 + a
+            else:
+                off = ((trips * 8 + i) * 1024 + sm) % 32768  # LOAD_ELEMS / 4096 tiles
+                acc += tl.load(big + off.to(tl.int64) * 4096 + r[:, None] * 64 + r[None, :])
+        now = _clock()
+        trips += 1
+    tl.store(out + sm * 4096 + r[:, None] * 64 + r[None, :], acc)
+    tl.store(stats + sm * 2, trips.to(tl.int64))
+    tl.store(stats + sm * 2 + 1, now - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p.add_argument("--shape", default="1x16384x32", help="BxTxH")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--spin-us", type=float, default=8000.0, help="the co-runner's deadline (covers the whole call)")
+    a = p.parse_args()
+    import kda
+    import kda.plan as P
+    import kda.replay as R
+
+    R.CAPACITY = 0  # every call takes the full path (no recorded call)
+    P._may_wait = lambda call, device: False  # the walk after the prepare: alone on its SMs but for the co-runner
+    B, T, H = (int(v) for v in a.shape.split("x"))
+    dev = "cuda"
+    torch.manual_seed(0)
+    q, k, v, g, beta, A_log, dt_bias = bench._tokens(B, T, H, H, dev)
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+                 A_log=A_log, dt_bias=dt_bias, lower_bound=bench.LOWER_BOUND)
+    h0 = torch.randn(B, H, 128, 128, device=dev) * 0.1
+    call = lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)  # noqa: E731
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(64, 64, device=dev) * 0.01
+    big = torch.randn(LOAD_ELEMS, device=dev)
+    claim = torch.zeros(sms, dtype=torch.int32, device=dev)
+    stats = torch.zeros(sms, 2, dtype=torch.int64, device=dev)
+    out = torch.empty(sms, 64, 64, device=dev)
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        call()
+    for kind in (1, 2, 3, 4, 0):  # compile the co-runners
+        claim.zero_()
+        _corunner[(sms,)](x, big, claim, stats, out, 1000, KIND=kind, num_warps=4)
+    torch.cuda.synchronize()
+    nchunks = triton.cdiv(T, 64)
+    print(f"{torch.cuda.get_device_name(0)}, {a.shape}: the walk after the prepare, {nchunks} chunks a sequence")
+    for name, kind in KINDS.items():
+        walks, trips = [], []
+        for _ in range(a.repeats):
+            claim.zero_()
+            stats.zero_()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                if kind is not None:
+                    with torch.cuda.stream(side):
+                        _corunner[(4 * sms,)](x, big, claim, stats, out, int(a.spin_us * 1000), KIND=kind,
+                                              num_warps=4)
+                call()
+                torch.cuda.synchronize()
+            walk = [e for e in prof.key_averages() if e.key == "_chunk_state_kernel"]
+            if walk:
+                walks.append(walk[0].device_time_total / max(1, walk[0].count))
+            if kind is not None:
+                st = stats.cpu()
+                held = int((st[:, 0] > 0).sum())
+                trips.append((held, statistics.median(st[:, 0].tolist())))
+        w = statistics.median(walks) if walks else float("nan")
+        extra = f"; co-runner on {trips[-1][0]} SMs, median {trips[-1][1]:.0f} trips" if trips else ""
+        print(f"{name:10s}: walk {w:8.1f} us, {w / nchunks:5.2f} us a chunk{extra}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
