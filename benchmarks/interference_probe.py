@@ -9,6 +9,8 @@ leaves room beside it for a walk program (registers and shared memory), so the w
 
     python benchmarks/interference_probe.py [--shape 1x16384x32] [--repeats 3]      (a CUDA GPU)
 
+(Through a pipe, keep it line-buffered, `grep --line-buffered`: a first run killed at 130 s printed nothing.)
+
 Prints the walk kernel's time (torch profiler) and its time a chunk, per co-runner, and the co-runner's work
 done (loop trips a program). Which co-runner slows the walk as the prepare does (about 1.6x a step beside it on
 an H100) says which of the SM's units the two contend for.
@@ -96,10 +98,13 @@ def main() -> None:
     side = torch.cuda.Stream()
     for _ in range(3):
         call()
+    torch.cuda.synchronize()
+    print("kda compiled and warm", flush=True)
     for kind in (1, 2, 3, 4, 0):  # compile the co-runners
         claim.zero_()
         _corunner[(sms,)](x, big, claim, stats, out, 1000, KIND=kind, num_warps=4)
     torch.cuda.synchronize()
+    print("co-runners compiled", flush=True)
     nchunks = triton.cdiv(T, 64)
     print(f"{torch.cuda.get_device_name(0)}, {a.shape}: the walk after the prepare, {nchunks} chunks a sequence")
     for name, kind in KINDS.items():
