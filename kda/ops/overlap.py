@@ -134,7 +134,9 @@ def finish(i_p, i_hv, N, NT, HV: tl.constexpr):
 def last_program_waits(WAITS: tl.constexpr):
     """With WAITS, the grid's last program (dispatched last) waits for the grid this one was launched after as its
     programmatic dependent (the routed short sequences' loop after the walk, `kda.ops.chunk`), so that the launch
-    still ends after that grid; one waiting program holds one slot. Without such a launch it returns at once."""
+    still ends after that grid; one waiting program holds one slot. It always finishes: a programmatic dependent
+    starts only once every program of the grid before it has started (each lets it at its start), so that grid runs
+    to its end whatever this program holds, on any number of SMs. Without such a launch it returns at once."""
     if WAITS:
         if ((tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
                 & (tl.program_id(2) == tl.num_programs(2) - 1)):
