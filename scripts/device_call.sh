@@ -7,8 +7,9 @@
 # SECONDS: the command's limit (default 540: the device tool stops a call at 600 s; the pack takes seconds).
 # The command runs in bash with PYTHONPATH holding the repository (and the wheels of .whl/, as gpu_suite.sh
 # installs them), PYTHONUNBUFFERED=1 and TRITON_CACHE_AUTOTUNING=1; its output goes to $OUT/call.txt and, its
-# last 60 lines, to the terminal. A carried .triton_cache.tar.xz is unpacked first; $OUT/triton_cache.tar.xz
-# comes back (benchmarks/README.md, "GPU machine"). Exits with the command's status (124: it ran out of time).
+# last 60 lines, to the terminal. A carried .triton_cache.tar.xz (and its parts .triton_cache.N.tar.xz) is unpacked
+# first; $OUT/triton_cache.tar.xz and up to two parts come back (benchmarks/README.md, "GPU machine"). Exits with
+# the command's status (124: it ran out of time).
 
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -26,11 +27,11 @@ if compgen -G ".whl/*.whl" >/dev/null \
             .whl/*.whl; then
     export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-[[ -f .triton_cache.tar.xz ]] && python3 scripts/triton_cache.py unpack .triton_cache.tar.xz
+compgen -G ".triton_cache*.tar.xz" >/dev/null && python3 scripts/triton_cache.py unpack .triton_cache*.tar.xz
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 timeout -s INT -k 15 "$limit" bash -c "$1" >"$OUT/call.txt" 2>&1
 rc=$?
 tail -n 60 "$OUT/call.txt"
 echo "device_call.sh: the command exited with $rc"
-python3 scripts/triton_cache.py pack "$OUT/triton_cache.tar.xz"
+python3 scripts/triton_cache.py pack "$OUT/triton_cache.tar.xz" --parts 3
 exit "$rc"

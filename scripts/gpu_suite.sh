@@ -29,7 +29,8 @@
 #   suite.txt  setup log and the summary      pytest.txt     the test run
 #   sanitizer.txt                              bench.md       the benchmark table      bench.log  its log
 #   bench.json the benchmark's rows (what benchmarks/results/h200-latest.json holds)
-#   triton_cache.tar.xz  the kernels this call compiled (scripts/triton_cache.py): carry it back as .triton_cache.tar.xz
+#   triton_cache.tar.xz  the kernels this call compiled (scripts/triton_cache.py), with triton_cache.2.tar.xz .. where
+#                        files are left: carry them back as .triton_cache.tar.xz, .triton_cache.2.tar.xz, ..
 #   accuracy/  the accuracy report (at most 3 files; more are packed into accuracy.tar.gz)
 # Every step runs even when an earlier one failed; the exit status is 0 only when every step that ran passed.
 
@@ -94,11 +95,12 @@ fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 log "PYTHONPATH=$PYTHONPATH"
 # the kernels a previous call compiled (kda's, fla's, their launchers and fla's autotuning choices, about 80 s a
-# prefill shape on a fresh machine): a carried .triton_cache.tar.xz (a previous call's $OUT/triton_cache.tar.xz)
-# is unpacked into Triton's cache first; with TRITON_CACHE_AUTOTUNING=1 Triton keeps each autotuning choice there
+# prefill shape on a fresh machine): a carried .triton_cache.tar.xz and its parts .triton_cache.N.tar.xz (a previous
+# call's $OUT/triton_cache*.tar.xz) are unpacked into Triton's cache first; with TRITON_CACHE_AUTOTUNING=1 Triton
+# keeps each autotuning choice there
 export TRITON_CACHE_AUTOTUNING=1
-if [[ -f .triton_cache.tar.xz ]]; then
-    python3 scripts/triton_cache.py unpack .triton_cache.tar.xz 2>&1 | tee -a "$SUITE_LOG"
+if compgen -G ".triton_cache*.tar.xz" >/dev/null; then
+    python3 scripts/triton_cache.py unpack .triton_cache*.tar.xz 2>&1 | tee -a "$SUITE_LOG"
 fi
 if [[ -z ${KDA_COMMIT:-} ]]; then
     KDA_COMMIT=$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)
@@ -267,8 +269,11 @@ else
     run_step accuracy "${KDA_TIMEOUT_ACCURACY:-400}" step_accuracy "accuracy/"
 fi
 
-# for the next call's carry (see the setup step)
-python3 scripts/triton_cache.py pack "$OUT/triton_cache.tar.xz" 2>&1 | tee -a "$SUITE_LOG"
+# for the next call's carry (see the setup step): in as many parts (at most 3) as the device tool's 8 files leave
+parts=$((8 - $(find "$OUT" -type f | wc -l)))
+((parts > 3)) && parts=3
+((parts < 1)) && parts=1
+python3 scripts/triton_cache.py pack "$OUT/triton_cache.tar.xz" --parts "$parts" 2>&1 | tee -a "$SUITE_LOG"
 
 # ------------------------------------------------------------------------------------------------------------
 header "summary"

@@ -62,3 +62,27 @@ def test_pack_keeps_the_newest_entries_within_its_limit(tmp_path):
     _run(tmp_path / "b", "unpack", str(out))
     kept = sorted(p.name for p in (tmp_path / "b").iterdir())
     assert kept and kept == [f"KEY{i}" for i in range(8 - len(kept), 8)]
+
+
+def test_pack_in_parts_carries_every_entry_once(tmp_path):
+    """Past one file's limit the entries go on into OUT.2.tar.xz, newest first: each file within the limit, every
+    entry in exactly one, and unpacking all of them restores every entry (with its group pointing there)."""
+    src = tmp_path / "a"
+    for i in range(8):
+        _entry(src, f"KEY{i}", f"_k{i}", size=2**20)
+        os.utime(src / f"KEY{i}", (1000 + i, 1000 + i))
+    out = tmp_path / "c.tar.xz"
+    _run(src, "pack", str(out), "--limit-mib", "3", "--parts", "8")
+    parts = [out] + sorted(tmp_path.glob("c.*.tar.xz"), key=lambda p: int(p.name.split(".")[1]))
+    assert len(parts) > 1 and all(p.stat().st_size <= 3 * 2**20 for p in parts)
+    seen = []
+    for i, part in enumerate(parts):
+        dst = tmp_path / f"p{i}"
+        _run(dst, "unpack", str(part))
+        seen.append(sorted(p.name for p in dst.iterdir()))
+    assert sorted(sum(seen, [])) == [f"KEY{i}" for i in range(8)]  # each entry once
+    assert max(int(k[3:]) for k in seen[1]) < min(int(k[3:]) for k in seen[0])  # the newest in the first file
+    _run(tmp_path / "all", "unpack", *map(str, parts))
+    for i in range(8):
+        group = json.loads((tmp_path / "all" / f"KEY{i}" / f"__grp___k{i}.json").read_text())
+        assert group["child_paths"][f"_k{i}.cubin"] == str(tmp_path / "all" / f"KEY{i}" / f"_k{i}.cubin")
