@@ -107,8 +107,8 @@ def chunk_kda_fwd(call: KDACall, plan: ChunkPlan, route: Route) -> tuple[torch.T
     x_tiles = _ragged(x_ws, BT, BT) if plan.walk_tma and not plan.fold else x_ws  # folded: a stand-in
     # the routed short sequences' loop after the walk (other rows of o, other slots): on a GPU with PDL
     # (`ChunkPlan.spin`) a recorded call launches it as the walk's programmatic dependent, into the SMs the walk
-    # leaves (module docstring)
-    dependents = bool(short) and plan.spin
+    # leaves (module docstring); after a walk on the side stream it follows the resume launch, which lets nothing start
+    dependents = bool(short) and plan.spin and side is None
     if side is None:
         _plain_walk(call, plan, o, st, tiles, cu, kept, N, varlen, short, ck_args, has_ckpt, ready, x_tiles,
                     dependents=dependents)

@@ -395,7 +395,6 @@ def _fused_recurrent_kda_kernel(
     last_program_waits(LAST_WAITS)
 
 
-
 @triton.jit
 def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt, s_ot,
                     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
