@@ -3,8 +3,9 @@
 The walk of one `chunk_kda` call (1x16384 H=32 by default: 64 programs at V blocks of 64, one an SM), run after
 the prepare (the walk beside the prepare switched off), is timed alone and beside a co-runner: a kernel holding one
 program on every SM (extra programs exit at once) that, until a deadline on the global timer, does one kind of
-work in a loop: nothing (`nanosleep`), tf32 dots or fp16 dots (64 x 64 x 64, one accumulator chain, operands from
-shared memory as the prepare's), FMA chains, or loads from global memory that miss L2. Each co-runner program
+work in a loop: nothing (`nanosleep`), tf32, fp16 or bf16 dots (64 x 64 x 64, one accumulator chain, operands from
+shared memory as the prepare's), FMA chains, loads from global memory that miss L2, loads from shared memory
+(16 bytes a thread each, `ld.shared.v4`), exponentials (`exp2`) or transposes of a register tile (through shared memory). Each co-runner program
 leaves room beside it for a walk program (registers and shared memory), so the walk's programs land beside them.
 
     python benchmarks/interference_probe.py [--shape 1x16384x32] [--repeats 3]      (a CUDA GPU)
@@ -27,7 +28,8 @@ import triton.language as tl
 sys.path.insert(0, "benchmarks")
 import bench  # noqa: E402
 
-KINDS = {"alone": None, "sleep": 0, "tf32 dots": 1, "fp16 dots": 2, "fma": 3, "loads": 4}
+KINDS = {"alone": None, "sleep": 0, "tf32 dots": 1, "fp16 dots": 2, "fma": 3, "loads": 4, "bf16 dots": 5,
+         "smem loads": 6, "exp2": 7, "transposes": 8}
 LOAD_ELEMS = 1 << 27  # 512 MiB of fp32 for the loads co-runner: well past L2
 
 
@@ -46,6 +48,9 @@ def _corunner(x, big, claim, stats, out, spin_ns, KIND: tl.constexpr):
     r = tl.arange(0, 64)
     a = tl.load(x + r[:, None] * 64 + r[None, :])
     acc = tl.zeros([64, 64], dtype=tl.float32)
+    if KIND == 6:  # a dot ahead of the loop: 32 KB of shared memory for its loads to read
+        acc = tl.dot(a, a, input_precision="tf32")
+    offs = (r[:, None] * 64 + r[None, :]) * 16 % 32640  # 16 bytes an element, i * 16 more: within 32 KB
     now = start
     trips = 0
     while now - start < spin_ns:
@@ -59,6 +64,17 @@ def _corunner(x, big, claim, stats, out, spin_ns, KIND: tl.constexpr):
                 acc = tl.dot(a.to(tl.float16), a.to(tl.float16), acc)
             elif KIND == 3:
                 acc = acc * 0.9990234375 + a
+            elif KIND == 5:
+                acc = tl.dot(a.to(tl.bfloat16), a.to(tl.bfloat16), acc)
+            elif KIND == 6:
+                acc += tl.inline_asm_elementwise(
+                    "{ .reg .b32 b, x, y, z, w; mov.b32 b, global_smem; add.u32 b, b, $1; "
+                    "ld.volatile.shared.v4.b32 {x, y, z, w}, [b]; add.u32 x, x, w; mov.b32 $0, x; }",
+                    "=r,r", [offs + i * 16], dtype=tl.int32, is_pure=False, pack=1).to(tl.float32)
+            elif KIND == 7:  # MUFU.EX2 a element
+                acc = tl.exp2(-acc) + a
+            elif KIND == 8:  # a layout change through shared memory a trip, as the prepare's transposes
+                acc = tl.trans(acc) * 0.9990234375 + a
             else:
                 off = ((trips * 8 + i) * 1024 + sm) % 32768  # LOAD_ELEMS / 4096 tiles
                 acc += tl.load(big + off.to(tl.int64) * 4096 + r[:, None] * 64 + r[None, :])
@@ -73,6 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("--shape", default="1x16384x32", help="BxTxH")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated co-runners (alone: none)")
     p.add_argument("--spin-us", type=float, default=8000.0, help="the co-runner's deadline (covers the whole call)")
     a = p.parse_args()
     import kda
@@ -100,14 +117,16 @@ def main() -> None:
         call()
     torch.cuda.synchronize()
     print("kda compiled and warm", flush=True)
-    for kind in (1, 2, 3, 4, 0):  # compile the co-runners
+    names = a.kinds.split(",")
+    for kind in {KINDS[n] for n in names} - {None}:  # compile the co-runners
         claim.zero_()
         _corunner[(sms,)](x, big, claim, stats, out, 1000, KIND=kind, num_warps=4)
     torch.cuda.synchronize()
     print("co-runners compiled", flush=True)
     nchunks = triton.cdiv(T, 64)
     print(f"{torch.cuda.get_device_name(0)}, {a.shape}: the walk after the prepare, {nchunks} chunks a sequence")
-    for name, kind in KINDS.items():
+    for name in names:
+        kind = KINDS[name]
         walks, trips = [], []
         for _ in range(a.repeats):
             claim.zero_()
