@@ -3,10 +3,12 @@
 The walk of one `chunk_kda` call (1x16384 H=32 by default: 64 programs at V blocks of 64, one an SM), run after
 the prepare (the walk beside the prepare switched off), is timed alone and beside a co-runner: a kernel holding one
 program on every SM (extra programs exit at once) that, until a deadline on the global timer, does one kind of
-work in a loop: nothing (`nanosleep`), tf32, fp16 or bf16 dots (64 x 64 x 64, one accumulator chain, operands from
-shared memory as the prepare's), FMA chains, loads from global memory that miss L2, loads from shared memory
-(16 bytes a thread each, `ld.shared.v4`), exponentials (`exp2`) or transposes of a register tile (through shared memory). Each co-runner program
-leaves room beside it for a walk program (registers and shared memory), so the walk's programs land beside them.
+work in a loop: nothing (`nanosleep`), tf32, fp16 or bf16 dots (64 x 64 x 64, one accumulator chain; the tf32 dot
+reads both operands from shared memory, the 16-bit ones B alone), FMA chains, loads from global memory that miss L2,
+loads from shared memory (16 bytes a thread each, `ld.shared.v4`), exponentials (`exp2`) or transposes of a register
+tile (through shared memory). Each co-runner program leaves room beside it for a walk program (registers and shared
+memory), so the walk's programs land beside them. On an H100 only the co-runners moving shared memory slow the walk
+(tf32 dots 2.25-2.6x, shared loads or transposes 1.23x at V blocks of 64): the 2026-12-06-345660f results file.
 
     python benchmarks/interference_probe.py [--shape 1x16384x32] [--repeats 3]      (a CUDA GPU)
 
