@@ -195,3 +195,33 @@ def test_ncu_command_takes_metrics_instead_of_sections(monkeypatch, capsys):
         head, call = cmd[:cmd.index("call")], cmd[cmd.index("call") + 1:]
         assert all(w in head for w in want) and ("--section" in head) != ("--metrics" in head)
         assert call == ["--op", "decode"]
+
+
+def test_ncu_source_charges_each_instruction_to_its_innermost_loop(tmp_path):
+    """`ncu_source.py` on a source page export (a kernel-name row, then the header): a backward branch closes a loop,
+    nested loops own their own instructions, every sample lands in exactly one region, opcodes lose their predicate
+    and modifiers, and the rows of a second kernel's table are not read."""
+    spec = importlib.util.spec_from_file_location("ncu_source", BENCH.parent / "ncu_source.py")
+    ns = importlib.util.module_from_spec(spec)
+    sys.modules["ncu_source"] = ns  # dataclasses look their module up there
+    spec.loader.exec_module(ns)
+    head = '"# Address","Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb"'
+    body = [("0x00", "MOV R1, c[0x0][0x28]", 1, 1, 0), ("0x10", "LDG.E R2, [R4.64]", 2, 1, 0),
+            ("0x20", "FFMA R3, R2, R2, R3", 30, 64, 30), ("0x30", "@!P1 BRA 0x20", 3, 64, 0),
+            ("0x40", "BAR.SYNC.DEFER_BLOCKING 0x0", 10, 8, 0), ("0x50", "@!P0 BRA.U.ANY 0x10", 4, 8, 0),
+            ("0x60", "EXIT", 0, 1, 0)]
+    rows = ['"Kernel Name","k"', head] + [f'"{n}","{a}","{s}","{x}","{e}","{r}"' for n, (a, s, x, e, r) in
+                                        enumerate(body)]
+    rows += ['"Kernel Name","other"', head, '"0","0x00","FADD R0, R0, R0","99","99","0"']
+    path = tmp_path / "walk.csv"
+    path.write_text("\n".join(rows) + "\n")
+    instrs = ns.read(path)
+    assert [i.opcode for i in instrs] == ["MOV", "LDG", "FFMA", "BRA", "BAR", "BRA", "EXIT"]
+    spans = ns.loops(instrs)
+    assert spans == [(0x10, 0x50), (0x20, 0x30)]
+    assert [ns.owner(i.address, spans) for i in instrs] == [None, (0x10, 0x50), (0x20, 0x30), (0x20, 0x30),
+                                                          (0x10, 0x50), (0x10, 0x50), None]
+    text = ns.summary(instrs, top=2)
+    assert "50 stall samples" in text and "FFMA 60.0%" in text and "long_sb 100.0%" in text
+    assert "0x0020-0x0030: 2 instructions, 66.0% of samples" in text
+    assert "0x0010-0x0050: 3 instructions, 32.0% of samples" in text and "outside loops: 2 instructions, 2.0%" in text
