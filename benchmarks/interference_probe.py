@@ -94,6 +94,10 @@ def main() -> None:
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated co-runners (alone: none)")
     p.add_argument("--spin-us", type=float, default=8000.0, help="the co-runner's deadline (covers the whole call)")
     a = p.parse_args()
+    names = a.kinds.split(",")
+    unknown = sorted(set(names) - set(KINDS))
+    if unknown:
+        p.error(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})")
     import kda
     import kda.plan as P
     import kda.replay as R
@@ -119,7 +123,6 @@ def main() -> None:
         call()
     torch.cuda.synchronize()
     print("kda compiled and warm", flush=True)
-    names = a.kinds.split(",")
     for kind in {KINDS[n] for n in names} - {None}:  # compile the co-runners
         claim.zero_()
         _corunner[(sms,)](x, big, claim, stats, out, 1000, KIND=kind, num_warps=4)
