@@ -65,7 +65,9 @@ def read(path: Path) -> list[Instr]:
     col = {name: hd.index(name) for name in ("Address", "Source")}
     i_s = hd.index(SAMPLES) if SAMPLES in hd else None
     i_e = hd.index(EXECUTED) if EXECUTED in hd else None
-    reasons = [(i, name[len("stall_"):]) for i, name in enumerate(hd) if name.startswith("stall_")]
+    # the "(Not Issued)" columns count a subset of the same samples again
+    reasons = [(i, name[len("stall_"):]) for i, name in enumerate(hd)
+               if name.startswith("stall_") and not name.endswith("(Not Issued)")]
     out = []
     for r in rows[head + 1:]:
         if len(r) != len(hd):

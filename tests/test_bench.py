@@ -205,14 +205,15 @@ def test_ncu_source_charges_each_instruction_to_its_innermost_loop(tmp_path):
     ns = importlib.util.module_from_spec(spec)
     sys.modules["ncu_source"] = ns  # dataclasses look their module up there
     spec.loader.exec_module(ns)
-    head = '"# Address","Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb"'
+    head = ('"# Address","Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+            '"stall_long_sb","stall_long_sb (Not Issued)"')  # the second counts a subset of the first's samples again
     body = [("0x00", "MOV R1, c[0x0][0x28]", 1, 1, 0), ("0x10", "LDG.E R2, [R4.64]", 2, 1, 0),
             ("0x20", "FFMA R3, R2, R2, R3", 30, 64, 30), ("0x30", "@!P1 BRA 0x20", 3, 64, 0),
             ("0x40", "BAR.SYNC.DEFER_BLOCKING 0x0", 10, 8, 0), ("0x50", "@!P0 BRA.U.ANY 0x10", 4, 8, 0),
             ("0x60", "EXIT", 0, 1, 0)]
-    rows = ['"Kernel Name","k"', head] + [f'"{n}","{a}","{s}","{x}","{e}","{r}"' for n, (a, s, x, e, r) in
-                                        enumerate(body)]
-    rows += ['"Kernel Name","other"', head, '"0","0x00","FADD R0, R0, R0","99","99","0"']
+    rows = ['"Kernel Name","k"', head] + [f'"{n}","{a}","{s}","{x}","{e}","{r}","{r // 2}"'
+                                        for n, (a, s, x, e, r) in enumerate(body)]
+    rows += ['"Kernel Name","other"', head, '"0","0x00","FADD R0, R0, R0","99","99","0","0"']
     path = tmp_path / "walk.csv"
     path.write_text("\n".join(rows) + "\n")
     instrs = ns.read(path)
