@@ -8,6 +8,7 @@ values that change the specialisation."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
@@ -90,13 +91,18 @@ def test_launcher_entry_launches_as_the_launcher():
 
 
 def test_every_launched_kernel_takes_the_direct_path():
-    """The kernels `kda` launches are wrapped, and (off the interpreter) their run-time arguments come first."""
+    """The kernels `kda` launches are wrapped, and their run-time arguments come first in the signature (checked
+    from the Python signature, so also under the interpreter: a run-time argument after a constexpr leaves a kernel
+    on Triton's own launch path, tens of microseconds a launch, and its calls unrecordable by `kda.replay`)."""
     kernels = [chunk_prepare._chunk_gate_kernel, chunk_prepare._chunk_prepare_kernel,
                chunk_prepare._chunk_intra_kernel, chunk_prepare._chunk_solve_kernel, chunk_walk._chunk_state_kernel,
                overlap._zero_counters_kernel, fused_recurrent._fused_recurrent_kda_kernel,
                fused_recurrent._fused_recurrent_one_token_kernel]
     for kern in kernels:
         assert isinstance(kern, DirectKernel)
+        params = inspect.signature(kern.fn.fn).parameters.values()  # the Python function under the JIT wrapper
+        constexpr = ["constexpr" in str(p.annotation) for p in params]
+        assert constexpr == sorted(constexpr), kern.fn.fn.__name__
         if DEVICE == "cuda":
             assert kern._plain is not None, kern.fn
 
