@@ -17,6 +17,11 @@ memory), so the walk's programs land beside them. On an H100 only the co-runners
 Prints the walk kernel's time (torch profiler) and its time a chunk, per co-runner, and the co-runner's work
 done (loop trips a program). Which co-runner slows the walk as the prepare does (about 1.6x a step beside it on
 an H100) says which of the SM's units the two contend for.
+
+`--victim prepare` times the call's prepare kernel instead (the `tl` one, or the Gluon one where the plan takes it:
+1x8192 H=96 on sm_90): a co-runner's program costs the prepare one of its two slots an SM whatever it does, so
+compare each kind with `sleep`. The Gluon prepare program runs 2.9x its time beside a walk program, the `tl` one
+1.0x (the d609590 results file): which kind of work slows it says what the two contend for.
 """
 
 import argparse
@@ -31,7 +36,8 @@ sys.path.insert(0, "benchmarks")
 import bench  # noqa: E402
 
 KINDS = {"alone": None, "sleep": 0, "tf32 dots": 1, "fp16 dots": 2, "fma": 3, "loads": 4, "bf16 dots": 5,
-         "smem loads": 6, "exp2": 7, "transposes": 8}
+         "smem loads": 6, "exp2": 7, "transposes": 8, "fp16 smem dots": 9, "polls": 10,
+         "tma loads": 11}
 LOAD_ELEMS = 1 << 27  # 512 MiB of fp32 for the loads co-runner: well past L2
 
 
@@ -41,7 +47,7 @@ def _clock():
 
 
 @triton.jit
-def _corunner(x, big, claim, stats, out, spin_ns, KIND: tl.constexpr):
+def _corunner(x, x16, big, big_desc, claim, stats, out, spin_ns, KIND: tl.constexpr):
     """One program an SM (the first to claim its SM; the others return): KIND's work until spin_ns have passed."""
     sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     if tl.atomic_cas(claim + sm, 0, 1) != 0:
@@ -49,9 +55,11 @@ def _corunner(x, big, claim, stats, out, spin_ns, KIND: tl.constexpr):
     start = _clock()
     r = tl.arange(0, 64)
     a = tl.load(x + r[:, None] * 64 + r[None, :])
+    a16 = tl.load(x16 + r[:, None] * 64 + r[None, :])  # a loaded 16-bit operand: both read from shared memory
     acc = tl.zeros([64, 64], dtype=tl.float32)
-    if KIND == 6:  # a dot ahead of the loop: 32 KB of shared memory for its loads to read
-        acc = tl.dot(a, a, input_precision="tf32")
+    # a dot ahead of the loop in every kind: 32 KB of shared memory (the smem loads read it), so that each kind's
+    # program sets its SM's carveout alike (a kernel with less left a Gluon prepare no room beside it)
+    acc = tl.dot(a, a, input_precision="tf32")
     offs = (r[:, None] * 64 + r[None, :]) * 16 % 32640  # 16 bytes an element, i * 16 more: within 32 KB
     now = start
     trips = 0
@@ -77,6 +85,14 @@ def _corunner(x, big, claim, stats, out, spin_ns, KIND: tl.constexpr):
                 acc = tl.exp2(-acc) + a
             elif KIND == 8:  # a layout change through shared memory a trip, as the prepare's transposes
                 acc = tl.trans(acc) * 0.9990234375 + a
+            elif KIND == 9:  # the walk's dots: fp16 operands both in shared memory
+                acc = tl.dot(a16, a16, acc)
+            elif KIND == 11:  # the walk's tiles: TMA copies into shared memory (64 x 64 fp32, past L2)
+                off = ((trips * 8 + i) * 1024 + sm) % 32768
+                acc += big_desc.load([off * 64, 0])
+            elif KIND == 10:  # the walk's polls: a gpu-scope acquire load (it invalidates the SM's L1)
+                acc += tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [claim + sm],
+                                                 dtype=tl.int32, is_pure=False, pack=1).to(tl.float32)
             else:
                 off = ((trips * 8 + i) * 1024 + sm) % 32768  # LOAD_ELEMS / 4096 tiles
                 acc += tl.load(big + off.to(tl.int64) * 4096 + r[:, None] * 64 + r[None, :])
@@ -93,6 +109,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated co-runners (alone: none)")
     p.add_argument("--spin-us", type=float, default=8000.0, help="the co-runner's deadline (covers the whole call)")
+    p.add_argument("--victim", choices=("walk", "prepare"), default="walk", help="the kernel timed (default walk)")
     a = p.parse_args()
     names = a.kinds.split(",")
     unknown = sorted(set(names) - set(KINDS))
@@ -114,7 +131,10 @@ def main() -> None:
     call = lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)  # noqa: E731
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(64, 64, device=dev) * 0.01
+    x16 = x.half()
+    from triton.tools.tensor_descriptor import TensorDescriptor
     big = torch.randn(LOAD_ELEMS, device=dev)
+    big_desc = TensorDescriptor.from_tensor(big.view(-1, 64), [64, 64])
     claim = torch.zeros(sms, dtype=torch.int32, device=dev)
     stats = torch.zeros(sms, 2, dtype=torch.int64, device=dev)
     out = torch.empty(sms, 64, 64, device=dev)
@@ -125,14 +145,22 @@ def main() -> None:
     print("kda compiled and warm", flush=True)
     for kind in {KINDS[n] for n in names} - {None}:  # compile the co-runners
         claim.zero_()
-        _corunner[(sms,)](x, big, claim, stats, out, 1000, KIND=kind, num_warps=4)
+        _corunner[(sms,)](x, x16, big, big_desc, claim, stats, out, 1000, KIND=kind, num_warps=4)
     torch.cuda.synchronize()
     print("co-runners compiled", flush=True)
     nchunks = triton.cdiv(T, 64)
+    victims = ("_chunk_state_kernel",)
+    if a.victim == "prepare":
+        victims = ("_chunk_prepare_kernel", "_chunk_prepare_hopper_kernel")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        ran = [e.key for e in prof.key_averages() if e.key in victims]
+        print(f"the prepare: {', '.join(ran)}; a chunk below is a chunk of every head")
     print(f"{torch.cuda.get_device_name(0)}, {a.shape}: the walk after the prepare, {nchunks} chunks a sequence")
     for name in names:
         kind = KINDS[name]
-        walks, trips = [], []
+        walks, trips, calls = [], [], []
         for _ in range(a.repeats):
             claim.zero_()
             stats.zero_()
@@ -140,11 +168,15 @@ def main() -> None:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 if kind is not None:
                     with torch.cuda.stream(side):
-                        _corunner[(4 * sms,)](x, big, claim, stats, out, int(a.spin_us * 1000), KIND=kind,
-                                              num_warps=4)
+                        _corunner[(4 * sms,)](x, x16, big, big_desc, claim, stats, out, int(a.spin_us * 1000),
+                                              KIND=kind, num_warps=4)
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
                 call()
+                t1.record()
                 torch.cuda.synchronize()
-            walk = [e for e in prof.key_averages() if e.key == "_chunk_state_kernel"]
+            calls.append(t0.elapsed_time(t1) * 1000)
+            walk = [e for e in prof.key_averages() if e.key in victims]
             if walk:
                 walks.append(walk[0].device_time_total / max(1, walk[0].count))
             if kind is not None:
@@ -153,7 +185,9 @@ def main() -> None:
                 trips.append((held, statistics.median(st[:, 0].tolist())))
         w = statistics.median(walks) if walks else float("nan")
         extra = f"; co-runner on {trips[-1][0]} SMs, median {trips[-1][1]:.0f} trips" if trips else ""
-        print(f"{name:10s}: walk {w:8.1f} us, {w / nchunks:5.2f} us a chunk{extra}", flush=True)
+        # the whole call: a kernel that found no room beside the co-runner started after it (spin-us later)
+        print(f"{name:10s}: {a.victim} {w:8.1f} us, {w / nchunks:5.2f} us a chunk, call {statistics.median(calls):.0f} "
+              f"us{extra}", flush=True)
 
 
 if __name__ == "__main__":
