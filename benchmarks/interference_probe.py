@@ -5,10 +5,13 @@ the prepare (the walk beside the prepare switched off), is timed alone and besid
 program on every SM (extra programs exit at once) that, until a deadline on the global timer, does one kind of
 work in a loop: nothing (`nanosleep`), tf32, fp16 or bf16 dots (64 x 64 x 64, one accumulator chain; the tf32 dot
 reads both operands from shared memory, the 16-bit ones B alone), FMA chains, loads from global memory that miss L2,
-loads from shared memory (16 bytes a thread each, `ld.shared.v4`), exponentials (`exp2`) or transposes of a register
-tile (through shared memory). Each co-runner program leaves room beside it for a walk program (registers and shared
-memory), so the walk's programs land beside them. On an H100 only the co-runners moving shared memory slow the walk
-(tf32 dots 2.25-2.6x, shared loads or transposes 1.23x at V blocks of 64): the 2026-12-06-345660f results file.
+loads from shared memory (16 bytes a thread each, `ld.shared.v4`), exponentials (`exp2`), transposes of a register
+tile (through shared memory), 16-bit dots with both operands in shared memory, TMA copies or gpu-scope acquire polls.
+Every co-runner program first forms one tf32 dot (32 KB of shared memory) and leaves room beside it for a walk
+program (registers and shared memory): a co-runner holding less sets its SM's carveout too small for the program
+beside it, which then starts only after it (its kernel time its time alone; the call's time, printed, gives it away).
+On an H100 the co-runners moving shared memory slow the walk (tf32 dots 2.25-2.6x, shared loads or transposes 1.23x at
+V blocks of 64: the 2026-12-06-345660f results file, whose other kinds held no shared memory and say nothing).
 
     python benchmarks/interference_probe.py [--shape 1x16384x32] [--repeats 3]      (a CUDA GPU)
 
@@ -20,8 +23,8 @@ an H100) says which of the SM's units the two contend for.
 
 `--victim prepare` times the call's prepare kernel instead (the `tl` one, or the Gluon one where the plan takes it:
 1x8192 H=96 on sm_90): a co-runner's program costs the prepare one of its two slots an SM whatever it does, so
-compare each kind with `sleep`. The Gluon prepare program runs 2.9x its time beside a walk program, the `tl` one
-1.0x (the d609590 results file): which kind of work slows it says what the two contend for.
+compare each kind with `sleep` (the Gluon prepare: 1.17x). A Gluon prepare program runs 2.9x its time beside a walk
+program, a `tl` one 1.0x (the d609590 results file): which kind of work slows it says what the two contend for.
 """
 
 import argparse
@@ -87,12 +90,12 @@ def _corunner(x, x16, big, big_desc, claim, stats, out, spin_ns, KIND: tl.conste
                 acc = tl.trans(acc) * 0.9990234375 + a
             elif KIND == 9:  # the walk's dots: fp16 operands both in shared memory
                 acc = tl.dot(a16, a16, acc)
-            elif KIND == 11:  # the walk's tiles: TMA copies into shared memory (64 x 64 fp32, past L2)
-                off = ((trips * 8 + i) * 1024 + sm) % 32768
-                acc += big_desc.load([off * 64, 0])
             elif KIND == 10:  # the walk's polls: a gpu-scope acquire load (it invalidates the SM's L1)
                 acc += tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [claim + sm],
                                                  dtype=tl.int32, is_pure=False, pack=1).to(tl.float32)
+            elif KIND == 11:  # the walk's tiles: TMA copies into shared memory (64 x 64 fp32, past L2)
+                off = ((trips * 8 + i) * 1024 + sm) % 32768
+                acc += big_desc.load([off * 64, 0])
             else:
                 off = ((trips * 8 + i) * 1024 + sm) % 32768  # LOAD_ELEMS / 4096 tiles
                 acc += tl.load(big + off.to(tl.int64) * 4096 + r[:, None] * 64 + r[None, :])
