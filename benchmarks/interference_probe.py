@@ -7,11 +7,12 @@ work in a loop: nothing (`nanosleep`), tf32, fp16 or bf16 dots (64 x 64 x 64, on
 reads both operands from shared memory, the 16-bit ones B alone), FMA chains, loads from global memory that miss L2,
 loads from shared memory (16 bytes a thread each, `ld.shared.v4`), exponentials (`exp2`), transposes of a register
 tile (through shared memory), 16-bit dots with both operands in shared memory, TMA copies or gpu-scope acquire polls.
-Every co-runner program first forms one tf32 dot (32 KB of shared memory) and leaves room beside it for a walk
-program (registers and shared memory): a co-runner holding less sets its SM's carveout too small for the program
-beside it, which then starts only after it (its kernel time its time alone; the call's time, printed, gives it away).
-On an H100 the co-runners moving shared memory slow the walk (tf32 dots 2.25-2.6x, shared loads or transposes 1.23x at
-V blocks of 64: the 2026-12-06-345660f results file, whose other kinds held no shared memory and say nothing).
+Every co-runner program first forms one tf32 dot (at least 32 KB of shared memory, 48 KB for some kinds) and leaves room
+beside it for a walk program (registers and shared memory): a co-runner holding less sets its SM's carveout too small
+for the program beside it, which then starts only after it (its kernel time its time alone; the call's time, printed,
+gives it away). On an H100 the co-runners moving shared memory slow the walk (tf32 dots 2.25-2.6x, shared loads or
+transposes 1.23x at V blocks of 64: the 2026-12-06-345660f results file, whose other kinds held little or no shared
+memory and say nothing).
 
     python benchmarks/interference_probe.py [--shape 1x16384x32] [--repeats 3]      (a CUDA GPU)
 
@@ -59,15 +60,15 @@ def _corunner(x, x16, big, big_desc, claim, stats, out, spin_ns, KIND: tl.conste
     r = tl.arange(0, 64)
     a = tl.load(x + r[:, None] * 64 + r[None, :])
     a16 = tl.load(x16 + r[:, None] * 64 + r[None, :])  # a loaded 16-bit operand: both read from shared memory
-    acc = tl.zeros([64, 64], dtype=tl.float32)
-    # a dot ahead of the loop in every kind: 32 KB of shared memory (the smem loads read it), so that each kind's
-    # program sets its SM's carveout alike (a kernel with less left a Gluon prepare no room beside it)
+    # a dot ahead of the loop in every kind: at least 32 KB of shared memory (the smem loads read it), so that no
+    # kind's program sets its SM's carveout too small (a kernel with less left a Gluon prepare no room beside it)
     acc = tl.dot(a, a, input_precision="tf32")
     offs = (r[:, None] * 64 + r[None, :]) * 16 % 32640  # 16 bytes an element, i * 16 more: within 32 KB
     now = start
     trips = 0
     while now - start < spin_ns:
         for i in tl.static_range(8):
+            tile = ((trips * 8 + i) * 1024 + sm) % 32768  # one of the LOAD_ELEMS / 4096 tiles (loads, TMA copies)
             if KIND == 0:
                 tl.inline_asm_elementwise("nanosleep.u32 500; mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
                                           is_pure=False, pack=1)
@@ -94,11 +95,9 @@ def _corunner(x, x16, big, big_desc, claim, stats, out, spin_ns, KIND: tl.conste
                 acc += tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [claim + sm],
                                                  dtype=tl.int32, is_pure=False, pack=1).to(tl.float32)
             elif KIND == 11:  # the walk's tiles: TMA copies into shared memory (64 x 64 fp32, past L2)
-                off = ((trips * 8 + i) * 1024 + sm) % 32768
-                acc += big_desc.load([off * 64, 0])
+                acc += big_desc.load([tile * 64, 0])
             else:
-                off = ((trips * 8 + i) * 1024 + sm) % 32768  # LOAD_ELEMS / 4096 tiles
-                acc += tl.load(big + off.to(tl.int64) * 4096 + r[:, None] * 64 + r[None, :])
+                acc += tl.load(big + tile.to(tl.int64) * 4096 + r[:, None] * 64 + r[None, :])
         now = _clock()
         trips += 1
     tl.store(out + sm * 4096 + r[:, None] * 64 + r[None, :], acc)
