@@ -365,18 +365,15 @@ def wide_heads(call: KDACall, device: DeviceInfo) -> bool:
 
 
 def gluon_prepare(call: KDACall, device: DeviceInfo) -> bool:
-    """Whether the fused prepare runs as its Gluon form (`kda.ops.hopper_prepare`, `DeviceInfo.gluon`): where one
-    sequence's walk at V blocks of 64 alone fills the SMs (HV cdiv(V, 64) >= SM count: 66 heads and more at V = 128
-    on an H200), so the prepare bounds the call and the Gluon form's speed counts; with fewer heads the walk beside
-    it is the long pole and beside it the Gluon form is slower (docs/performance.md, "Tuning constants"). It needs
-    K = V = 128 and as many q/k heads as value heads (the shapes its GPU tests and timings cover; K = V = 256
-    compiles to 184 KB of shared memory, one program an SM), and q, k, v at 16-byte aligned addresses and token and
-    head strides (its asynchronous copies); `_chunk_plan` takes it only for the fused prepare with tf32 dots and
-    fp16 workspaces, in place of the gate pass (it forms b2 itself). It changes the bits (the state about 2e-5
-    relative from the twin's, the bf16 output 5e-4), so it follows the heads, K, V, the inputs' layout and the
-    device, never the batch."""
-    if (not device.gluon or call.HV * cdiv(call.V, 64) < device.sm_count or call.K != 128 or call.V != 128
-            or call.H != call.HV):
+    """Whether the fused prepare runs as its Gluon form (`kda.ops.hopper_prepare`, `DeviceInfo.gluon`): on sm_90
+    under the Triton its GPU tests ran with, at every head count (it forms b2 itself, so the call has no gate pass;
+    docs/performance.md, "Tuning constants"). It needs K = V = 128 and as many q/k heads as value heads (the shapes
+    its GPU tests and timings cover; K = V = 256 compiles to 184 KB of shared memory, one program an SM), and q, k,
+    v at 16-byte aligned addresses and token and head strides (its asynchronous copies); `_chunk_plan` takes it only
+    for the fused prepare with tf32 dots and fp16 workspaces, in place of the gate pass. It changes the bits (the
+    state about 2e-5 relative from the twin's, the bf16 output 5e-4), so it follows K, V, the heads, the inputs'
+    layout and the device, never the batch."""
+    if not device.gluon or call.K != 128 or call.V != 128 or call.H != call.HV:
         return False
     return all(x.data_ptr() % 16 == 0 and x.stride(-2) % 16 == 0 and x.stride(-3) % 16 == 0
                for x in (call.q, call.k, call.v))

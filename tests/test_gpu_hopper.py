@@ -2,8 +2,9 @@
 float64 oracle at tests/test_gpu.py's bounds and to its `tl` twin (the same function; its gate scan and the products'
 rounding order differ), in dense calls of one or several sequences, a chunk of one token, varlen
 with empty, one-token and routed sequences, and the walk beside the prepare (its counters). The public call takes it
-where the plan picks it (`kda.plan.gluon_prepare`: 96 heads) and the twin elsewhere (12 heads, a misaligned head
-stride), bit for bit what the forced plan gives. sm_90 under a Triton release the kernel was tested with only."""
+where the plan picks it (`kda.plan.gluon_prepare`: K = V = 128 at every head count) and the twin elsewhere (a
+misaligned head stride), bit for bit what the forced plan gives. sm_90 under a Triton release the kernel was
+tested with only."""
 
 from __future__ import annotations
 
@@ -78,12 +79,12 @@ def test_beside_the_walk_at_32_heads():
     _as_the_twin(o_h, s_h, o_t, s_t)
 
 
-@pytest.mark.parametrize("H,pad,prepare", [(96, 0, "hopper"), (12, 0, "fused"), (96, 8, "fused")],
+@pytest.mark.parametrize("H,pad,prepare", [(96, 0, "hopper"), (12, 0, "hopper"), (96, 8, "fused")],
                          ids=["96-heads", "12-heads", "96-heads-misaligned"])
 def test_the_public_call_takes_the_planned_prepare(H, pad, prepare):
     """`kda.chunk_kda` runs the prepare `gluon_prepare` picks, bit for bit the forced plan's: the Gluon one at 96
-    heads (one sequence's walk fills the SMs), the twin at 12 heads and where a head stride of 136 elements leaves
-    the rows 16-byte misaligned for the asynchronous copies; at 96 heads against the oracle too."""
+    and at 12 heads (the walk beside it), the twin where a head stride of 136 elements leaves the rows 16-byte
+    misaligned for the asynchronous copies; the Gluon one against the oracle too."""
     args, h0, kw = _inputs(1, 1024, H, seed=H + pad, pad=pad)
     assert P.chunk_plan(checked_call(kda.chunk_kda, *args, initial_state=h0, **kw)).prepare == prepare
     o, s = kda.chunk_kda(*args, initial_state=h0.clone(), output_final_state=True, **kw)
