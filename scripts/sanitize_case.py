@@ -13,7 +13,9 @@
     read);
 (e) a dense `chunk_kda` into a paged pool, which a Hopper GPU runs with the walk beside the prepare (the
     counters, the walk's bounded waits and its resume launch: `kda.ops.overlap`), twice (the second call
-    replayed): the same bits both times.
+    replayed): the same bits both times;
+(f) (a) and (e) again with as many q/k heads as value heads, the shapes an sm_90 GPU runs through the Gluon
+    prepare (`kda.plan.gluon_prepare`: its asynchronous copies and shared-memory views).
 
 All use K = V = 128, bf16 q/k/v, the in-kernel lower-bound gate, q/k L2 norm and beta sigmoid, and run
 for an fp32 and a bf16 pool. Besides giving the sanitizer something to watch, each call checks the
@@ -252,6 +254,7 @@ def case_beside(dtype: torch.dtype, dev: str) -> None:
 
 
 def main() -> int:
+    global H
     if torch.cuda.is_available():
         dev = "cuda"
     elif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -265,6 +268,11 @@ def main() -> int:
         case_decode(dtype, dev)
         case_bad_device_values(dtype, dev)
         case_mixed(dtype, dev)
+        case_beside(dtype, dev)
+    H = HV
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"(f) (a) and (e) with H = HV = {HV}: the Gluon prepare on sm_90")
+        case_chunk(dtype, dev)
         case_beside(dtype, dev)
     if failures:
         print(f"sanitize case FAILED: {len(failures)} check(s): " + "; ".join(failures))
