@@ -73,10 +73,10 @@ def padded_pool(dtype: torch.dtype, dev: str) -> tuple[torch.Tensor, torch.Tenso
     return base, pool
 
 
-def inputs(T: int, N: int | None, dev: str):
+def inputs(T: int, N: int | None, dev: str, h: int = H):
     B, TT = (1, T) if N is None else (N, 1)
-    q = torch.randn(B, TT, H, K, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(B, TT, H, K, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(B, TT, h, K, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, TT, h, K, device=dev, dtype=torch.bfloat16)
     v = torch.randn(B, TT, HV, V, device=dev, dtype=torch.bfloat16)
     g = torch.randn(B, TT, HV, K, device=dev, dtype=torch.float32)
     beta = torch.randn(B, TT, HV, device=dev, dtype=torch.bfloat16)
@@ -121,12 +121,12 @@ def check_pool_and_reference(o, base, before, ref_pool, written, tensors, flags,
         check(e < TOL, f"slots {list(written)} vs kda_reference: rel {e:.1e}")
 
 
-def case_chunk(dtype: torch.dtype, dev: str) -> None:
+def case_chunk(dtype: torch.dtype, dev: str, h: int = H) -> None:
     print(f"(a) chunk_kda varlen + empty sequence, paged {dtype} pool")
     cu = torch.tensor([0, 70, 70, 200], dtype=torch.int32, device=dev)
     idx = torch.tensor([5, 1, 3], dtype=torch.int32, device=dev)
     has_init = torch.tensor([True, False, True], device=dev)
-    tensors, flags = inputs(200, None, dev)
+    tensors, flags = inputs(200, None, dev, h)
     base, pool = padded_pool(dtype, dev)
     pool[1] = float("nan")  # has_initial_state[1] is False: never read
     before = base.clone()
@@ -232,12 +232,12 @@ def case_mixed(dtype: torch.dtype, dev: str) -> None:
                              state_indices=idx, has_initial_state=has_init, state_v_first=True)
 
 
-def case_beside(dtype: torch.dtype, dev: str) -> None:
+def case_beside(dtype: torch.dtype, dev: str, h: int = H) -> None:
     print(f"(e) chunk_kda dense, paged {dtype} pool: the walk beside the prepare on a GPU that plans it (its counters, "
           f"bounded waits and resume launch), the first call and a repeated (replayed) one")
     idx = torch.tensor([5], dtype=torch.int32, device=dev)
     has_init = torch.tensor([True], device=dev)
-    tensors, flags = inputs(300, None, dev)
+    tensors, flags = inputs(300, None, dev, h)
     base, pool = padded_pool(dtype, dev)
     base2 = base.clone()
     pool2 = base2[:, :HV * V * K].view(SLOTS, HV, V, K)
@@ -254,7 +254,6 @@ def case_beside(dtype: torch.dtype, dev: str) -> None:
 
 
 def main() -> int:
-    global H
     if torch.cuda.is_available():
         dev = "cuda"
     elif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -269,11 +268,10 @@ def main() -> int:
         case_bad_device_values(dtype, dev)
         case_mixed(dtype, dev)
         case_beside(dtype, dev)
-    H = HV
     for dtype in (torch.float32, torch.bfloat16):
         print(f"(f) (a) and (e) with H = HV = {HV}: the Gluon prepare on sm_90")
-        case_chunk(dtype, dev)
-        case_beside(dtype, dev)
+        case_chunk(dtype, dev, HV)
+        case_beside(dtype, dev, HV)
     if failures:
         print(f"sanitize case FAILED: {len(failures)} check(s): " + "; ".join(failures))
         return 1

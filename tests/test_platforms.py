@@ -218,10 +218,9 @@ def test_overrides_may_not_ask_for_what_the_device_lacks(prefill_calls):
 def test_the_gluon_prepare_only_where_the_plan_measured_and_tested_it(prefill_calls):
     """An H200 under Triton 3.6 (the release the Gluon prepare was tested with) gets it exactly for the calls with
     K = V = 128 (not V = 64) at every head count, with Kimi's bounded gate on bf16 inputs (no gate pass: it forms b2
-    itself; fp16 workspaces) and aligned rows; a misaligned
-    head stride, another Triton release, another capability, HIP and the interpreter get the twin, and an override
-    asking them for it is refused. The choice reads no batch: the same heads and dtypes give the same prepare at
-    every batch shape."""
+    itself; fp16 workspaces) and aligned rows; a misaligned head stride, another Triton release, another
+    capability, HIP and the interpreter get the twin, and an override asking them for it is refused. The choice
+    reads no batch: the same heads and dtypes give the same prepare at every batch shape."""
     h200_36 = P.DeviceInfo(132, (9, 0), 232448, triton=(3, 6))
     others = (P.DeviceInfo(132, (9, 0), 232448, triton=(3, 9)), P.DeviceInfo(148, (10, 0), 232448, triton=(3, 6)),
               P.DeviceInfo(304, (9, 0), 65536, hip=True, triton=(3, 6)), A100, MI300X, P.INTERPRETER)
