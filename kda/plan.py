@@ -171,8 +171,8 @@ class Tuning:
     wait_chunks_bv64: int = 2  # groups a BV-64 TMA walk awaits inside its pipelined loop
     wait_chunks_bv64_outer: int = 4  # groups a BV-64 pointer walk awaits in its outer loop
     late_per_slot: int = 12  # the walk beside the prepare's tail starts NT * free / (late_per_slot * HV) chunks early
-    walk_max_stages: int = 3  # chunks the walk keeps in flight, at most
-    walk_smem_reserve: int = 8192  # shared memory the walk keeps besides its chunks in flight
+    walk_max_stages: int = 4  # the walk's software pipeline depth, at most (stages - 1 chunks in flight)
+    walk_smem_reserve: int = 8192  # shared memory the walk keeps besides its chunks in flight (K = 128, fp16)
 
 
 # Measured on the H200 (sm_90); other architectures take the same values until measured (docs/platforms.md).
@@ -436,6 +436,12 @@ def _beside_plan(plan: ChunkPlan, outer: bool, tune: Tuning, late: int = 0) -> C
                    wait_in_loop=plan.walk_tma, late_chunks=late)
 
 
+def walk_reserve(BK: int, ws_dtype: torch.dtype, tune: Tuning) -> int:
+    """Shared memory the walk holds besides its chunks in flight: `Tuning.walk_smem_reserve` at K blocks of 128
+    in fp16 workspaces, in proportion to the K block and the workspace's element size (S's staged tile)."""
+    return tune.walk_smem_reserve * BK * ws_dtype.itemsize // 256
+
+
 @functools.lru_cache(maxsize=1024)
 def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool, K: int, V: int, walk_BV: int,
                 tma: bool, wide: bool, gluon: bool, device: DeviceInfo, tune: Tuning) -> ChunkPlan:
@@ -445,9 +451,12 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     BK = max(16, next_power_of_2(K))
     # TMA wants 16-byte rows and row strides: K, V multiples of 8 (fp16 and fp32 tiles)
     walk_tma = tma and K % 8 == 0 and V % 8 == 0
-    # chunks of Kd, Qd, M, N and V in flight (V counted at 4 bytes, as fp32 inputs have it), as many as fit
+    # a chunk's Kd, Qd, M, N and V (V counted at 4 bytes, as fp32 inputs have it); Triton's pipeliner keeps
+    # stages - 1 chunks in shared memory, beside what the step stages (S's tile: the reserve scales with K and the
+    # workspace dtype), so as many stages as fit that
     per_stage = (3 * CHUNK * BK + CHUNK * CHUNK) * ws_dtype.itemsize + CHUNK * walk_BV * 4
-    stages = max(1, min(tune.walk_max_stages, (device.max_smem - tune.walk_smem_reserve) // per_stage))
+    reserve = walk_reserve(BK, ws_dtype, tune)
+    stages = min(tune.walk_max_stages, 1 + (device.max_smem - reserve) // per_stage)
     if walk_tma and walk_BV == 64 and BK <= 128:
         stages = min(stages, 2)  # two programs an SM by TMA: twice the walk programs run at once
     # the Gluon form stores fp16 workspaces and forms b2 itself (`gluon_prepare`): no gate pass before it

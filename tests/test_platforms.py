@@ -75,10 +75,10 @@ def _calls(fn):
 
 def _walk_smem(plan: P.ChunkPlan, K: int, device: P.DeviceInfo) -> int:
     """Shared memory the walk's stages take, as `kda.plan._chunk_plan` counts it: Kd, Qd, M, N in the workspace
-    dtype and V at 4 bytes a chunk in flight, beside `Tuning.walk_smem_reserve`. One stage holds no chunk in flight."""
+    dtype and V at 4 bytes for each of the stages - 1 chunks Triton's pipeliner holds, beside `kda.plan.walk_reserve`."""
     BK = max(16, P.next_power_of_2(K))
     per_stage = (3 * plan.BT * BK + plan.BT * plan.BT) * plan.ws_dtype.itemsize + plan.BT * plan.walk_BV * 4
-    return P.tuning_of(device).walk_smem_reserve + (per_stage * plan.walk_stages if plan.walk_stages > 1 else 0)
+    return P.walk_reserve(BK, plan.ws_dtype, P.tuning_of(device)) + per_stage * (plan.walk_stages - 1)
 
 
 @pytest.fixture(scope="module")
