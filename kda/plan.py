@@ -171,7 +171,7 @@ class Tuning:
     wait_chunks_bv64: int = 2  # groups a BV-64 TMA walk awaits inside its pipelined loop
     wait_chunks_bv64_outer: int = 4  # groups a BV-64 pointer walk awaits in its outer loop
     late_per_slot: int = 12  # the walk beside the prepare's tail starts NT * free / (late_per_slot * HV) chunks early
-    walk_max_stages: int = 4  # the walk's software pipeline depth, at most (stages - 1 chunks in flight)
+    walk_max_stages: int = 4  # the walk's pipeline depth by TMA, at most (stages - 1 chunks in flight; pointer walks 3)
     walk_smem_reserve: int = 8192  # shared memory the walk keeps besides its chunks in flight (K = 128, fp16)
 
 
@@ -451,12 +451,14 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     BK = max(16, next_power_of_2(K))
     # TMA wants 16-byte rows and row strides: K, V multiples of 8 (fp16 and fp32 tiles)
     walk_tma = tma and K % 8 == 0 and V % 8 == 0
-    # a chunk's Kd, Qd, M, N and V (V counted at 4 bytes, as fp32 inputs have it); Triton's pipeliner keeps
-    # stages - 1 chunks in shared memory, beside what the step stages (S's tile: the reserve scales with K and the
-    # workspace dtype), so as many stages as fit that
+    # the chunks that fit in shared memory beside `walk_reserve`: a chunk's Kd, Qd, M, N and V (V counted at 4
+    # bytes, as fp32 inputs have it)
     per_stage = (3 * CHUNK * BK + CHUNK * CHUNK) * ws_dtype.itemsize + CHUNK * walk_BV * 4
-    reserve = walk_reserve(BK, ws_dtype, tune)
-    stages = min(tune.walk_max_stages, 1 + (device.max_smem - reserve) // per_stage)
+    chunks = (device.max_smem - walk_reserve(BK, ws_dtype, tune)) // per_stage
+    if walk_tma:  # Triton's pipeliner holds stages - 1 chunks of TMA tiles (offline sm_90: 4 stages, 192664 B)
+        stages = min(tune.walk_max_stages, 1 + chunks)
+    else:  # pointer walks keep a chunk a stage (untimed on sm_80 and AMD; gfx950's LDS overflows at 1 + chunks)
+        stages = max(1, min(tune.walk_max_stages - 1, chunks))
     if walk_tma and walk_BV == 64 and BK <= 128:
         stages = min(stages, 2)  # two programs an SM by TMA: twice the walk programs run at once
     # the Gluon form stores fp16 workspaces and forms b2 itself (`gluon_prepare`): no gate pass before it

@@ -75,10 +75,12 @@ def _calls(fn):
 
 def _walk_smem(plan: P.ChunkPlan, K: int, device: P.DeviceInfo) -> int:
     """Shared memory the walk's stages take, as `kda.plan._chunk_plan` counts it: Kd, Qd, M, N in the workspace
-    dtype and V at 4 bytes for each of the stages - 1 chunks Triton's pipeliner holds, beside `kda.plan.walk_reserve`."""
+    dtype and V at 4 bytes for each chunk in shared memory (stages - 1 for TMA tiles, as Triton's pipeliner holds
+    them; a stage's for pointer walks), beside `kda.plan.walk_reserve`."""
     BK = max(16, P.next_power_of_2(K))
     per_stage = (3 * plan.BT * BK + plan.BT * plan.BT) * plan.ws_dtype.itemsize + plan.BT * plan.walk_BV * 4
-    return P.walk_reserve(BK, plan.ws_dtype, P.tuning_of(device)) + per_stage * (plan.walk_stages - 1)
+    chunks = plan.walk_stages - 1 if plan.walk_tma else plan.walk_stages
+    return P.walk_reserve(BK, plan.ws_dtype, P.tuning_of(device)) + per_stage * chunks
 
 
 @pytest.fixture(scope="module")
