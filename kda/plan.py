@@ -456,7 +456,7 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     per_stage = (3 * CHUNK * BK + CHUNK * CHUNK) * ws_dtype.itemsize + CHUNK * walk_BV * 4
     chunks = (device.max_smem - walk_reserve(BK, ws_dtype, tune)) // per_stage
     if walk_tma:  # Triton's pipeliner holds stages - 1 chunks of TMA tiles (offline sm_90: 4 stages, 192664 B)
-        stages = min(tune.walk_max_stages, 1 + chunks)
+        stages = max(1, min(tune.walk_max_stages, 1 + chunks))
     else:  # pointer walks keep a chunk a stage (untimed on sm_80 and AMD; gfx950's LDS overflows at 1 + chunks)
         stages = max(1, min(tune.walk_max_stages - 1, chunks))
     if walk_tma and walk_BV == 64 and BK <= 128:
