@@ -439,7 +439,7 @@ def _beside_plan(plan: ChunkPlan, outer: bool, tune: Tuning, late: int = 0) -> C
 def walk_reserve(BK: int, ws_dtype: torch.dtype, tune: Tuning) -> int:
     """Shared memory the walk holds besides its chunks in flight: `Tuning.walk_smem_reserve` at K blocks of 128
     in fp16 workspaces, in proportion to the K block and the workspace's element size (S's staged tile)."""
-    return tune.walk_smem_reserve * BK * ws_dtype.itemsize // 256
+    return tune.walk_smem_reserve * (BK * ws_dtype.itemsize) // (128 * 2)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -455,7 +455,7 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     # bytes, as fp32 inputs have it)
     per_stage = (3 * CHUNK * BK + CHUNK * CHUNK) * ws_dtype.itemsize + CHUNK * walk_BV * 4
     chunks = (device.max_smem - walk_reserve(BK, ws_dtype, tune)) // per_stage
-    if walk_tma:  # Triton's pipeliner holds stages - 1 chunks of TMA tiles (offline sm_90: 4 stages, 192664 B)
+    if walk_tma:  # Triton's pipeliner holds stages - 1 chunks of TMA tiles (benchmarks/results/offline-compile*.md)
         stages = max(1, min(tune.walk_max_stages, 1 + chunks))
     else:  # pointer walks keep a chunk a stage (untimed on sm_80 and AMD; gfx950's LDS overflows at 1 + chunks)
         stages = max(1, min(tune.walk_max_stages - 1, chunks))
