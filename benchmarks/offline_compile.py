@@ -4,8 +4,8 @@ SGPRs on AMD), spills, shared memory (LDS) and whether they fit the target, as t
     python benchmarks/offline_compile.py [--targets sm_80,sm_90,...] [--cases NAME,...] [--maxnreg N]
                                          [--plan FIELD=VALUE,...] [--out DIR] [--md FILE]
 
-Each case is a call at K = V = 128 with bf16 inputs (Kimi's gate unless it says otherwise) on an fp32 or a bf16
-state pool. For each target its call is planned for that GPU (`kda.plan.prefill_plan` / `decode_plan` with the
+Each case is a call at K = V = 128 with bf16 inputs and Kimi's gate unless its name says otherwise, on an fp32 or a
+bf16 state pool. For each target its call is planned for that GPU (`kda.plan.prefill_plan` / `decode_plan` with the
 target's `DeviceInfo`: SMs, capability, shared memory, HIP), then run through the package's own launch path
 (`kda.ops.chunk.chunk_kda_fwd`, `kda.ops.fused_recurrent.fused_recurrent_kda_fwd`) on meta tensors, each launch
 caught before it reaches a device and compiled for the target with the specialisation Triton's own binder makes
@@ -76,14 +76,17 @@ def _meta(*shape, dtype=torch.bfloat16):
 
 
 def _call(fn, B: int, T: int, H: int, lengths: list[int] | None = None, pool: torch.dtype = torch.float32,
-          v_first: bool = True, host_bounds: bool = True, kimi_gate: bool = True, verify: int = 0):
+          v_first: bool = True, host_bounds: bool = True, kimi_gate: bool = True, verify: int = 0,
+          dtype: torch.dtype = torch.bfloat16, K: int = K, V: int = V):
     """The `KDACall` of `fn` (`kda.chunk_kda` or `kda.fused_recurrent_kda`) on meta tensors: dense [B, T] or varlen
     `lengths` (host bounds given or not), value heads H, a paged pool of `pool` dtype (one slot a sequence), Kimi's
-    gate (A_log, dt_bias, lower bound -5, q and k l2-normalised in the kernel) or a raw log-decay gate."""
+    gate (A_log, dt_bias, lower bound -5, q and k l2-normalised in the kernel) or a raw log-decay gate; q, k, v of
+    `dtype`, K and V wide."""
     N = B if lengths is None else len(lengths)
     if lengths is not None:
         B, T = 1, sum(lengths)
-    q, k, v, g, beta = _meta(B, T, H, K), _meta(B, T, H, K), _meta(B, T, H, V), _meta(B, T, H, K), _meta(B, T, H)
+    q, k, v = _meta(B, T, H, K, dtype=dtype), _meta(B, T, H, K, dtype=dtype), _meta(B, T, H, V, dtype=dtype)
+    g, beta = _meta(B, T, H, K, dtype=dtype), _meta(B, T, H, dtype=dtype)
     kw = dict(state_cache=_meta(N + 1, H, *((V, K) if v_first else (K, V)), dtype=pool),
               state_v_first=v_first, output_final_state=False)
     if verify:
@@ -124,6 +127,8 @@ CASES = {
     "prefill-raw-gate-1x8192-h8": _prefill(B=1, T=8192, H=8, kimi_gate=False),
     # a serving batch without host bounds: varlen chunk kernels routed on the device, short ones by the loop kernel
     "prefill-varlen-64-h32": _prefill(B=1, T=0, H=32, lengths=[1024] * 32 + [8] * 32, host_bounds=False),
+    # fp32 inputs at K = V = 64: exact dots stage their operands in shared memory beside the walk's TMA stages
+    "prefill-fp32-k64-1x4096-h4": _prefill(B=1, T=4096, H=4, dtype=torch.float32, K=64, V=64),
     "decode-vfirst-256-h32": _decode(B=256, T=1, H=32),
     "decode-kfirst-256-h32": _decode(B=256, T=1, H=32, v_first=False),
     "verify-kfirst-256x4-h32": _decode(B=256, T=4, H=32, v_first=False, verify=4),

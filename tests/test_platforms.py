@@ -80,7 +80,7 @@ def _walk_smem(plan: P.ChunkPlan, K: int, device: P.DeviceInfo) -> int:
     BK = max(16, P.next_power_of_2(K))
     per_stage = (3 * plan.BT * BK + plan.BT * plan.BT) * plan.ws_dtype.itemsize + plan.BT * plan.walk_BV * 4
     chunks = plan.walk_stages - 1 if plan.walk_tma else plan.walk_stages
-    return P.walk_reserve(BK, plan.ws_dtype, P.tuning_of(device)) + per_stage * chunks
+    return P.walk_reserve(BK, plan.walk_BV, plan.ws_dtype, plan.dot_prec, P.tuning_of(device)) + per_stage * chunks
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +297,24 @@ def test_offline_compile_plan_overrides_reach_the_compile():
     assert "BV=32" in lines["BV=32,packed=false"][0] and "PACKED" not in lines["BV=32,packed=false"][0], lines
     bad = subprocess.run(run + ["--plan", "BW=32"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "--plan: 'BW=32'" in bad.stderr and "sm_90 " not in bad.stdout
+
+
+def test_exact_dot_walks_fit_hopper_shared_memory():
+    """fp32 inputs take exact dots, which stage fp32 operands of a chunk's rows in shared memory beside the walk's
+    TMA stages (`kda.plan.walk_reserve`): compiled offline for sm_90 at K = V = 64 (where a flat reserve planned 4
+    stages and 262 KB of the 227 KB an SM has), every kernel of the call fits."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "offline_compile.py"), "--targets", "sm_90",
+                           "--cases", "prefill-fp32-k64-1x4096-h4", "--pools", "fp32"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ")]
+    assert any("_chunk_state_kernel" in r and "TMA=True" in r for r in rows), rows
+    assert all("error" not in r.lower() and "**over**" not in r for r in rows), rows
 
 
 @pytest.mark.parametrize("case", ["prefill-1x8192-h8", "prefill-1x16384-h32"])
