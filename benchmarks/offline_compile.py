@@ -355,12 +355,12 @@ def _markdown(rows: list, targets: list[Target], maxnreg: int | None, out: Path 
     lines = [f"# Offline compiles: every kernel kda.plan launches, per target (Triton {triton.__version__})", "",
              f"`python benchmarks/offline_compile.py --md {out or 'FILE'}` on a CPU machine with Triton "
              f"{triton.__version__} installed"
-             + (f", `--maxnreg {maxnreg}`" if maxnreg else "") + ". K = V = 128, bf16 inputs; each call planned "
-             "for the target's `DeviceInfo` and compiled with its launch's specialisation. A cell: registers a "
-             "thread (AMD: VGPRs incl. AGPRs, +SGPRs) / spill bytes (AMD: scratch bytes a lane) / shared memory "
-             "(LDS) / ok, spills (launchable, spilling), or **over** (shared memory past the block's limit, or "
-             "registers past the target's: the launch would fail). Launch flags list the constexprs that are set "
-             "(a flag not listed is off). Shared memory a block may use: "
+             + (f", `--maxnreg {maxnreg}`" if maxnreg else "") + ". K = V = 128, bf16 inputs unless the case says "
+             "otherwise; each call planned for the target's `DeviceInfo` and compiled with its launch's "
+             "specialisation. A cell: registers a thread (AMD: VGPRs incl. AGPRs, +SGPRs) / spill bytes (AMD: "
+             "scratch bytes a lane) / shared memory (LDS) / ok, spills (launchable, spilling), or **over** (shared "
+             "memory past the block's limit, or registers past the target's: the launch would fail). Launch flags "
+             "list the constexprs that are set (a flag not listed is off). Shared memory a block may use: "
              + ", ".join(f"{t.name} ({t.gpu}) {t.device.max_smem // 1024} KiB" for t in targets) + ".", ""]
     grid: dict = {}
     for case, pool, target, r in rows:
