@@ -318,6 +318,22 @@ def test_exact_dot_walks_fit_hopper_shared_memory():
     assert all("error" not in r.lower() and "**over**" not in r for r in rows), rows
 
 
+def test_the_prepare_has_the_same_float_ops_dense_and_varlen():
+    """`benchmarks/arith_forms.py` under this Triton for sm_90, 32 heads: the prepare of a dense call (beside the
+    walk) and of a varlen batch compile to the same float operations, none fused in one form only (a sequence's
+    bits would then follow the batch, as the Gluon prepare's did with its gate's product left to the compiler)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "arith_forms.py"), "--heads", "32"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=900)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("sm_90 H=32 ")]
+    assert done.returncode == 0 and rows and all("the same kinds and counts" in r for r in rows), \
+        done.stdout[-3000:] + done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("case", ["prefill-1x8192-h8", "prefill-1x16384-h32"])
 def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
     """The walk beside the prepare waits in PTX that the interpreter never runs (`kda.ops.overlap.spin_zero`: an
