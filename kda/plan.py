@@ -440,8 +440,8 @@ def walk_reserve(BK: int, BV: int, ws_dtype: torch.dtype, exact_tma: bool, tune:
     """Shared memory the walk holds besides its chunks in flight: `Tuning.walk_smem_reserve` at K blocks of 128
     in fp16 workspaces, in proportion to the K block and the workspace's element size (S's staged tile). A TMA walk
     with exact ("ieee") dots also stages fp32 operands of a chunk's rows (K, V and chunk wide) in shared memory
-    (offline sm_90, fp32 inputs: 28.8 KB at K blocks of 16 and V blocks of 32 to 57.4 KB at 128, 37.0 KB at 64 and
-    16); pointer walks keep a chunk a stage, whose slack has held it (sm_80; on AMD every dot is exact)."""
+    (offline sm_90, fp32 inputs at V blocks of 32: 28.8 KB at K blocks of 16 to 57.4 KB at 128); pointer walks keep
+    a chunk a stage, whose slack has held it (sm_80; on AMD every dot is exact)."""
     staged = CHUNK * (BK + BV + CHUNK) * 4 if exact_tma else 0
     return tune.walk_smem_reserve * (BK * ws_dtype.itemsize) // (128 * 2) + staged
 

@@ -277,41 +277,40 @@ def test_import_and_a_call_without_a_gpu_never_load_gluon():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
 
 
-def test_offline_compile_plan_overrides_reach_the_compile():
-    """`offline_compile.py --plan` replaces plan fields before the call is launched: the K-first one-token decode
-    compiles at the tile asked (BV 32, not held) instead of the plan's (BV 64, held), and a field no plan has is
-    refused by name before anything compiles."""
+def _benchmark_tool(script: str, *args: str, timeout: int = 900):
+    """`benchmarks/<script> args` in a process of its own, outside the interpreter (compiles for real targets)."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = [sys.executable, str(root / "benchmarks" / "offline_compile.py"), "--targets", "sm_90", "--cases",
-           "decode-kfirst-256-h32", "--pools", "fp32"]
+    return subprocess.run([sys.executable, str(root / "benchmarks" / script), *args], cwd=root,
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_offline_compile_plan_overrides_reach_the_compile():
+    """`offline_compile.py --plan` replaces plan fields before the call is launched: the K-first one-token decode
+    compiles at the tile asked (BV 32, not held) instead of the plan's (BV 64, held), and a field no plan has is
+    refused by name before anything compiles."""
+    run = ["--targets", "sm_90", "--cases", "decode-kfirst-256-h32", "--pools", "fp32"]
     lines = {}
     for plan in ("", "BV=32,packed=false"):
-        done = subprocess.run(run + ["--plan", plan], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        done = _benchmark_tool("offline_compile.py", *run, "--plan", plan, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         lines[plan] = [x for x in done.stdout.splitlines() if x.startswith("sm_90 ")]
     assert len(lines[""]) == 1 and "BV=64" in lines[""][0] and "PACKED=True" in lines[""][0], lines
     assert len(lines["BV=32,packed=false"]) == 1, lines
     assert "BV=32" in lines["BV=32,packed=false"][0] and "PACKED" not in lines["BV=32,packed=false"][0], lines
-    bad = subprocess.run(run + ["--plan", "BW=32"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    bad = _benchmark_tool("offline_compile.py", *run, "--plan", "BW=32", timeout=600)
     assert bad.returncode != 0 and "--plan: 'BW=32'" in bad.stderr and "sm_90 " not in bad.stdout
 
 
 def test_exact_dot_walks_fit_hopper_shared_memory():
     """fp32 inputs take exact dots, which stage fp32 operands of a chunk's rows in shared memory beside the walk's
     TMA stages (`kda.plan.walk_reserve`): compiled offline for sm_90 at K = V = 64 (where a flat reserve planned 4
-    stages and 262 KB of the 227 KB an SM has), every kernel of the call fits."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "offline_compile.py"), "--targets", "sm_90",
-                           "--cases", "prefill-fp32-k64-1x4096-h4", "--pools", "fp32"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
+    stages and 246-262 KB of the 227 KB an SM has), every kernel of the call fits."""
+    done = _benchmark_tool("offline_compile.py", "--targets", "sm_90", "--cases", "prefill-fp32-k64-1x4096-h4",
+                           "--pools", "fp32")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ")]
     assert any("_chunk_state_kernel" in r and "TMA=True" in r for r in rows), rows
@@ -322,13 +321,7 @@ def test_the_prepare_has_the_same_float_ops_dense_and_varlen():
     """`benchmarks/arith_forms.py` under this Triton for sm_90, 32 heads: the prepare of a dense call (beside the
     walk) and of a varlen batch compile to the same float operations, none fused in one form only (a sequence's
     bits would then follow the batch, as the Gluon prepare's did with its gate's product left to the compiler)."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "arith_forms.py"), "--heads", "32"], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=900)
+    done = _benchmark_tool("arith_forms.py", "--heads", "32")
     rows = [line for line in done.stdout.splitlines() if line.startswith("sm_90 H=32 ")]
     assert done.returncode == 0 and rows and all("the same kinds and counts" in r for r in rows), \
         done.stdout[-3000:] + done.stderr[-3000:]
@@ -343,14 +336,8 @@ def test_the_walk_beside_the_prepare_compiles_for_hopper(case, tmp_path):
     registers and shared memory, and the bounded spin (setting the program's flag where it gives up) is in its PTX;
     the outer loop's look at the groups counted
     already (`counted_after`) reads them by acquire loads, then a barrier, each by one thread."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "offline_compile.py"), "--targets", "sm_90",
-                           "--cases", case, "--pools", "fp32", "--out", str(tmp_path)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = _benchmark_tool("offline_compile.py", "--targets", "sm_90", "--cases", case, "--pools", "fp32", "--out",
+                           str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     walks = [line for line in done.stdout.splitlines()
              if line.startswith("sm_90 ") and "_chunk_state_kernel" in line and "SPIN=True" in line]
