@@ -436,13 +436,13 @@ def _beside_plan(plan: ChunkPlan, outer: bool, tune: Tuning, late: int = 0) -> C
                    wait_in_loop=plan.walk_tma, late_chunks=late)
 
 
-def walk_reserve(BK: int, BV: int, ws_dtype: torch.dtype, exact_tma: bool, tune: Tuning) -> int:
+def walk_reserve(BK: int, BV: int, ws_dtype: torch.dtype, dot_prec: str, tma: bool, tune: Tuning) -> int:
     """Shared memory the walk holds besides its chunks in flight: `Tuning.walk_smem_reserve` at K blocks of 128
     in fp16 workspaces, in proportion to the K block and the workspace's element size (S's staged tile). A TMA walk
     with exact ("ieee") dots also stages fp32 operands of a chunk's rows (K, V and chunk wide) in shared memory
     (offline sm_90, fp32 inputs at V blocks of 32: 28.8 KB at K blocks of 16 to 57.4 KB at 128); pointer walks keep
     a chunk a stage, whose slack has held it (sm_80; on AMD every dot is exact)."""
-    staged = CHUNK * (BK + BV + CHUNK) * 4 if exact_tma else 0
+    staged = CHUNK * (BK + BV + CHUNK) * 4 if tma and dot_prec == "ieee" else 0
     return tune.walk_smem_reserve * (BK * ws_dtype.itemsize) // (128 * 2) + staged
 
 
@@ -458,7 +458,7 @@ def _chunk_plan(input_dtype: torch.dtype, qk_l2norm_in_kernel: bool, fused: bool
     # the chunks that fit in shared memory beside `walk_reserve`: a chunk's Kd, Qd, M, N and V (V counted at 4
     # bytes, as fp32 inputs have it)
     per_stage = (3 * CHUNK * BK + CHUNK * CHUNK) * ws_dtype.itemsize + CHUNK * walk_BV * 4
-    chunks = (device.max_smem - walk_reserve(BK, walk_BV, ws_dtype, walk_tma and prec == "ieee", tune)) // per_stage
+    chunks = (device.max_smem - walk_reserve(BK, walk_BV, ws_dtype, prec, walk_tma, tune)) // per_stage
     if walk_tma:  # Triton's pipeliner holds stages - 1 chunks of TMA tiles (benchmarks/results/offline-compile*.md)
         stages = max(1, min(tune.walk_max_stages, 1 + chunks))
     else:  # pointer walks keep a chunk a stage (untimed on sm_80 and AMD; gfx950's LDS overflows at 1 + chunks)

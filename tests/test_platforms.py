@@ -80,8 +80,8 @@ def _walk_smem(plan: P.ChunkPlan, K: int, device: P.DeviceInfo) -> int:
     BK = max(16, P.next_power_of_2(K))
     per_stage = (3 * plan.BT * BK + plan.BT * plan.BT) * plan.ws_dtype.itemsize + plan.BT * plan.walk_BV * 4
     chunks = plan.walk_stages - 1 if plan.walk_tma else plan.walk_stages
-    exact_tma = plan.walk_tma and plan.dot_prec == "ieee"
-    return P.walk_reserve(BK, plan.walk_BV, plan.ws_dtype, exact_tma, P.tuning_of(device)) + per_stage * chunks
+    reserve = P.walk_reserve(BK, plan.walk_BV, plan.ws_dtype, plan.dot_prec, plan.walk_tma, P.tuning_of(device))
+    return reserve + per_stage * chunks
 
 
 @pytest.fixture(scope="module")
