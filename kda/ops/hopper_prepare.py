@@ -163,6 +163,20 @@ def _as_operand(x, A: gl.constexpr):
 
 
 @gluon.jit
+def _k_order(x, dim: gl.constexpr):
+    """`x` ([BT, BT]) with its index along `dim` reordered within blocks of 8: index 8 a + 4 j + q takes x's
+    8 a + 2 q + j. A tf32 wgmma accumulator holds columns 2 q + j of each 8 at lane q, register j, where the
+    register A operand wants k = q + 4 j: reordered along k (the B operand's rows likewise), the accumulator's
+    registers are the operand's, and the product is unchanged (no data moves)."""
+    n: gl.constexpr = x.shape[0]
+    if dim == 1:
+        x = gl.reshape(gl.permute(gl.reshape(x, [n, n // 8, 4, 2]), (0, 1, 3, 2)), [n, n])
+    else:
+        x = gl.reshape(gl.permute(gl.reshape(x, [n // 8, 4, 2, n]), (0, 2, 1, 3)), [n, n])
+    return x
+
+
+@gluon.jit
 def _as_operand16(x, A: gl.constexpr):
     """`_as_operand` for an fp16 A operand (k_width 2): channel 8 t + j in the order 16 j2 + 8 j1 + 4 t1 + 2 t0 + j0."""
     n: gl.constexpr = x.shape[0]
@@ -451,14 +465,16 @@ def _chunk_prepare_hopper_kernel(
 
             # Y = X^T, X = (I + L)^-1 (`chunk_prepare._unit_lower_inverse_t`), as `_chunk_prepare_hopper_kernel`
             l_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ, _tf32(L))
+            # the B operand L^T with its rows in `_k_order`, so every A operand is an accumulator's registers
+            lk_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ, _k_order(_tf32(L), 1))
             y_s = gl.allocate_shared_memory(gl.float32, [BT, BT], S_SQ)
             fence_async_shared()
-            LrT = l_s.permute((1, 0))
+            LrT = lk_s.permute((1, 0))
             eye = gl.where(r == c, 1.0, 0.0)
             blk = (r // BC) == (c // BC)
             Y = eye - gl.where(blk, l_s.permute((1, 0)).load(MMA64), 0.0)
             for _ in range(2, BC):
-                Y = eye - gl.where(blk, _mma(_tf32(Y), LrT, A64, MMA64, BT, BT), 0.0)
+                Y = eye - gl.where(blk, _mma(_k_order(_tf32(Y), 1), LrT, A64, MMA64, BT, BT), 0.0)
             gl.static_assert(BC * NB == BT and (BC & (BC - 1)) == 0)
             LOG2_BC: gl.constexpr = (BC >= 2) + (BC >= 4) + (BC >= 8) + (BC >= 16) + (BC >= 32)
             NLVL: gl.constexpr = (NB >= 2) + (NB >= 4) + (NB >= 8) + (NB >= 16)  # merges of widths BC, 2 BC, ..
@@ -466,12 +482,12 @@ def _chunk_prepare_hopper_kernel(
                 sh = lvl + LOG2_BC
                 Yr = _tf32(Y)
                 top = ((r >> sh) & 1) == 0
-                Yu = gl.where(top, Yr, 0.0)
+                # a row of Y L^T needs only that row of Y: the bottom rows' products are dropped, not zeroed first
                 upper_right = ((r >> (sh + 1)) == (c >> (sh + 1))) & top & (((c >> sh) & 1) == 1)
-                Hm = gl.where(upper_right, _mma(Yu, LrT, A64, MMA64, BT, BT), 0.0)
-                y_s.store(gl.permute(Yr, (1, 0)))
+                Hm = gl.where(upper_right, _mma(_k_order(Yr, 1), LrT, A64, MMA64, BT, BT), 0.0)
+                y_s.store(gl.permute(_k_order(Yr, 0), (1, 0)))
                 fence_async_shared()
-                Y = Y - _mma(_tf32(Hm), y_s.permute((1, 0)), A64, MMA64, BT, BT)
+                Y = Y - _mma(_k_order(_tf32(Hm), 1), y_s.permute((1, 0)), A64, MMA64, BT, BT)
             XbT = _tf32(Y * beta_m)
 
             if FOLD:
