@@ -478,12 +478,13 @@ def _chunk_prepare_hopper_kernel(
             gl.static_assert(BC * NB == BT and (BC & (BC - 1)) == 0)
             LOG2_BC: gl.constexpr = (BC >= 2) + (BC >= 4) + (BC >= 8) + (BC >= 16) + (BC >= 32)
             NLVL: gl.constexpr = (NB >= 2) + (NB >= 4) + (NB >= 8) + (NB >= 16)  # merges of widths BC, 2 BC, ..
+            rc = r ^ c
             for lvl in range(NLVL):  # a loop: the merges' code once (blocks of w = BC 2^lvl rows)
                 sh = lvl + LOG2_BC
                 Yr = _tf32(Y)
-                top = ((r >> sh) & 1) == 0
-                # a row of Y L^T needs only that row of Y: the bottom rows' products are dropped, not zeroed first
-                upper_right = ((r >> (sh + 1)) == (c >> (sh + 1))) & top & (((c >> sh) & 1) == 1)
+                # the upper-right quadrant of each block of 2w: r and c alike above bit sh, r's bit sh 0, c's 1; a
+                # row of Y L^T needs only that row of Y, so the bottom rows' products are dropped, not zeroed first
+                upper_right = ((rc >> sh) == 1) & (c > r)
                 Hm = gl.where(upper_right, _mma(_k_order(Yr, 1), LrT, A64, MMA64, BT, BT), 0.0)
                 y_s.store(gl.permute(_k_order(Yr, 0), (1, 0)))
                 fence_async_shared()
