@@ -44,6 +44,14 @@ def _tf32(x):
 
 
 @gluon.jit
+def _rcp(x):
+    """1 / x to an ulp (`rcp.approx.ftz`): the one MUFU instruction of `gl.fdiv`'s approximate division, without its
+    scaling for |x| > 2^126 (there the gate is 0 either way: 1 + e only grows past 2^126 as the gate vanishes)."""
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
 def _pow2_of(m):
     """A power of two p with m p in [2^14, 2^15) (`common.pow2_of`)."""
     e = (m.to(gl.int32, bitcast=True) >> 23) & 0xFF
@@ -249,7 +257,7 @@ def _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_h, lower_bound, gt_h, K: gl.cons
     if HAS_DT_BIAS:
         x = x + gl.load(bias_h + o_c).to(gl.float32)[None, :]
     e = gl.exp2(x * (a * -LOG2E))
-    b2 = gl.associative_scan(gl.where(row_ok, gl.fdiv(lower_bound * LOG2E, 1.0 + e), 0.0), 0, _add)
+    b2 = gl.associative_scan(gl.where(row_ok, (lower_bound * LOG2E) * _rcp(1.0 + e), 0.0), 0, _add)
     gl.thread_barrier()  # every thread's gate read (an fp32 gate shares b2_s's bytes in another order)
     NKS: gl.constexpr = b2_s.shape[0]
     # b2_s's bytes as one 3-d tile (its slices' 2-d layout stacked: the same bytes) for one store
