@@ -431,13 +431,14 @@ def _chunk_prepare_hopper_kernel(
                 e_col = gl.exp2(anc - b2)
                 # B: kc's rows at their half's anchor in tf32; the top rows at the middle row's in fp16 (2^(mid - b2)
                 # = e_col 2^(mid - q1) <= 1; the bottom rows' may overflow fp16 and are never read)
-                b_s.store(_as_operand(_tf32(kn * e_col), A64))
-                b16_s.store(_as_operand16((kn * (e_col * gl.exp2(b2_mid - b2_q1))).to(gl.float16), A16))
+                kc = kn * e_col
+                b_s.store(_as_operand(_tf32(kc), A64))
+                b16_s.store(_as_operand16((kc * gl.exp2(b2_mid - b2_q1)).to(gl.float16), A16))
                 fence_async_shared()
                 # A: every row at its half's anchor against all of kc (the off-diagonal quadrants overflow and are
                 # dropped); the bottom rows at the middle row's in fp16 (2^(b2 - mid) = e_row 2^(q3 - mid) <= 1)
-                # against kc's top rows, zero above
-                x_row = gl.where(first, 0.0, e_row * gl.exp2(b2_q3 - b2_mid))
+                # against kc's top rows (the top rows' products may overflow: only the bottom rows are read)
+                x_row = e_row * gl.exp2(b2_q3 - b2_mid)
                 kk = warpgroup_mma(_as_operand(_tf32(kn * e_row), A64), b_s.permute((1, 0)), kk, is_async=True)
                 kk_ll = warpgroup_mma(_as_operand16((kn * x_row).to(gl.float16), A16), b16_s.slice(0, HALF).permute((1, 0)),
                                       kk_ll, is_async=True)
