@@ -44,11 +44,13 @@ def _tf32(x):
 
 
 @gluon.jit
-def _rcp(x):
-    """1 / x to an ulp (`rcp.approx.ftz`): the one MUFU instruction of `gl.fdiv`'s approximate division, without its
-    scaling for |x| > 2^126 (there the gate is 0 either way: 1 + e only grows past 2^126 as the gate vanishes)."""
-    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
-                                     pack=1)
+def _div(c, x):
+    """c / x as c times 1 / x to an ulp (`rcp.approx.ftz`: the one MUFU instruction of `gl.fdiv`'s approximate
+    division, without its scaling for |x| > 2^126, where the gate is 0 either way), the product rounded inside the
+    asm: a multiply the compiler sees fuses into the gate scan's first addition where it knows row 0 valid (the varlen
+    form, not the dense one), and a sequence's bits would follow the batch."""
+    return gl.inline_asm_elementwise("{ .reg .f32 r; rcp.approx.ftz.f32 r, $2; mul.rn.f32 $0, $1, r; }", "=f,f,f",
+                                     [c, x], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -257,7 +259,7 @@ def _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_h, lower_bound, gt_h, K: gl.cons
     if HAS_DT_BIAS:
         x = x + gl.load(bias_h + o_c).to(gl.float32)[None, :]
     e = gl.exp2(x * (a * -LOG2E))
-    b2 = gl.associative_scan(gl.where(row_ok, (lower_bound * LOG2E) * _rcp(1.0 + e), 0.0), 0, _add)
+    b2 = gl.associative_scan(gl.where(row_ok, _div(lower_bound * LOG2E, 1.0 + e), 0.0), 0, _add)
     gl.thread_barrier()  # every thread's gate read (an fp32 gate shares b2_s's bytes in another order)
     NKS: gl.constexpr = b2_s.shape[0]
     # b2_s's bytes as one 3-d tile (its slices' 2-d layout stacked: the same bytes) for one store
