@@ -28,6 +28,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench  # noqa: E402
+
 from kda.ops.common import pow2_scale  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -148,22 +150,8 @@ def check(BV):
         assert ok
 
 
-def time_kernel(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / reps
-
-
 def todays_walk(B, T, H):
     """Today's walk kernel alone (after the prepare) on the shape: its time from the torch profiler, us."""
-    import bench
-
     import kda
     import kda.plan as P
     import kda.replay as R
@@ -209,13 +197,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)} {a.shape}: today's walk alone {walk:.1f} us, {walk / NT:.3f} us a step",
           flush=True)
     args = tiles(NT, H, K, V, BT, "cuda")
+    timer = bench.Timer(warmup_ms=25, rep_ms=200)  # median of do_bench, an L2 flush before each launch
     for stack in (True, False):
         for stages in (int(s) for s in a.stages.split(",")):
             for tma in (True, False):
                 form = "stacked" if stack else "two dots"
                 name = f"{form} BV {a.bv} stages {stages} {'TMA' if tma else 'pointers'}"
                 try:
-                    us = time_kernel(functools.partial(launch, args, NT, H, K, V, BT, a.bv, stack, stages, tma))
+                    us = timer.eager(functools.partial(launch, args, NT, H, K, V, BT, a.bv, stack, stages, tma))
                 except Exception as e:  # a form that does not fit (shared memory) is reported, not fatal
                     print(f"{name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
