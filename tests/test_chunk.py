@@ -6,6 +6,7 @@ and the 11-bit intermediates: NARROW_STATE_TOL below)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 
@@ -1139,8 +1140,10 @@ def test_the_interpreter_warns_of_no_overflow(device):
 def test_the_side_stream_is_made_in_the_callers_green_context(monkeypatch):
     """Where the caller's stream runs in a green context (the driver's answer), the walk's side stream is made in
     that green context, non-blocking, above the default priority, once per (stream, green context): a handle the
-    driver places in another green context later gets another stream. A stream in no green context gets a torch
-    stream; a failed creation raises. (The GPU test runs it on real green contexts.)"""
+    driver places in another green context later gets another stream. A stream in no green context gets a stream
+    made by the driver in the device's context (never one of torch's pooled streams, which torch hands out again);
+    without green contexts in the driver, the same; without a driver, a torch stream; a failed creation raises.
+    (The GPU tests run it on real green contexts and against torch's pool.)"""
     places = {7: 70, 9: 90}
     made = []
 
@@ -1153,23 +1156,42 @@ def test_the_side_stream_is_made_in_the_callers_green_context(monkeypatch):
         out._obj.value = 1000 + len(made)
         return 0 if green != 99 else 1
 
-    monkeypatch.setattr(overlap, "_GREEN", [(get, make)])
+    def plain(out, flags, priority):  # cuStreamCreateWithPriority
+        made.append(("plain", flags, priority))
+        out._obj.value = 2000 + len(made)
+        return 0 if priority == -1 and not places.get("fail") else 2
+
+    monkeypatch.setattr(overlap, "_DRIVER", [(get, make, plain)])
     monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
-    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: ("green", handle, device.index))
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: ("driver", handle, device.index))
     monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: ("torch", priority, device.index))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
 
     class Main:
         def __init__(self, handle):
             self.cuda_stream = handle
 
     dev = torch.device("cuda", 0)
-    assert overlap.side_stream(dev, Main(7)) == ("green", 1001, 0)
-    assert overlap.side_stream(dev, Main(7)) == ("green", 1001, 0) and len(made) == 1
-    assert overlap.side_stream(dev, Main(9)) == ("green", 1002, 0)
+    assert overlap.side_stream(dev, Main(7)) == ("driver", 1001, 0)
+    assert overlap.side_stream(dev, Main(7)) == ("driver", 1001, 0) and len(made) == 1
+    assert overlap.side_stream(dev, Main(9)) == ("driver", 1002, 0)
     assert made == [(70, 1, -1), (90, 1, -1)]
-    assert overlap.side_stream(dev, Main(5)) == ("torch", -1, 0)
+    assert overlap.side_stream(dev, Main(5)) == ("driver", 2003, 0) and made[-1] == ("plain", 1, -1)
+    assert overlap.side_stream(dev, Main(5)) == ("driver", 2003, 0) and len(made) == 3
     places[7] = 71
-    assert overlap.side_stream(dev, Main(7)) == ("green", 1003, 0) and made[-1][0] == 71
+    assert overlap.side_stream(dev, Main(7)) == ("driver", 1004, 0) and made[-1][0] == 71
     places[8] = 99
     with pytest.raises(RuntimeError, match="cuGreenCtxStreamCreate"):
         overlap.side_stream(dev, Main(8))
+    places["fail"] = True
+    with pytest.raises(RuntimeError, match="cuStreamCreateWithPriority"):
+        overlap.side_stream(dev, Main(6))
+    # a driver without green contexts: every caller's stream gets a driver-made stream in the device's context
+    monkeypatch.setattr(overlap, "_DRIVER", [(None, None, plain)])
+    monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
+    del places["fail"]
+    assert overlap.side_stream(dev, Main(7)) == ("driver", 2000 + len(made), 0) and made[-1] == ("plain", 1, -1)
+    # no driver to ask (ROCm): torch's stream, as before
+    monkeypatch.setattr(overlap, "_DRIVER", [None])
+    monkeypatch.setattr(overlap, "_SIDE_STREAMS", {})
+    assert overlap.side_stream(dev, Main(7)) == ("torch", -1, 0)

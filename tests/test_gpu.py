@@ -304,6 +304,21 @@ def _subprocess_ok(code: str, timeout: int = 240, **env_extra) -> None:
 
 
 @pytest.mark.hopper_plan
+def test_the_walks_side_stream_is_none_of_torchs_pooled_streams():
+    """The walk's side stream is made by the driver, not drawn from torch's pool: torch hands each pooled stream out
+    again every 32 requests at a priority, so a caller's `torch.cuda.Stream()` could otherwise be the walk's stream
+    and order the caller's work and the walk one behind the other. Every pooled stream at priorities -2, -1 and 0
+    is asked for twice over; none is the side stream of the current stream or of a caller's pooled stream."""
+    from kda.ops.overlap import side_stream
+
+    main = torch.cuda.current_stream()
+    sides = {side_stream(main.device, main).cuda_stream}
+    pooled = {torch.cuda.Stream(priority=p).cuda_stream for p in (-2, -1, 0) for _ in range(64)}
+    sides |= {side_stream(main.device, torch.cuda.Stream(priority=p)).cuda_stream for p in (-1, 0)}
+    assert len(pooled) >= 32 and not sides & pooled and main.cuda_stream not in sides
+
+
+@pytest.mark.hopper_plan
 @pytest.mark.parametrize("num_sms", [32, 16, 8])
 def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
     """On a GPU partitioned into a green context of `num_sms` SMs (the plan still sees the whole device's SM count),
@@ -349,7 +364,7 @@ def test_walk_beside_prepare_finishes_on_a_partitioned_gpu(num_sms):
         "ctx.pop_context()\n"
         "# a caller's stream made in the green context while the primary context is current (SGLang's pattern)\n"
         "handle = ctypes.c_void_p()\n"
-        "assert green and overlap._GREEN[0][1](ctypes.byref(handle), green, 1, 0) == 0\n"
+        "assert green and overlap._driver()[1](ctypes.byref(handle), green, 1, 0) == 0\n"
         "caller = torch.cuda.ExternalStream(handle.value)\n"
         "reached = [t.sms_reached(caller), t.sms_reached(side_stream(caller.device, caller))]\n"
         "say('a green stream, the primary context current: SMs reached by it and its side stream', reached)\n"

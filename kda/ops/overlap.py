@@ -45,7 +45,7 @@ from ..plan import cdiv
 from .launch import direct
 
 _SIDE_STREAMS: dict = {}
-_GREEN: list = []  # libcuda's (cuStreamGetGreenCtx, cuGreenCtxStreamCreate), or None, once looked up
+_DRIVER: list = []  # `_driver()`'s answer, once looked up
 _CU_STREAM_NON_BLOCKING = 1  # as torch's own streams: no implicit order with the legacy default stream
 
 
@@ -54,46 +54,71 @@ def side_stream(device: torch.device, main: torch.cuda.Stream) -> torch.cuda.Str
     context, made at its first use, so that two calls on two streams do not queue their walks on one. Where `main`
     is confined to a green context (made in one, or current in one: `cuStreamGetGreenCtx`), the side stream is made
     in the same green context (`cuGreenCtxStreamCreate`), so the walk reaches only the SMs the caller's stream does
-    (a torch stream is bound to the context current when torch's pool was made, the whole GPU); else a torch stream.
+    (a torch stream is bound to the context current when torch's pool was made, the whole GPU); else in the
+    device's primary context (`cuStreamCreateWithPriority`). Never one of torch's pooled streams: torch hands each of
+    those out again every 32 requests, so a caller's `torch.cuda.Stream()` could be the walk's stream, its work then
+    ordered before or after the walk's (without a CUDA driver to ask, ROCm, a torch stream all the same).
     At a higher priority than the caller's: the walk is the call's serial chain, and its programs should take the
     SMs a finished prepare program frees before the next prepare's do. One driver query a call."""
     green = _green_context(main.cuda_stream)
     key = (device.index or 0, main.cuda_stream, green)
     stream = _SIDE_STREAMS.get(key)
     if stream is None:
-        if green is None:
-            stream = torch.cuda.Stream(device=device, priority=-1)
-        else:
-            handle = ctypes.c_void_p()
-            rc = _GREEN[0][1](ctypes.byref(handle), green, _CU_STREAM_NON_BLOCKING, -1)
-            if rc != 0:
-                raise RuntimeError(f"cuGreenCtxStreamCreate failed with CUresult {rc}")
-            stream = torch.cuda.ExternalStream(handle.value, device=device)
-        _SIDE_STREAMS[key] = stream
+        stream = _SIDE_STREAMS[key] = _new_stream(device, green)
     return stream
+
+
+def _new_stream(device: torch.device, green: int | None) -> torch.cuda.Stream:
+    """A stream of this module's own on `device`, non-blocking, at priority -1: in green context `green`, or in the
+    device's primary context (torch's) where None; a torch stream where no CUDA driver answers."""
+    fns = _driver()
+    if fns is None:
+        return torch.cuda.Stream(device=device, priority=-1)
+    handle = ctypes.c_void_p()
+    if green is None:
+        with torch.cuda.device(device):  # the primary context current on this thread, as torch's calls make it
+            rc, name = fns[2](ctypes.byref(handle), _CU_STREAM_NON_BLOCKING, -1), "cuStreamCreateWithPriority"
+    else:
+        rc, name = fns[1](ctypes.byref(handle), green, _CU_STREAM_NON_BLOCKING, -1), "cuGreenCtxStreamCreate"
+    if rc != 0:
+        raise RuntimeError(f"{name} failed with CUresult {rc}")
+    return torch.cuda.ExternalStream(handle.value, device=device)
+
+
+def _driver() -> tuple | None:
+    """libcuda's (cuStreamGetGreenCtx, cuGreenCtxStreamCreate, cuStreamCreateWithPriority), looked up once; the
+    first two None before CUDA 12.5 (no green contexts); None without libcuda or on ROCm."""
+    if not _DRIVER:
+        fns = None
+        if torch.version.hip is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError:
+                lib = None
+            if lib is not None:
+                ptr = ctypes.POINTER(ctypes.c_void_p)
+                plain = lib.cuStreamCreateWithPriority
+                plain.argtypes, plain.restype = (ptr, ctypes.c_uint, ctypes.c_int), ctypes.c_int
+                get = getattr(lib, "cuStreamGetGreenCtx", None)
+                make = getattr(lib, "cuGreenCtxStreamCreate", None)
+                if get is None or make is None:
+                    get = make = None
+                else:
+                    get.argtypes, get.restype = (ctypes.c_void_p, ptr), ctypes.c_int
+                    make.argtypes, make.restype = (ptr, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int), ctypes.c_int
+                fns = (get, make, plain)
+        _DRIVER.append(fns)
+    return _DRIVER[0]
 
 
 def _green_context(stream: int) -> int | None:
     """The green context `stream` (a CUstream handle; 0, the legacy default stream, means the current context's)
     runs in, or None: not in one, or a driver without green contexts (before CUDA 12.5), or not NVIDIA's."""
-    if not _GREEN:
-        fns = None
-        if torch.version.hip is None:
-            try:
-                lib = ctypes.CDLL("libcuda.so.1")
-                get, make = lib.cuStreamGetGreenCtx, lib.cuGreenCtxStreamCreate
-            except (OSError, AttributeError):
-                pass
-            else:
-                get.argtypes = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
-                make.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint, ctypes.c_int)
-                get.restype = make.restype = ctypes.c_int
-                fns = (get, make)
-        _GREEN.append(fns)
-    if _GREEN[0] is None:
+    fns = _driver()
+    if fns is None or fns[0] is None:
         return None
     green = ctypes.c_void_p()
-    return green.value if _GREEN[0][0](stream, ctypes.byref(green)) == 0 and green.value else None
+    return green.value if fns[0](stream, ctypes.byref(green)) == 0 and green.value else None
 
 
 def ready_words(B: int, NT: int, wait_chunks: int, HV: int, walk_programs: int) -> int:
