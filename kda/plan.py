@@ -166,7 +166,7 @@ class Tuning:
     measurement behind each, by this name."""
 
     short_len: int = 16  # `chunk_kda` sends sequences of 1..short_len tokens through the recurrent loop kernel
-    wait_chunks: int = 16  # groups of chunks a BV-32 walk beside the prepare awaits (outer loop)
+    wait_chunks: int = 1  # chunks a BV-32 walk beside the prepare awaits at a time (outer loop; counted ones walked on)
     beside_bv64_chunks: int = 2048  # (chunk, head) programs from which a BV-64 walk runs beside the prepare
     wait_chunks_bv64: int = 2  # groups a BV-64 TMA walk awaits inside its pipelined loop
     wait_chunks_bv64_outer: int = 4  # groups a BV-64 pointer walk awaits in its outer loop
