@@ -230,19 +230,25 @@ def _issue_copies(k_s, q_s, v_s, k_h, q_h, v_h, s_kt, s_qt, s_vt, n_rows, K: gl.
 
 
 @gluon.jit
-def _issue_gate_copy(g_s, g_h, s_gt, n_rows, K: gl.constexpr, BT: gl.constexpr, CG: gl.constexpr):
+def _issue_gate_copy(g_s, g_h, s_gt, n_rows, bias_s, bias_h, K: gl.constexpr, BT: gl.constexpr, CG: gl.constexpr,
+                     BIAS_COPY: gl.constexpr):
     """The chunk's raw gate copied into `g_s` asynchronously, a group of its own (committed before the inputs'
-    group, so `_chunk_b2` waits for it alone); rows past the sequence zero."""
+    group, so `_chunk_b2` waits for it alone); rows past the sequence zero. BIAS_COPY: the head's fp32 dt_bias into
+    `bias_s` in the same group (a load after the wait put its latency on every program's chain: ptxas keeps a global
+    load issued before `cp.async.wait_group` after it)."""
     o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, CG))
     o_c = gl.arange(0, K, layout=gl.SliceLayout(0, CG))
     async_copy.async_copy_global_to_shared(g_s, g_h + o_t[:, None] * s_gt + o_c[None, :],
                                            mask=(o_t < n_rows)[:, None])
+    if BIAS_COPY:
+        CB: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])  # 4 bytes a thread, K threads
+        async_copy.async_copy_global_to_shared(bias_s, bias_h + gl.arange(0, K, layout=CB))
     async_copy.commit_group()
 
 
 @gluon.jit
-def _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_h, lower_bound, gt_h, K: gl.constexpr, BT: gl.constexpr,
-              HAS_DT_BIAS: gl.constexpr, GT: gl.constexpr):
+def _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_s, bias_h, lower_bound, gt_h, K: gl.constexpr, BT: gl.constexpr,
+              HAS_DT_BIAS: gl.constexpr, BIAS_COPY: gl.constexpr, GT: gl.constexpr):
     """The chunk's b2 (the cumulative log2 decay from its start, Kimi's lower-bound gate as `common.kda_gate_log2`
     forms it with FAST) into `b2_s` ([K / 32, BT, 32] fp32: a K slice a leading index, so that the K loop runs as a
     loop), its rows BT/4, 3BT/4, BT/2, BT - 1 and 0 into `anc_s` ([K / 32, 8, 32], unswizzled: a row of a slice is
@@ -256,7 +262,9 @@ def _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_h, lower_bound, gt_h, K: gl.cons
     async_copy.wait_group(1)  # the gate's group; the inputs' may still be in flight
     gl.thread_barrier()  # every thread's part of the copy
     x = g_s.load(GT).to(gl.float32)
-    if HAS_DT_BIAS:
+    if BIAS_COPY:
+        x = x + bias_s.load(gl.SliceLayout(0, GT))[None, :]
+    elif HAS_DT_BIAS:
         x = x + gl.load(bias_h + o_c).to(gl.float32)[None, :]
     e = gl.exp2(x * (a * -LOG2E))
     b2 = gl.associative_scan(gl.where(row_ok, _div(lower_bound * LOG2E, 1.0 + e), 0.0), 0, _add)
@@ -346,6 +354,7 @@ def _chunk_prepare_hopper_kernel(
     G32: gl.constexpr = g.dtype.element_ty == gl.float32
     CG: gl.constexpr = gl.BlockedLayout([1, 4 if G32 else 8], [1, 32], [4, 1], [1, 0])  # the raw gate's 16-byte copies
     S_G16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    S_BIAS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     if SIGNAL_CHUNKS > 0:
         i_p = gl.program_id(1) + p0
@@ -370,15 +379,18 @@ def _chunk_prepare_hopper_kernel(
             g_s = b2_s._reinterpret(gl.float32, [BT, K], S_IN32)
         else:
             g_s = gl.allocate_shared_memory(g.dtype.element_ty, [BT, K], S_G16)
-        _issue_gate_copy(g_s, g + t0 * s_gt + i_hv * s_gh, s_gt, n_rows, K, BT, CG)
+        BIAS_COPY: gl.constexpr = HAS_DT_BIAS and dt_bias.dtype.element_ty == gl.float32 and K == 32 * gl.num_warps()
+        bias_s = gl.allocate_shared_memory(gl.float32, [K if BIAS_COPY else 1], S_BIAS)
+        _issue_gate_copy(g_s, g + t0 * s_gt + i_hv * s_gh, s_gt, n_rows, bias_s, dt_bias + i_hv * K, K, BT, CG,
+                         BIAS_COPY)
         _issue_copies(k_s, q_s, v_s, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, s_kt, s_qt, s_vt, n_rows, K, V, BT, BK,
                       CP)
         a = 1.0
         if HAS_A_LOG:
             a = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
         # the gate and its scan while the copies run
-        _chunk_b2(b2_s, anc_s, g_s, n_rows, a, dt_bias + i_hv * K, lower_bound, gt_ws + (i_p * HV + i_hv) * K, K,
-                  BT, HAS_DT_BIAS, GT)
+        _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_s, dt_bias + i_hv * K, lower_bound,
+                  gt_ws + (i_p * HV + i_hv) * K, K, BT, HAS_DT_BIAS, BIAS_COPY, GT)
 
         o_t = gl.arange(0, BT, layout=PROW)
         o_c = gl.arange(0, BK, layout=PCOL)
@@ -525,7 +537,13 @@ def _chunk_prepare_hopper_kernel(
             else:
                 # Xb px into x_ws's rows (XbT's element (r, c) at row c, column r), Kr left in M's rows
                 px = _pow2_of(gl.max(gl.max(gl.abs(XbT), 1), 0))
-                gl.store(x_ws + n_base + c * (HV * BT) + r, (XbT * px).to(gl.float16), mask=c < n_rows)
+                # stored as rows of 8 (four 16-byte stores a thread, where XbT's accumulator layout stored 32 scattered
+                # 2-byte elements); not the copies' layout CP, whose offsets the compiler would keep live from the copies
+                ST: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+                xb = gl.convert_layout(gl.permute((XbT * px).to(gl.float16), (1, 0)), ST)
+                o_xr = gl.arange(0, BT, layout=gl.SliceLayout(1, ST))[:, None]
+                o_xc = gl.arange(0, BT, layout=gl.SliceLayout(0, ST))[None, :]
+                gl.store(x_ws + n_base + o_xr * (HV * BT) + o_xc, xb, mask=o_xr < n_rows)
                 gl.store(sc, 1.0 / px)
                 gl.store(sc + 1, gl.max(gl.sum(gl.abs(XbT), 0), 0))
         if SIGNAL_CHUNKS > 0:
