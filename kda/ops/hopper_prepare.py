@@ -379,8 +379,10 @@ def _chunk_prepare_hopper_kernel(
             g_s = b2_s._reinterpret(gl.float32, [BT, K], S_IN32)
         else:
             g_s = gl.allocate_shared_memory(g.dtype.element_ty, [BT, K], S_G16)
-        BIAS_COPY: gl.constexpr = HAS_DT_BIAS and dt_bias.dtype.element_ty == gl.float32 and K == 32 * gl.num_warps()
-        bias_s = gl.allocate_shared_memory(gl.float32, [K if BIAS_COPY else 1], S_BIAS)
+        BIAS_COPY: gl.constexpr = HAS_DT_BIAS and dt_bias.dtype.element_ty == gl.float32  # cp.async: 4 bytes or more
+        bias_s = None
+        if BIAS_COPY:
+            bias_s = gl.allocate_shared_memory(gl.float32, [K], S_BIAS)
         _issue_gate_copy(g_s, g + t0 * s_gt + i_hv * s_gh, s_gt, n_rows, bias_s, dt_bias + i_hv * K, K, BT, CG,
                          BIAS_COPY)
         _issue_copies(k_s, q_s, v_s, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, s_kt, s_qt, s_vt, n_rows, K, V, BT, BK,
