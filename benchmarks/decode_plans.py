@@ -1,4 +1,4 @@
-"""Decode plans on K-first pools: steady per-call time (`bench.Timer.steady`: one graph of 8 calls over 4
+"""Decode plans on K-first (or V-first) pools: steady per-call time (`bench.Timer.steady`: one graph of 8 calls over 4
 disjoint slot sets of a pool of 4N slots, a random permutation as in `bench.py`, read-only L2 flush between
 replays) of `fused_recurrent_kda` under the loop kernel and the one-token kernel at several BV, warps and NSUB,
 fp32 and bf16 pools, dense `[N, 1]` and varlen with host bounds; H = 12, K = V = 128, bf16 inputs, Kimi's gate.
@@ -6,7 +6,8 @@ The floor: the state read and written once plus the inputs and outputs, over the
 `kda.plan.decode_plan`'s K-first one-token choice was made (docs/performance.md). Recorded calls
 (`kda.replay`) are cleared per plan.
 
-    python benchmarks/decode_plans.py [PLAN NAME ...] [--pools fp32,bf16,fp16,fp32-1024] [--consecutive]
+    python benchmarks/decode_plans.py [PLAN NAME ...] [--pools fp32,bf16,fp16,fp32-1024,..] [--consecutive]
+        [--layout k_first|v_first]
         (a CUDA device; names from PLANS, default all; --pools: the cases to run, default all three;
         --consecutive: each call's slots consecutive instead of a random permutation of the pool)
 """
@@ -55,6 +56,17 @@ PLANS = {
     # _one_token_k_packed; fp16 pools run the row chunks whatever these say)
     **{f"1tok BV{bv} nw{w} packed": dict(nsub=1, BV=bv, num_warps=w, kc=32, packed=True)
        for bv, w in ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))},
+    # held under a register cap a thread (NVIDIA): more programs an SM, the same bytes each
+    **{f"1tok BV{bv} nw{w} packed r{r}": dict(nsub=1, BV=bv, num_warps=w, kc=32, packed=True, maxnreg=r)
+       for bv, w, r in ((64, 2, 128), (64, 4, 64), (64, 4, 80), (64, 4, 96), (64, 4, 128), (128, 4, 128),
+                        (128, 8, 64), (128, 8, 80), (128, 8, 96))},
+}
+# V-first pools (--layout v_first): NSUB blocks of BV rows of K, one program a (V block, sequence, head)
+V_PLANS = {
+    "default": {},
+    **{f"1tok nsub{n} BV{bv} nw{w}" + (f" r{r}" if r else ""): dict(nsub=n, BV=bv, num_warps=w, maxnreg=r)
+       for n, bv, w, r in ((4, 8, 1, 0), (4, 8, 1, 96), (4, 8, 1, 128), (2, 8, 1, 0), (8, 8, 1, 0), (8, 8, 2, 0),
+                           (2, 16, 1, 0), (4, 16, 2, 0), (4, 16, 1, 0), (1, 16, 1, 0), (4, 8, 2, 0))},
 }
 for _name, _over in PLANS.items():  # the other one-token plans read the whole tile once, whatever the default
     if _name.startswith("1tok nsub"):
@@ -68,11 +80,15 @@ def main() -> None:
     p.add_argument("plans", nargs="*", help="plan names (default: all)")
     p.add_argument("--pools", default="fp32,bf16,fp32-1024", help="cases: fp32 (N = 256), bf16, fp16, fp32-1024")
     p.add_argument("--consecutive", action="store_true", help="consecutive slots instead of a random permutation")
+    p.add_argument("--layout", default="k_first", choices=("k_first", "v_first"), help="the pool's layout")
     args = p.parse_args()
+    v_first = args.layout == "v_first"
+    plans = V_PLANS if v_first else PLANS
     dev = "cuda"
     only = args.plans
     cases = {"fp32": (256, torch.float32), "bf16": (256, torch.bfloat16), "fp16": (256, torch.float16),
-             "fp32-1024": (1024, torch.float32)}
+             "fp32-1024": (1024, torch.float32), "bf16-1024": (1024, torch.bfloat16),
+             "fp16-1024": (1024, torch.float16), "bf16-64": (64, torch.bfloat16), "fp16-64": (64, torch.float16)}
     timer = bench.Timer(warmup_ms=25, rep_ms=150)
     bw = bench.measure_bandwidth(timer, 1.0)
     planner = kp.decode_plan
@@ -96,7 +112,7 @@ def main() -> None:
             out = torch.empty_like(v)
             state_bytes = N * H * K * V * pool.element_size()
             floor_us = (2 * state_bytes + N * (2 * H * K * 2 + H * V * 4 + H * K * 4 + H * 2 + 8)) / bw * 1e6
-            for name, over in PLANS.items():
+            for name, over in plans.items():
                 if only and name not in only:
                     continue
                 kp.decode_plan = (lambda call, stochastic_rounding=False, over=over:
@@ -104,12 +120,12 @@ def main() -> None:
                 replay.CACHE.clear()  # a recorded kind would replay the plan it was recorded with
                 calls = [functools.partial(
                     kda.fused_recurrent_kda, q, k, v, g, beta, state_cache=pool,
-                    state_indices=slots[s].clone(), state_v_first=False,
+                    state_indices=slots[s].clone(), state_v_first=v_first,
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                     A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, out=out, **kw) for s in range(4)]
                 us = timer.steady(calls)
-                print(f"N={N} {str(pool_dtype)[6:]} {'varlen' if varlen else 'dense '} {name:24s}: {us:7.1f} us"
-                      f"  floor {floor_us:6.1f}  ratio {us / floor_us:.3f}", flush=True)
+                print(f"N={N} {str(pool_dtype)[6:]} {args.layout} {'varlen' if varlen else 'dense '} {name:24s}: "
+                      f"{us:7.1f} us  floor {floor_us:6.1f}  ratio {us / floor_us:.3f}", flush=True)
             kp.decode_plan = planner
             del pool
             torch.cuda.empty_cache()
