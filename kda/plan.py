@@ -490,6 +490,7 @@ class DecodePlan:
     heads_fastest: bool = False  # one-token kernel: grid (V block, value head, sequence), not (.., sequence, head)
     packed: bool = False  # K-first one-token kernel: the V block read once and held (2-byte: as 32-bit words)
     ptx: bool = False  # packed 2-byte words converted by one PTX instruction (`DeviceInfo.ptx`), else two casts
+    maxnreg: int = 0  # registers a thread at most (NVIDIA), so more programs share an SM; 0: the compiler's choice
 
 
 def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: DeviceInfo | None = None,
@@ -503,7 +504,8 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
       BV = 32 at K = 128 (4096 state elements) on one warp, either layout.
     - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
-      one block of BV 64 read once and held (`packed`: fp32 on 2 warps; bf16 and fp16 on 4 warps as 32-bit
+      one block of BV 64 read once and held (`packed`: fp32 on 4 warps under a 128-register cap on NVIDIA, 2
+      warps elsewhere; bf16 and fp16 on 4 warps as 32-bit
       words of two columns; a 2-byte pool whose slot stride or address is odd: 1 warp read in row chunks of 32,
       twice), the grid's value heads before its sequences (a slot's planes read one after another; V-first
       pools lose with it at N = 1024).
@@ -539,11 +541,13 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         BV = min(4096 // BK, max(8 if v_first else 16, next_power_of_2(V)))
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (fewer threads per plane)
     per_warp = 4096 if (nsub and not v_first) else 2048
-    # the V block read once and held: fp32 (2 warps), 2-byte pools as 32-bit words of two columns (4 warps)
+    # the V block read once and held: fp32, 2-byte pools as 32-bit words of two columns (4 warps)
     packed = bool(nsub) and not v_first and (state_dtype == torch.float32 or (bool(kc) and V % 2 == 0))
     if device.interpreter:
         num_warps = 1
     elif packed and state_bytes == 2:
+        num_warps = 4
+    elif packed and device.ptx:  # fp32 held on 4 warps at 128 registers: more programs an SM, same bytes
         num_warps = 4
     elif narrow_loop:
         num_warps = 1
@@ -551,4 +555,5 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         num_warps = 1 if kc else max(1, min(8, BK * BV // per_warp))
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
     return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first, packed=packed,
-                      ptx=packed and state_bytes == 2 and device.ptx)
+                      ptx=packed and state_bytes == 2 and device.ptx,
+                      maxnreg=128 if packed and state_bytes == 4 and device.ptx else 0)

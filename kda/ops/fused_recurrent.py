@@ -809,6 +809,7 @@ def fused_recurrent_kda_fwd(
             int(st.paged), 0, NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc,
             HEADS_FASTEST=plan.heads_fastest, PACKED=packed, PTX=plan.ptx,
             **(flags if packed == plan.packed else dict(flags, num_warps=1)),  # the row chunks' one warp
+            **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
