@@ -60,6 +60,11 @@ PLANS = {
     **{f"1tok BV{bv} nw{w} packed r{r}": dict(nsub=1, BV=bv, num_warps=w, kc=32, packed=True, maxnreg=r)
        for bv, w, r in ((64, 2, 128), (64, 4, 64), (64, 4, 80), (64, 4, 96), (64, 4, 128), (128, 4, 128),
                         (128, 8, 64), (128, 8, 80), (128, 8, 96))},
+    # 2-byte words walked by a persistent grid of P programs an SM (H200: 132 SMs), the next item's slot (a1) or
+    # its slot and words (a2) read early (kda.ops.fused_recurrent._one_token_k_words_kernel)
+    **{f"1tok BV64 nw4 words p{p} a{a}" + (f" r{r}" if r else ""):
+       dict(nsub=1, BV=64, num_warps=4, kc=32, packed=True, programs=132 * p, ahead=a, maxnreg=r)
+       for p, a, r in ((4, 1, 0), (5, 1, 96), (3, 2, 0), (4, 2, 128), (8, 1, 0), (2, 2, 0))},
 }
 # V-first pools (--layout v_first): NSUB blocks of BV rows of K, one program a (V block, sequence, head)
 V_PLANS = {

@@ -618,6 +618,148 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
     return qS_lo + kq * u_lo, qS_hi + kq * u_hi, o_p, p_ok
 
 
+@triton.jit
+def _k_words_fetch(item, total, raw_slot, per_seq, state_src, src_stride, has_initial_state, n_slots, errors,
+                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, FULL_TILE: tl.constexpr,
+                   HAS_ERRORS: tl.constexpr):
+    """Item `item` of `_one_token_k_words_kernel` (none at or past `total`): its guarded slot (-1: no access) and
+    its K-first V block read as 32-bit words, zeros where there is no state to read; the slot's errors flagged."""
+    NVB: tl.constexpr = (V + BV - 1) // BV
+    BP: tl.constexpr = BV // 2
+    VP: tl.constexpr = V // 2
+    live = item < total
+    i_n = item // per_seq
+    r = item - i_n * per_seq
+    i_hv = r // NVB
+    i_v = r - i_hv * NVB
+    slot, code = guard_slot(raw_slot, n_slots, i_n + 1)
+    flag_errors(errors, i_n, tl.where(live & (i_v == 0) & (i_hv == 0), code, 0), HAS_ERRORS)
+    slot = tl.where(live, slot, -1)
+    o_k = tl.arange(0, BK)
+    o_p = i_v * BP + tl.arange(0, BP)
+    tile_off = o_k[:, None] * VP + o_p[None, :]
+    x = tl.zeros(tile_off.shape, dtype=tl.uint32)
+    if HAS_SRC:
+        read = slot >= 0
+        if HAS_INIT_FLAGS:
+            read = read & (tl.load(has_initial_state + i_n, mask=live, other=0) != 0)
+        ok = (tile_off * 0 + read.to(tl.int32)) != 0
+        if not FULL_TILE:
+            ok = ok & (o_k < K)[:, None] & (o_p < VP)[None, :]
+        plane = state_src + tl.maximum(slot, 0) * src_stride + i_hv * (K * V)
+        x = tl.load(plane.to(tl.pointer_type(tl.uint32), bitcast=True) + tile_off, mask=ok, other=0,
+                    eviction_policy="evict_first")
+    return x, slot
+
+
+@triton.jit
+def _k_words_step(x, slot, item, per_seq, q, k, v, g, beta, o, A_log, dt_bias, state_dst, dst_stride,
+                  s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, scale, lower_bound, seed,
+                  zero, dtype: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+                  HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr,
+                  USE_BETA_SIGMOID: tl.constexpr, HAS_DST: tl.constexpr, SR: tl.constexpr,
+                  FULL_TILE: tl.constexpr, PTX: tl.constexpr):
+    """`_one_token_k_packed`'s step on words already read (`_k_words_fetch`): zeros out where the slot is -1."""
+    NVB: tl.constexpr = (V + BV - 1) // BV
+    BP: tl.constexpr = BV // 2
+    VP: tl.constexpr = V // 2
+    i_n = item // per_seq
+    r = item - i_n * per_seq
+    i_hv = r // NVB
+    i_v = r - i_hv * NVB
+    i_h = i_hv // (HV // H)
+    t = i_n
+    o_h = o + i_hv * s_oh + t * s_ot
+    o_p = i_v * BP + tl.arange(0, BP)
+    p_ok = o_p < VP
+    if slot < 0:
+        tl.store(o_h + 2 * o_p, tl.zeros([BP], dtype=o.dtype.element_ty), mask=p_ok)
+        tl.store(o_h + 2 * o_p + 1, tl.zeros([BP], dtype=o.dtype.element_ty), mask=p_ok)
+    else:
+        o_k = tl.arange(0, BK)
+        k_ok = o_k < K
+        beta_t = _token_beta(beta + i_hv * s_bh + t * s_bt, USE_BETA_SIGMOID)
+        a = decay_rate(A_log, i_hv, HAS_A_LOG)
+        bias = dt_bias_slice(dt_bias, i_hv, o_k, K, HAS_DT_BIAS)
+        q_t = _k_vector(q + i_h * s_qh + t * s_qt, K, BK)
+        k_t = _k_vector(k + i_h * s_kh + t * s_kt, K, BK)
+        d = tl.exp2(_token_gate(_k_vector(g + i_hv * s_gh + t * s_gt, K, BK), a, bias, lower_bound, BK, USE_GATE,
+                                USE_LOWER_BOUND))
+        q_t, k_t = _token_qk(q_t, k_t, scale, USE_L2NORM)
+        dk = d * k_t
+        dq = d * q_t
+        kq = tl.sum(k_t * q_t, 0)
+        lo, hi = _unpack_pairs(x, dtype)
+        kS_lo, kS_hi, qS_lo, qS_hi = tl.reduce((lo * dk[:, None], hi * dk[:, None], lo * dq[:, None],
+                                                hi * dq[:, None]), 0, _add4)
+        v_t = v + i_hv * s_vh + t * s_vt
+        u_lo = beta_t * (tl.load(v_t + 2 * o_p, mask=p_ok, other=0.0).to(tl.float32) - kS_lo)
+        u_hi = beta_t * (tl.load(v_t + 2 * o_p + 1, mask=p_ok, other=0.0).to(tl.float32) - kS_hi)
+        if HAS_DST:
+            lo, hi = _unpack_pairs(x ^ zero, dtype)
+            lo = lo * d[:, None] + k_t[:, None] * u_lo[None, :]
+            hi = hi * d[:, None] + k_t[:, None] * u_hi[None, :]
+            c_lo = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + 2 * o_p[None, :]
+            y = _pack_pairs(lo, hi, c_lo, seed, dtype, SR, PTX)
+            dst = (state_dst + slot * dst_stride + i_hv * (K * V)).to(tl.pointer_type(tl.uint32), bitcast=True)
+            tl.store(dst + o_k[:, None] * VP + o_p[None, :], y,
+                     mask=None if FULL_TILE else k_ok[:, None] & p_ok[None, :], eviction_policy="evict_first")
+        tl.store(o_h + 2 * o_p, round_to(qS_lo + kq * u_lo, o.dtype.element_ty), mask=p_ok)
+        tl.store(o_h + 2 * o_p + 1, round_to(qS_hi + kq * u_hi, o.dtype.element_ty), mask=p_ok)
+
+
+@direct
+@triton.jit(do_not_specialize=["seed", "paged", "n_slots", "zero", "N"])
+def _one_token_k_words_kernel(
+    q, k, v, g, beta, o, A_log, dt_bias,
+    state_src, state_dst, slot_of_seq, has_initial_state,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    src_stride, dst_stride, n_slots, errors,
+    scale, lower_bound, seed, paged, zero, N,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    SR: tl.constexpr, FULL_TILE: tl.constexpr, HAS_ERRORS: tl.constexpr = False, PTX: tl.constexpr = False,
+    AHEAD: tl.constexpr = 1,
+):
+    """`_fused_recurrent_one_token_kernel`'s 2-byte K-first words (`_one_token_k_packed`), persistent: each program
+    walks the items (V block, value head, sequence; V blocks fastest) strided by the grid, reading the next item's
+    slot (AHEAD 1), or its slot and its state words (AHEAD 2), while this item's step runs: a program's state
+    reads do not wait on a slot's round trip."""
+    NVB: tl.constexpr = (V + BV - 1) // BV
+    dtype: tl.constexpr = state_src.dtype.element_ty
+    per_seq = HV * NVB
+    total = N * per_seq
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    raw_n = slot_of(slot_of_seq, tl.minimum(pid, total - 1) // per_seq, paged)
+    if AHEAD == 2:
+        x_n, slot_n = _k_words_fetch(pid, total, raw_n, per_seq, state_src, src_stride, has_initial_state, n_slots,
+                                     errors, HV, K, V, BK, BV, HAS_SRC, HAS_INIT_FLAGS, FULL_TILE, HAS_ERRORS)
+        raw_n = slot_of(slot_of_seq, tl.minimum(pid + nprog, total - 1) // per_seq, paged)
+    for item in range(pid, total, nprog):
+        if AHEAD == 2:
+            x = x_n
+            slot = slot_n
+            x_n, slot_n = _k_words_fetch(item + nprog, total, raw_n, per_seq, state_src, src_stride,
+                                         has_initial_state, n_slots, errors, HV, K, V, BK, BV, HAS_SRC,
+                                         HAS_INIT_FLAGS, FULL_TILE, HAS_ERRORS)
+            raw_n = slot_of(slot_of_seq, tl.minimum(item + 2 * nprog, total - 1) // per_seq, paged)
+        else:
+            raw = raw_n
+            raw_n = slot_of(slot_of_seq, tl.minimum(item + nprog, total - 1) // per_seq, paged)
+            x, slot = _k_words_fetch(item, total, raw, per_seq, state_src, src_stride, has_initial_state, n_slots,
+                                     errors, HV, K, V, BK, BV, HAS_SRC, HAS_INIT_FLAGS, FULL_TILE, HAS_ERRORS)
+        _k_words_step(x, slot, item, per_seq, q, k, v, g, beta, o, A_log, dt_bias, state_dst, dst_stride,
+                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, scale, lower_bound,
+                      seed, zero, dtype, H, HV, K, V, BK, BV, USE_GATE, HAS_A_LOG, HAS_DT_BIAS, USE_LOWER_BOUND,
+                      USE_L2NORM, USE_BETA_SIGMOID, HAS_DST, SR, FULL_TILE, PTX)
+
+
 @direct
 @triton.jit(do_not_specialize=["seed", "paged", "n_slots", "zero"])
 def _fused_recurrent_one_token_kernel(
@@ -803,6 +945,14 @@ def fused_recurrent_kda_fwd(
             V % 2 == 0 and all(
                 s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0) for s in (st.src, st.dst))))
         grid = (cdiv(V, rows), HV, N) if plan.heads_fastest else (cdiv(V, rows), N, HV)
+        if plan.programs and packed and call.state_dtype != torch.float32 and not call.state_v_first:
+            _one_token_k_words_kernel[(min(plan.programs, N * HV * cdiv(V, BV)),)](
+                q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
+                lower_bound, seed, int(st.paged), 0, N, FULL_TILE=(K == BK and V % BV == 0), PTX=plan.ptx,
+                AHEAD=plan.ahead, **{f: flags[f] for f in flags if f != "V_FIRST"},
+                **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
+            )
+            return o, st.final_state
         _fused_recurrent_one_token_kernel[grid](
             q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
             lower_bound, seed,
