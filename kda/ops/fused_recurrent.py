@@ -623,7 +623,7 @@ def _k_words_fetch(item, total, raw_slot, per_seq, state_src, src_stride, has_in
                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    HAS_SRC: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, FULL_TILE: tl.constexpr,
                    HAS_ERRORS: tl.constexpr):
-    """Item `item` of `_one_token_k_words_kernel` (none at or past `total`): its guarded slot (-1: no access) and
+    """Item `item` of `_one_token_persistent_kernel` (none at or past `total`): its guarded slot (-1: no access) and
     its K-first V block read as 32-bit words, zeros where there is no state to read; the slot's errors flagged."""
     NVB: tl.constexpr = (V + BV - 1) // BV
     BP: tl.constexpr = BV // 2
@@ -710,9 +710,65 @@ def _k_words_step(x, slot, item, per_seq, q, k, v, g, beta, o, A_log, dt_bias, s
         tl.store(o_h + 2 * o_p + 1, round_to(qS_hi + kq * u_hi, o.dtype.element_ty), mask=p_ok)
 
 
+@triton.jit
+def _v_rows_item(raw_slot, item, q, k, v, g, beta, o, A_log, dt_bias, state_src, state_dst, has_initial_state,
+                 s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, src_stride, dst_stride,
+                 n_slots, errors, N, scale, lower_bound, seed, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, USE_GATE: tl.constexpr,
+                 HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                 USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, HAS_SRC: tl.constexpr,
+                 HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SR: tl.constexpr, FULL_TILE: tl.constexpr,
+                 HAS_ERRORS: tl.constexpr):
+    """`_fused_recurrent_one_token_kernel`'s V-first step of item (group of NSUB V blocks, sequence, value head;
+    groups fastest, then sequences) whose slot, unguarded, is `raw_slot`."""
+    NVG: tl.constexpr = (V + BV * NSUB - 1) // (BV * NSUB)
+    i_v = item % NVG
+    i_n = (item // NVG) % N
+    i_hv = item // (NVG * N)
+    i_h = i_hv // (HV // H)
+    t = i_n
+    i_vb = i_v * NSUB
+    slot, code = guard_slot(raw_slot, n_slots, t + 1)
+    flag_errors(errors, i_n, tl.where((i_v == 0) & (i_hv == 0), code, 0), HAS_ERRORS)
+    o_h = o + i_hv * s_oh
+    if slot < 0:
+        o_v = i_vb * BV + tl.arange(0, NSUB * BV)
+        tl.store(o_h + t * s_ot + o_v, tl.zeros([NSUB * BV], dtype=o.dtype.element_ty), mask=o_v < V)
+    else:
+        src_plane = state_src + slot * src_stride + i_hv * (K * V)
+        S0 = _first_state(src_plane, has_initial_state, i_n, i_vb, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS, True,
+                          FULL_TILE)
+        if NSUB >= 2:
+            S1 = _first_state(src_plane, has_initial_state, i_n, i_vb + 1, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
+                              True, FULL_TILE)
+        if NSUB >= 4:
+            S2 = _first_state(src_plane, has_initial_state, i_n, i_vb + 2, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
+                              True, FULL_TILE)
+            S3 = _first_state(src_plane, has_initial_state, i_n, i_vb + 3, BV, BK, K, V, HAS_SRC, HAS_INIT_FLAGS,
+                              True, FULL_TILE)
+        a = decay_rate(A_log, i_hv, HAS_A_LOG)
+        bias = dt_bias_slice(dt_bias, i_hv, tl.arange(0, BK), K, HAS_DT_BIAS)
+        q_t, k_t, g_t, beta_t = _token_inputs(q + i_h * s_qh + t * s_qt, k + i_h * s_kh + t * s_kt,
+                                              g + i_hv * s_gh + t * s_gt, beta + i_hv * s_bh + t * s_bt,
+                                              a, bias, scale, lower_bound, K, BK, USE_GATE, USE_LOWER_BOUND,
+                                              USE_L2NORM, USE_BETA_SIGMOID)
+        v_h = v + i_hv * s_vh
+        dst_plane = state_dst + slot * dst_stride + i_hv * (K * V)
+        _one_token_rows(S0, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt, s_ot,
+                        HV, K, V, BK, BV, HAS_DST, True, SR, FULL_TILE)
+        if NSUB >= 2:
+            _one_token_rows(S1, i_vb + 1, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
+                            s_ot, HV, K, V, BK, BV, HAS_DST, True, SR, FULL_TILE)
+        if NSUB >= 4:
+            _one_token_rows(S2, i_vb + 2, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
+                            s_ot, HV, K, V, BK, BV, HAS_DST, True, SR, FULL_TILE)
+            _one_token_rows(S3, i_vb + 3, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, slot, i_hv, seed, s_vt,
+                            s_ot, HV, K, V, BK, BV, HAS_DST, True, SR, FULL_TILE)
+
+
 @direct
 @triton.jit(do_not_specialize=["seed", "paged", "n_slots", "zero", "N"])
-def _one_token_k_words_kernel(
+def _one_token_persistent_kernel(
     q, k, v, g, beta, o, A_log, dt_bias,
     state_src, state_dst, slot_of_seq, has_initial_state,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
@@ -724,18 +780,32 @@ def _one_token_k_words_kernel(
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     SR: tl.constexpr, FULL_TILE: tl.constexpr, HAS_ERRORS: tl.constexpr = False, PTX: tl.constexpr = False,
-    AHEAD: tl.constexpr = 1,
+    AHEAD: tl.constexpr = 1, V_FIRST: tl.constexpr = False, NSUB: tl.constexpr = 1,
 ):
-    """`_fused_recurrent_one_token_kernel`'s 2-byte K-first words (`_one_token_k_packed`), persistent: each program
-    walks the items (V block, value head, sequence; V blocks fastest) strided by the grid, reading the next item's
-    slot (AHEAD 1), or its slot and its state words (AHEAD 2), while this item's step runs: a program's state
-    reads do not wait on a slot's round trip."""
+    """`_fused_recurrent_one_token_kernel`'s 2-byte forms, persistent: each program walks the items strided by the
+    grid, reading the next item's slot (AHEAD 1), or its slot and its state words (AHEAD 2, K-first), while this
+    item's step runs: a program's state reads do not wait on a slot's round trip. K-first: the words of
+    `_one_token_k_packed`, items (V block, value head, sequence), V blocks fastest; V-first: NSUB blocks of BV
+    rows, items as the one-token grid orders them."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if V_FIRST:
+        NVG: tl.constexpr = (V + BV * NSUB - 1) // (BV * NSUB)
+        total_v = N * HV * NVG
+        raw_v = slot_of(slot_of_seq, (tl.minimum(pid, total_v - 1) // NVG) % N, paged)
+        for item in range(pid, total_v, nprog):
+            raw = raw_v
+            raw_v = slot_of(slot_of_seq, (tl.minimum(item + nprog, total_v - 1) // NVG) % N, paged)
+            _v_rows_item(raw, item, q, k, v, g, beta, o, A_log, dt_bias, state_src, state_dst, has_initial_state,
+                         s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, src_stride,
+                         dst_stride, n_slots, errors, N, scale, lower_bound, seed, H, HV, K, V, BK, BV, NSUB,
+                         USE_GATE, HAS_A_LOG, HAS_DT_BIAS, USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, HAS_SRC,
+                         HAS_DST, HAS_INIT_FLAGS, SR, FULL_TILE, HAS_ERRORS)
+        return
     NVB: tl.constexpr = (V + BV - 1) // BV
     dtype: tl.constexpr = state_src.dtype.element_ty
     per_seq = HV * NVB
     total = N * per_seq
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     raw_n = slot_of(slot_of_seq, tl.minimum(pid, total - 1) // per_seq, paged)
     if AHEAD == 2:
         x_n, slot_n = _k_words_fetch(pid, total, raw_n, per_seq, state_src, src_stride, has_initial_state, n_slots,
@@ -945,11 +1015,11 @@ def fused_recurrent_kda_fwd(
             V % 2 == 0 and all(
                 s is None or (s.stride(0) % 2 == 0 and s.data_ptr() % 4 == 0) for s in (st.src, st.dst))))
         grid = (cdiv(V, rows), HV, N) if plan.heads_fastest else (cdiv(V, rows), N, HV)
-        if plan.programs and packed and call.state_dtype != torch.float32 and not call.state_v_first:
-            _one_token_k_words_kernel[(min(plan.programs, N * HV * cdiv(V, BV)),)](
+        if plan.programs and call.state_dtype != torch.float32 and (packed or call.state_v_first):
+            _one_token_persistent_kernel[(min(plan.programs, N * HV * cdiv(V, rows)),)](
                 q, k, v, g, beta, o, A_log, dt_bias, *st.pointers(q), *strides, st.slot_count, errors, call.scale,
-                lower_bound, seed, int(st.paged), 0, N, FULL_TILE=(K == BK and V % BV == 0), PTX=plan.ptx,
-                AHEAD=plan.ahead, **{f: flags[f] for f in flags if f != "V_FIRST"},
+                lower_bound, seed, int(st.paged), 0, N, FULL_TILE=(K == BK and V % rows == 0), PTX=plan.ptx,
+                AHEAD=plan.ahead, NSUB=plan.nsub, **flags,
                 **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
             )
             return o, st.final_state
