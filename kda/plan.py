@@ -545,6 +545,8 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     per_warp = 4096 if (nsub and not v_first) else 2048
     # the V block read once and held: fp32, 2-byte pools as 32-bit words of two columns (4 warps)
     packed = bool(nsub) and not v_first and (state_dtype == torch.float32 or (bool(kc) and V % 2 == 0))
+    if packed and state_bytes == 2 and device.ptx:  # 16384 elements held under a 128-register cap (NVIDIA)
+        BV = min(max(64, 16384 // BK), max(16, next_power_of_2(V)))
     if device.interpreter:
         num_warps = 1
     elif packed and state_bytes == 2:
@@ -558,4 +560,4 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
     return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first, packed=packed,
                       ptx=packed and state_bytes == 2 and device.ptx,
-                      maxnreg=128 if packed and state_bytes == 4 and device.ptx else 0)
+                      maxnreg=128 if packed and device.ptx else 0)
