@@ -506,11 +506,11 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
       BV = 32 at K = 128 (4096 state elements) on one warp, either layout.
     - One token per sequence (`KDACall.one_token_per_seq`): the one-token kernel. V-first: NSUB 4 blocks of
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
-      one block of BV 64 read once and held (`packed`: fp32 on 4 warps under a 128-register cap on NVIDIA, 2
-      warps elsewhere; bf16 and fp16 on 4 warps as 32-bit
-      words of two columns; a 2-byte pool whose slot stride or address is odd: 1 warp read in row chunks of 32,
-      twice), the grid's value heads before its sequences (a slot's planes read one after another; V-first
-      pools lose with it at N = 1024).
+      one block read once and held (`packed`): fp32 BV 64 on 4 warps under a 128-register cap on NVIDIA (2
+      warps elsewhere); bf16 and fp16 as 32-bit words of two columns on 4 warps, 16384 elements a program
+      under a 128-register cap on NVIDIA (BV 128 at K = 128; BV 64 elsewhere); a 2-byte pool whose slot
+      stride or address is odd: 1 warp read in row chunks of 32, twice. The grid's value heads before its
+      sequences (a slot's planes read one after another; V-first pools lose with it at N = 1024).
     `overrides` replace any field (tests)."""
     device = device_of(call) if device is None else device
     plan = _decode_plan(call.K, call.V, call.state_v_first, call.state_dtype, call.one_token_per_seq,

@@ -1036,6 +1036,6 @@ def fused_recurrent_kda_fwd(
             q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
             st.slot_count, *verify_args, errors, T, call.scale, lower_bound, seed,
             IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags, **verify_flags,
-            SHORT=short, LAST_WAITS=last_waits,
+            SHORT=short, LAST_WAITS=last_waits, **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
         )
     return o, st.final_state
