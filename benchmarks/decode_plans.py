@@ -60,14 +60,6 @@ PLANS = {
     **{f"1tok BV{bv} nw{w} packed r{r}": dict(nsub=1, BV=bv, num_warps=w, kc=32, packed=True, maxnreg=r)
        for bv, w, r in ((64, 2, 128), (64, 4, 64), (64, 4, 80), (64, 4, 96), (64, 4, 128), (128, 4, 128),
                         (128, 8, 64), (128, 8, 80), (128, 8, 96))},
-    # 2-byte words walked by a persistent grid of P programs an SM (H200: 132 SMs), the next item's slot (a1) or
-    # its slot and words (a2) read early (kda.ops.fused_recurrent._one_token_persistent_kernel)
-    **{f"1tok BV64 nw4 words p{p} a{a}" + (f" r{r}" if r else ""):
-       dict(nsub=1, BV=64, num_warps=4, kc=32, packed=True, programs=132 * p, ahead=a, maxnreg=r)
-       for p, a, r in ((4, 1, 0), (5, 1, 96), (3, 2, 0), (4, 2, 128), (8, 1, 0), (2, 2, 0))},
-    **{f"1tok BV128 nw4 words p{p} a1 r128": dict(nsub=1, BV=128, num_warps=4, kc=32, packed=True, programs=132 * p,
-                                                  ahead=1, maxnreg=128)
-       for p in (3, 4)},
 }
 # V-first pools (--layout v_first): NSUB blocks of BV rows of K, one program a (V block, sequence, head)
 V_PLANS = {
@@ -75,10 +67,6 @@ V_PLANS = {
     **{f"1tok nsub{n} BV{bv} nw{w}" + (f" r{r}" if r else ""): dict(nsub=n, BV=bv, num_warps=w, maxnreg=r)
        for n, bv, w, r in ((4, 8, 1, 0), (4, 8, 1, 96), (4, 8, 1, 128), (2, 8, 1, 0), (2, 16, 1, 0), (4, 16, 2, 0),
                            (4, 16, 1, 0), (1, 16, 1, 0), (4, 8, 2, 0))},
-    # a persistent grid of P one-warp programs an SM, the next item's slot read early
-    **{f"1tok nsub4 BV8 nw1 p{p}" + (f" r{r}" if r else ""): dict(nsub=4, BV=8, num_warps=1, programs=132 * p,
-                                                                  ahead=1, maxnreg=r)
-       for p, r in ((8, 0), (10, 200), (12, 168), (16, 0))},
 }
 for _name, _over in PLANS.items():  # the other one-token plans read the whole tile once, whatever the default
     if _name != "default":  # no register cap unless the name says one

@@ -491,8 +491,6 @@ class DecodePlan:
     packed: bool = False  # K-first one-token kernel: the V block read once and held (2-byte: as 32-bit words)
     ptx: bool = False  # packed 2-byte words converted by one PTX instruction (`DeviceInfo.ptx`), else two casts
     maxnreg: int = 0  # registers a thread at most (NVIDIA), so more programs share an SM; 0: the compiler's choice
-    programs: int = 0  # 2-byte K-first words: a persistent grid of this many programs (0: a program an item)
-    ahead: int = 1  # the persistent words: read the next item's slot (1), or its slot and its state (2), early
 
 
 def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: DeviceInfo | None = None,

@@ -668,37 +668,3 @@ def test_varlen_decode_batch_with_host_bounds(dtype):
                                      output_final_state=True, **kw)
     assert rel(o, o_ref) <= FP32_TOL and rel(s, s_ref) <= FP32_TOL
 
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("v_first, ahead", [(False, 1), (False, 2), (True, 1)])
-def test_one_token_persistent(dtype, v_first, ahead):
-    """2-byte pools walked by a persistent grid (`DecodePlan.programs`; the next item's slot, or for K-first words
-    its slot and words, read early) equal the per-item kernel bit for bit, outputs, stored planes and error
-    words, at grids smaller than, equal to and larger than the item count; with a padding sequence, a slot past
-    the pool, an unread NaN slot, masked rows and words; the slots not named keep their bits."""
-    N, H, HV, K, V = 5, 1, 2, 24, 40  # K-first: 3 V blocks of 16 a head (30 items); V-first: 2 groups of 2 x 8
-    q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=23)
-    idx = torch.tensor([7, -1, 2, 11, 4], dtype=torch.int32, device=DEVICE)  # 1: padding, 11: past the pool
-    read = torch.tensor([True, True, False, True, True], device=DEVICE)  # slot 2: NaN, unread
-    kw = dict(state_v_first=v_first, use_qk_l2norm_in_kernel=True, state_indices=idx, has_initial_state=read,
-              **opts)
-    wide, pool = poisoned_pool(11, state_plane(HV, K, V, v_first), dtype, DEVICE, pad=16)
-    for slot in (7, 4):
-        pool[slot] = random_planes(1, HV, K, V, v_first, seed=50 + slot)[0].to(dtype)
-    before = wide.clone()
-    tile = dict(BV=8, nsub=2) if v_first else dict(BV=16)
-    runs = []
-    for over in ({}, *(dict(programs=p, ahead=ahead) for p in (1, 7, 30, 64))):
-        wide.copy_(before)
-        err = torch.zeros(N, dtype=torch.int32, device=DEVICE)
-        o, _, plan = run_planned(kda.fused_recurrent_kda, q, k, v, g, beta, dict(**tile, **over), state_cache=pool,
-                                 errors=err, **kw)
-        assert plan.packed != v_first
-        runs.append((o, wide.clone(), err))
-    o0, w0, e0 = runs[0]
-    assert e0.tolist() == [0, 0, 0, kda.ERROR_SLOT, 0]
-    assert torch.equal(o0[[1, 3]], torch.zeros_like(o0[[1, 3]]))
-    for o, w, e in runs[1:]:
-        assert same_bits(o, o0) and same_bits(w, w0) and torch.equal(e, e0)
-    untouched = [s for s in range(11) if s not in (7, 2, 4)]
-    assert same_bits(w0[untouched], before[untouched])
