@@ -668,3 +668,34 @@ def test_varlen_decode_batch_with_host_bounds(dtype):
                                      output_final_state=True, **kw)
     assert rel(o, o_ref) <= FP32_TOL and rel(s, s_ref) <= FP32_TOL
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_token_k_words_any_block(dtype):
+    """The 2-byte K-first words held at BV 128 (the NVIDIA tile at K = 128: 16384 elements a program) and at BV 64
+    and 32 store the same bits and give the same outputs: a column's sums over K do not depend on the block
+    around it. Full tiles (V = 256, two blocks of 128) and a masked one (V = 200), against the oracle too."""
+    for V in (256, 200):
+        N, H, HV, K = 3, 1, 2, 32
+        q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=31)
+        idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+        kw = dict(state_v_first=False, use_qk_l2norm_in_kernel=True, state_indices=idx, **opts)
+        wide, pool = poisoned_pool(6, state_plane(HV, K, V, False), dtype, DEVICE, pad=16)
+        for slot in (4, 0, 2):
+            pool[slot] = random_planes(1, HV, K, V, False, seed=60 + slot)[0].to(dtype)
+        before = wide.clone()
+        init = pool[[4, 0, 2]].clone()
+        runs = []
+        for BV in (128, 64, 32):
+            wide.copy_(before)
+            o, _, plan = run_planned(kda.fused_recurrent_kda, q, k, v, g, beta, dict(BV=BV), state_cache=pool, **kw)
+            assert plan.packed and plan.BV == BV
+            runs.append((o, wide.clone()))
+        for o, w in runs[1:]:
+            assert same_bits(o, runs[0][0]) and same_bits(w, runs[0][1])
+        o_ref, s_ref = ref.recurrent_kda(*(x.double() for x in (q, k, v, g, beta)), initial_state=init.double(),
+                                         output_final_state=True, allow_float64=True,
+                                         **{a: b for a, b in kw.items() if a != "state_indices"})
+        u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+        assert rel(runs[0][0], o_ref) <= FP32_TOL
+        assert rel(runs[0][1][[4, 0, 2], :HV * K * V].view(N, HV, K, V), s_ref) <= u
