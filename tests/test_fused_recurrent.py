@@ -673,8 +673,10 @@ def test_varlen_decode_batch_with_host_bounds(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_one_token_k_words_any_block(dtype):
     """The 2-byte K-first words held at BV 128 (the NVIDIA tile at K = 128: 16384 elements a program) and at BV 64
-    and 32 store the same bits and give the same outputs: a column's sums over K do not depend on the block
-    around it. Full tiles (V = 256, two blocks of 128) and a masked one (V = 200), against the oracle too."""
+    and 32 agree: under the interpreter bit for bit (a column's sums over K do not depend on the block around
+    it); compiled, each block's layout splits the sums over K between threads and warps in its own order, so
+    outputs within 1e-6 and stored values within one storage ulp (the bitwise form failed on an H100). Full tiles
+    (V = 256, two blocks of 128) and a masked one (V = 200), against the oracle too."""
     for V in (256, 200):
         N, H, HV, K = 3, 1, 2, 32
         q, k, v, g, beta, opts = make_inputs(N, 1, H, HV, K, V, gate="lower_bound", beta_sigmoid=True, seed=31)
@@ -691,11 +693,18 @@ def test_one_token_k_words_any_block(dtype):
             o, _, plan = run_planned(kda.fused_recurrent_kda, q, k, v, g, beta, dict(BV=BV), state_cache=pool, **kw)
             assert plan.packed and plan.BV == BV
             runs.append((o, wide.clone()))
+        u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
         for o, w in runs[1:]:
-            assert same_bits(o, runs[0][0]) and same_bits(w, runs[0][1])
+            if DEVICE == "cpu":
+                assert same_bits(o, runs[0][0]) and same_bits(w, runs[0][1])
+            else:  # the planes written within one storage ulp (2u of their size), every other bit kept
+                w0, plane = runs[0][1], HV * K * V
+                a, b = w[[4, 0, 2], :plane].double(), w0[[4, 0, 2], :plane].double()
+                assert rel(o, runs[0][0]) <= 1e-6
+                assert ((a - b).abs() <= 2 * u * torch.maximum(a.abs(), b.abs()) + 2.0 ** -24).all()
+                assert same_bits(w[[1, 3, 5]], w0[[1, 3, 5]]) and same_bits(w[:, plane:], w0[:, plane:])
         o_ref, s_ref = ref.recurrent_kda(*(x.double() for x in (q, k, v, g, beta)), initial_state=init.double(),
                                          output_final_state=True, allow_float64=True,
                                          **{a: b for a, b in kw.items() if a != "state_indices"})
-        u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
         assert rel(runs[0][0], o_ref) <= FP32_TOL
         assert rel(runs[0][1][[4, 0, 2], :HV * K * V].view(N, HV, K, V), s_ref) <= u
