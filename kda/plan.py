@@ -517,6 +517,8 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
         plan = replace(plan, **overrides)
         if plan.ptx and not device.ptx:
             raise ValueError(f"DecodePlan.ptx: {device} runs no inline PTX")
+        if plan.maxnreg and not device.ptx:
+            raise ValueError(f"DecodePlan.maxnreg: {device} has no register cap a launch may set")
     return plan
 
 

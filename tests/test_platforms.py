@@ -201,9 +201,10 @@ def test_the_sm80_plan_device_is_the_a100s():
 
 def test_overrides_may_not_ask_for_what_the_device_lacks(prefill_calls):
     """A plan override (tests, benchmarks/kernel_profile.py) that asks an A100 or an MI300X for TMA, the PTX spin or
-    a wait inside the walk's loop, or a HIP GPU for the decode's PTX, is refused: forced on a planned-down H200 it
-    would run what the device it stands for cannot (and the in-loop wait without the spin reads a counter once:
-    the walk would read chunks not yet stored). The interpreter takes the waits (it runs the prepare first)."""
+    a wait inside the walk's loop, or a HIP GPU (or the interpreter) for the decode's PTX or a register cap, is
+    refused: forced on a planned-down H200 it would run what the device it stands for cannot (and the in-loop
+    wait without the spin reads a counter once: the walk would read chunks not yet stored). The interpreter takes
+    the waits (it runs the prepare first)."""
     call = next(c for c in prefill_calls if c.B == 1 and c.T == 4096)
     for device in (A100, MI300X):
         for over in (dict(walk_tma=True), dict(spin=True), dict(wait_chunks=2, wait_in_loop=True)):
@@ -216,6 +217,10 @@ def test_overrides_may_not_ask_for_what_the_device_lacks(prefill_calls):
     with pytest.raises(ValueError, match="no inline PTX"):
         P.decode_plan(decode, device=MI300X, ptx=True)
     assert P.decode_plan(decode, device=A100, ptx=True).ptx
+    for device in (MI300X, P.INTERPRETER):  # a register cap is an NVIDIA launch option
+        with pytest.raises(ValueError, match="register cap"):
+            P.decode_plan(decode, device=device, maxnreg=128)
+    assert P.decode_plan(decode, device=A100, maxnreg=96).maxnreg == 96
 
 
 def test_the_gluon_prepare_only_where_the_plan_measured_and_tested_it(prefill_calls):

@@ -796,6 +796,7 @@ def fused_recurrent_kda_fwd(
         HAS_INIT_FLAGS=st.has_initial_state is not None, V_FIRST=call.state_v_first, SR=plan.sr,
         HAS_ERRORS=call.errors is not None, num_warps=plan.num_warps,
     )
+    cap = {"maxnreg": plan.maxnreg} if plan.maxnreg else {}  # NVIDIA only: the plan refuses it elsewhere
     if plan.nsub > 0:  # one token per sequence at token n (dense [N, 1], or varlen with host bounds 0..N)
         rows = BV * plan.nsub
         # 2-byte words need V even (rows and head planes start on words) and 4-byte aligned pools, else the row
@@ -809,14 +810,13 @@ def fused_recurrent_kda_fwd(
             lower_bound, seed,
             int(st.paged), 0, NSUB=plan.nsub, FULL_TILE=(K == BK and V % rows == 0), KC=plan.kc,
             HEADS_FASTEST=plan.heads_fastest, PACKED=packed, PTX=plan.ptx,
-            **(flags if packed == plan.packed else dict(flags, num_warps=1)),  # the row chunks' one warp
-            **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
+            **(dict(flags, **cap) if packed == plan.packed else dict(flags, num_warps=1)),  # the row chunks: 1 warp
         )
     else:
         _fused_recurrent_kda_kernel[(cdiv(V, BV), N, HV)](
             q, k, v, g, beta, o, A_log, dt_bias, call.cu_seqlens if varlen else q, *st.pointers(q), *strides,
             st.slot_count, *verify_args, errors, T, call.scale, lower_bound, seed,
             IS_VARLEN=varlen, PAGED=st.paged, FULL_TILE=(K == BK and V % BV == 0), **flags, **verify_flags,
-            SHORT=short, LAST_WAITS=last_waits, **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
+            SHORT=short, LAST_WAITS=last_waits, **cap,
         )
     return o, st.final_state
