@@ -96,6 +96,12 @@ class DeviceInfo:
         return not self.interpreter and not self.hip
 
     @property
+    def register_cap(self) -> bool:
+        """A launch may cap the registers a thread (`maxnreg`, NVIDIA's compiler option): never on HIP, never in the
+        interpreter."""
+        return not self.interpreter and not self.hip
+
+    @property
     def spin(self) -> bool:
         """A walk may spin on the prepare's counters beside it: its wait is PTX with Hopper's proxy fence, and
         the kernels around it take PDL's griddepcontrol (sm_90 and later on NVIDIA; sm_80's ptxas refuses both)."""
@@ -517,7 +523,7 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
         plan = replace(plan, **overrides)
         if plan.ptx and not device.ptx:
             raise ValueError(f"DecodePlan.ptx: {device} runs no inline PTX")
-        if plan.maxnreg and not device.ptx:
+        if plan.maxnreg and not device.register_cap:
             raise ValueError(f"DecodePlan.maxnreg: {device} has no register cap a launch may set")
     return plan
 
@@ -543,15 +549,15 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
         BV = min(4096 // BK, max(8 if v_first else 16, next_power_of_2(V)))
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (fewer threads per plane)
     per_warp = 4096 if (nsub and not v_first) else 2048
-    # the V block read once and held: fp32, 2-byte pools as 32-bit words of two columns (4 warps)
+    # the V block read once and held: fp32, 2-byte pools as 32-bit words of two columns (4 warps); under a
+    # 128-register cap where a launch may set one, so more programs share an SM (2-byte: 16384 elements each)
     packed = bool(nsub) and not v_first and (state_dtype == torch.float32 or (bool(kc) and V % 2 == 0))
-    if packed and state_bytes == 2 and device.ptx:  # 16384 elements held under a 128-register cap (NVIDIA)
+    capped = packed and device.register_cap
+    if capped and state_bytes == 2:
         BV = min(max(64, 16384 // BK), max(16, next_power_of_2(V)))
     if device.interpreter:
         num_warps = 1
-    elif packed and state_bytes == 2:
-        num_warps = 4
-    elif packed and device.ptx:  # fp32 held on 4 warps at 128 registers: more programs an SM, same bytes
+    elif packed and (state_bytes == 2 or capped):  # uncapped fp32 (HIP): 2 warps
         num_warps = 4
     elif narrow_loop:
         num_warps = 1
@@ -560,4 +566,4 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
     return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first, packed=packed,
                       ptx=packed and state_bytes == 2 and device.ptx,
-                      maxnreg=128 if packed and device.ptx else 0)
+                      maxnreg=128 if capped else 0)
