@@ -7,9 +7,10 @@ The floor: the state read and written once plus the inputs and outputs, over the
 (`kda.replay`) are cleared per plan.
 
     python benchmarks/decode_plans.py [PLAN NAME ...] [--pools fp32,bf16,fp16,fp32-1024,..] [--consecutive]
-        [--layout k_first|v_first]
+        [--layout k_first|v_first] [--sr]
         (a CUDA device; names from PLANS, default all; --pools: the cases to run, default all three;
-        --consecutive: each call's slots consecutive instead of a random permutation of the pool)
+        --consecutive: each call's slots consecutive instead of a random permutation of the pool; --sr: 2-byte
+        pools stored with stochastic rounding, the planned tile's `sr`, each row beside the nearest-rounded one)
 """
 
 import argparse
@@ -82,6 +83,7 @@ def main() -> None:
     p.add_argument("plans", nargs="*", help="plan names (default: all)")
     p.add_argument("--pools", default="fp32,bf16,fp32-1024", help="cases: fp32 (N = 256), bf16, fp16, fp32-1024")
     p.add_argument("--consecutive", action="store_true", help="consecutive slots instead of a random permutation")
+    p.add_argument("--sr", action="store_true", help="each plan also with stochastic rounding (2-byte pools)")
     p.add_argument("--layout", default="k_first", choices=("k_first", "v_first"), help="the pool's layout")
     args = p.parse_args()
     v_first = args.layout == "v_first"
@@ -114,7 +116,8 @@ def main() -> None:
             out = torch.empty_like(v)
             state_bytes = N * H * K * V * pool.element_size()
             floor_us = (2 * state_bytes + N * (2 * H * K * 2 + H * V * 4 + H * K * 4 + H * 2 + 8)) / bw * 1e6
-            for name, over in plans.items():
+            roundings = (False, True) if args.sr and pool.element_size() == 2 else (False,)
+            for name, over, sr in ((n, o, r) for n, o in plans.items() for r in roundings):
                 if only and name not in only:
                     continue
                 kp.decode_plan = (lambda call, stochastic_rounding=False, over=over:
@@ -124,9 +127,11 @@ def main() -> None:
                     kda.fused_recurrent_kda, q, k, v, g, beta, state_cache=pool,
                     state_indices=slots[s].clone(), state_v_first=v_first,
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-                    A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, out=out, **kw) for s in range(4)]
+                    A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, out=out, stochastic_rounding=sr, seed=s, **kw)
+                    for s in range(4)]
                 us = timer.steady(calls)
-                print(f"N={N} {str(pool_dtype)[6:]} {args.layout} {'varlen' if varlen else 'dense '} {name:24s}: "
+                print(f"N={N} {str(pool_dtype)[6:]} {args.layout} {'varlen' if varlen else 'dense '} "
+                      f"{name + (' sr' if sr else ''):24s}: "
                       f"{us:7.1f} us  floor {floor_us:6.1f}  ratio {us / floor_us:.3f}", flush=True)
             kp.decode_plan = planner
             del pool
