@@ -7,10 +7,11 @@ The floor: the state read and written once plus the inputs and outputs, over the
 (`kda.replay`) are cleared per plan.
 
     python benchmarks/decode_plans.py [PLAN NAME ...] [--pools fp32,bf16,fp16,fp32-1024,..] [--consecutive]
-        [--layout k_first|v_first] [--sr]
+        [--layout k_first|v_first] [--sr] [--dense]
         (a CUDA device; names from PLANS, default all; --pools: the cases to run, default all three;
         --consecutive: each call's slots consecutive instead of a random permutation of the pool; --sr: 2-byte
-        pools stored with stochastic rounding, the planned tile's `sr`, each row beside the nearest-rounded one)
+        pools stored with stochastic rounding, the planned tile's `sr`, each row beside the nearest-rounded one;
+        --dense: the dense `[N, 1]` rows only)
 """
 
 import argparse
@@ -83,6 +84,7 @@ def main() -> None:
     p.add_argument("plans", nargs="*", help="plan names (default: all)")
     p.add_argument("--pools", default="fp32,bf16,fp32-1024", help="cases: fp32 (N = 256), bf16, fp16, fp32-1024")
     p.add_argument("--consecutive", action="store_true", help="consecutive slots instead of a random permutation")
+    p.add_argument("--dense", action="store_true", help="dense rows only (no varlen)")
     p.add_argument("--sr", action="store_true", help="each plan also with stochastic rounding (2-byte pools)")
     p.add_argument("--layout", default="k_first", choices=("k_first", "v_first"), help="the pool's layout")
     args = p.parse_args()
@@ -97,7 +99,7 @@ def main() -> None:
     bw = bench.measure_bandwidth(timer, 1.0)
     planner = kp.decode_plan
     for N, pool_dtype in (cases[c] for c in args.pools.split(",")):
-        for varlen in (False, True):
+        for varlen in (False,) if args.dense else (False, True):
             torch.manual_seed(0)
             pool = torch.randn(4 * N, H, K, V, device=dev).mul_(0.1).to(pool_dtype)
             # a random permutation of the pool as the benchmark's decode rows (or consecutive slots)

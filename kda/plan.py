@@ -550,10 +550,11 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (fewer threads per plane)
     per_warp = 4096 if (nsub and not v_first) else 2048
     # the V block read once and held: fp32, 2-byte pools as 32-bit words of two columns (4 warps); under a
-    # 128-register cap where a launch may set one, so more programs share an SM (2-byte: 16384 elements each)
+    # 128-register cap where a launch may set one, so more programs share an SM (2-byte: 16384 elements each;
+    # 8192 under stochastic rounding, whose random bits spill the larger tile past the cap)
     packed = bool(nsub) and not v_first and (state_dtype == torch.float32 or (bool(kc) and V % 2 == 0))
     capped = packed and device.register_cap
-    if capped and state_bytes == 2:
+    if capped and state_bytes == 2 and not stochastic_rounding:
         BV = min(max(64, 16384 // BK), max(16, next_power_of_2(V)))
     if device.interpreter:
         num_warps = 1

@@ -40,17 +40,20 @@ stochastically on request.
 
 Stochastic rounding (`stochastic_rounding=True`, fp16/bf16 storage): the fp32 value x is rounded to one
 of its two neighbours in the storage format, the one away from zero with probability equal to the
-distance from the one toward zero in units of the storage ulp (unbiased in expectation). The random
-bits come from Philox (`tl.randint`) keyed by `seed`, with counter = slot * plane_size + the element's
-offset inside its plane (the element's position in a dense numbering of the pool), so one seed and one
-input always give the same bits.
-- bf16: take the fp32 bits, add 16 random bits below the kept mantissa, and clear the low 16 bits
+distance from the one toward zero in units of the storage ulp (unbiased in expectation, to 2^-13 of an
+ulp for fp16). Each element takes 16 random bits: its offset inside its plane plus a key hashed (`_mix32`)
+from `seed` and the plane (slot * HV + head), multiplied by an odd constant and xor-shifted (`_sr_bits`), so
+one seed and one input always give the same bits; a 2-byte K-first word (two columns) splits one hash
+between its halves. A few integer operations an element where Philox (`tl.randint`, ten rounds an element)
+made the one-token step 7-26x slower (H100, `benchmarks/decode_plans.py --sr`).
+- bf16: take the fp32 bits, add the 16 random bits below the kept mantissa, and clear the low 16 bits
   (a carry into the exponent yields the next binade, or inf past the bf16 maximum);
-- fp16: u = |x| / ulp16(|x|) with ulp16 = 2^(max(e, -14) - 10) (e: the binade of |x|; -14 covers the
-  fp16 subnormals); keep floor(u) ulps and add one more when 23 random bits, read as a fraction in
-  [0, 1), are below u - floor(u). Every step is exact in fp32 (scaling by powers of two), so the value
-  cast to fp16 is exactly representable (past the fp16 maximum it becomes inf, like round-to-nearest).
-inf and NaN are stored as a plain cast in both cases.
+- fp16, compiled: move x away from zero by the 16 random bits read as a fraction of ulp16(|x|) =
+  2^(max(e, -14) - 10) (e: the binade of |x|; -14 covers the fp16 subnormals), then cast toward zero (the
+  fp32 sum rounds: 2^-14 of an ulp); a sum past 2^16 becomes inf, as round-to-nearest would make it;
+- fp16, interpreter (whose cast has no rounding mode): u = |x| / ulp16(|x|); keep floor(u) ulps and add one
+  more when the 16 random bits, read as a fraction in [0, 1), are below u - floor(u) (exact in fp32).
+inf and NaN stay inf and NaN.
 
 Bits. Round to nearest even into bf16 (state and output): the GPU's cast; under the interpreter, whose
 cast truncates, explicit integer operations (`common.round_to`). Two calls give the same bits when they
@@ -68,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import KDACall
+from ..contract import KDACall, interpreting
 from ..plan import DecodePlan, cdiv
 from .buffers import StatePlan, gate_args, output_buffer, state_plan
 from .common import (
@@ -90,6 +93,7 @@ from .overlap import last_program_waits
 
 # store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
 # 1 stochastic bf16, 2 stochastic fp16
+_INTERPRETING = tl.constexpr(interpreting())  # the interpreter's fp16 cast knows no rounding mode
 
 
 @triton.jit
@@ -113,15 +117,62 @@ def _on_v(x, V_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _round_state(S, counter, seed, SR: tl.constexpr):
+def _mix32(x):
+    """A bijection of uint32 whose every output bit depends on every input bit (two xor-shift-multiply
+    rounds, the constants of C. Wellons' hash-prospector search)."""
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _sr_bits(seed, plane, off):
+    """32 random bits for each offset `off` (< 2^32) of the state plane `plane` (slot * HV + head): a key hashed
+    from seed and plane (scalar work once a tile) plus off, one multiply and one xor-shift an element."""
+    s = seed.to(tl.int64)
+    p = plane.to(tl.int64)
+    key = _mix32((s & 0xFFFFFFFF).to(tl.uint32) ^ _mix32((p & 0xFFFFFFFF).to(tl.uint32)))
+    key = _mix32(key ^ ((s >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ _mix32(((p >> 32) & 0xFFFFFFFF).to(tl.uint32)))
+    x = (key + off.to(tl.uint32)) * 0x2C1B3C6D
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _sr_fp16_nudge(S, rnd):
+    """S moved away from zero by (rnd & 0xFFFF) / 2^16 of its fp16 ulp: cast toward zero, that is S rounded
+    stochastically (to 2^-13 of an ulp: the fp32 sum rounds); past fp16's maximum inf, like nearest."""
+    bits = S.to(tl.uint32, bitcast=True)
+    e = ((bits >> 23) & 0xFF).to(tl.int32)  # biased binade; -14 + 127 = 113 covers the fp16 subnormals
+    step = ((tl.maximum(e, 113) - 26) << 23).to(tl.float32, bitcast=True)  # 2^-16 of the fp16 ulp
+    nudge = ((rnd & 0xFFFF).to(tl.float32) * step).to(tl.uint32, bitcast=True) | (bits & 0x80000000)
+    y = S + nudge.to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(y) < 65536.0, y, S * float("inf"))
+
+
+@triton.jit
+def _sr_to(S, rnd, dtype: tl.constexpr, SR: tl.constexpr):
+    """The fp32 tile S rounded stochastically (random bits rnd & 0xFFFF an element) into `dtype`: bf16 and the
+    interpreter's fp16 by exact bit arithmetic (`_round_state`), compiled fp16 by a nudge and a cast toward
+    zero (about 9 operations an element against 18)."""
+    if SR == 2 and not _INTERPRETING:
+        y = _sr_fp16_nudge(S, rnd).to(tl.float16, fp_downcast_rounding="rtz")
+    else:
+        y = round_to(_round_state(S, rnd, SR), dtype)
+    return y
+
+
+@triton.jit
+def _round_state(S, rnd, SR: tl.constexpr):
     """fp32 tile -> fp32 values exactly representable in the storage dtype, rounded stochastically
-    (see the module docstring). `counter` is the Philox counter of each element."""
+    (see the module docstring) with the random bits rnd & 0xFFFF of each element."""
     bits = S.to(tl.uint32, bitcast=True)
     finite = (bits & 0x7F800000) != 0x7F800000
-    rnd = tl.randint(seed, counter).to(tl.uint32, bitcast=True)
+    rnd = rnd & 0xFFFF
     if SR == 1:
         # bf16: add 16 random bits below the 16 kept ones, then truncate
-        kept = (bits + (rnd & 0xFFFF)) & 0xFFFF0000
+        kept = (bits + rnd) & 0xFFFF0000
         y = kept.to(tl.float32, bitcast=True)
     else:
         # fp16: ulp = 2^(max(e, -14) - 10); all scalings are by exact powers of two
@@ -132,7 +183,7 @@ def _round_state(S, counter, seed, SR: tl.constexpr):
         units = tl.abs(S) * inv_ulp
         whole = tl.floor(units)
         frac = units - whole
-        r = (rnd >> 9).to(tl.float32) * 1.1920928955078125e-07  # 23 random bits as a fraction in [0, 1)
+        r = rnd.to(tl.float32) * 1.52587890625e-05  # 16 random bits as a fraction in [0, 1)
         mag = (whole + tl.where(r < frac, 1.0, 0.0)) * ulp
         y = tl.where((bits >> 31) != 0, -mag, mag)
     return tl.where(finite, y, S)
@@ -166,13 +217,14 @@ def _load_state(plane, tile_off, tile_ok, FULL_TILE: tl.constexpr):
 
 
 @triton.jit
-def _store_state(S, plane, tile_off, tile_ok, counter, seed, SR: tl.constexpr, FULL_TILE: tl.constexpr,
+def _store_state(S, plane, tile_off, tile_ok, plane_id, seed, SR: tl.constexpr, FULL_TILE: tl.constexpr,
                  EVICT_FIRST: tl.constexpr = False):
-    """Round the fp32 tile to the storage dtype (nearest even, or stochastically with Philox counters
-    `counter` when SR) and store it (EVICT_FIRST: its lines marked first to leave L2)."""
+    """Round the fp32 tile to the storage dtype (nearest even, or stochastically when SR with the bits of
+    `_sr_bits(seed, plane_id, tile_off)`) and store it (EVICT_FIRST: its lines marked first to leave L2)."""
     if SR != 0:
-        S = _round_state(S, counter, seed, SR)
-    y = round_to(S, plane.dtype.element_ty)
+        y = _sr_to(S, _sr_bits(seed, plane_id, tile_off), plane.dtype.element_ty, SR)
+    else:
+        y = round_to(S, plane.dtype.element_ty)
     tl.store(plane + tile_off, y, mask=None if FULL_TILE else tile_ok,
              eviction_policy="evict_first" if EVICT_FIRST else "")
 
@@ -386,12 +438,12 @@ def _fused_recurrent_kda_kernel(
             code = code | tl.where(keep >= n_slots, ERROR_KEPT_SLOT, 0)
             if (keep >= 0) & (keep < n_slots):
                 _store_state(S, state_dst + keep * dst_stride + i_hv * (K * V), tile_off, tile_ok,
-                             (keep * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
+                             keep * HV + i_hv, seed, SR, FULL_TILE)
 
     if HAS_DST:
         if not VERIFY:
             _store_state(S, state_dst + slot * dst_stride + i_hv * (K * V), tile_off, tile_ok,
-                         (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
+                         slot * HV + i_hv, seed, SR, FULL_TILE)
     flag_errors(errors, i_n, tl.where(first, code, 0), HAS_ERRORS)
     last_program_waits(LAST_WAITS)
 
@@ -407,7 +459,7 @@ def _one_token_rows(S_raw, i_vb, t, v_h, o_h, dst_plane, q_t, k_t, g_t, beta_t, 
     S, o_t = _step(S_raw.to(tl.float32), q_t, k_t, g_t, v_t, beta_t, V_FIRST)
     tl.store(o_h + t * s_ot + o_v, round_to(o_t, o_h.dtype.element_ty), mask=v_ok)
     if HAS_DST:
-        _store_state(S, dst_plane, tile_off, tile_ok, (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE)
+        _store_state(S, dst_plane, tile_off, tile_ok, slot * HV + i_hv, seed, SR, FULL_TILE)
 
 
 @triton.jit
@@ -476,7 +528,7 @@ def _one_token_k_split(src_plane, read, dst_plane, q_h, k_h, g_h, dt_bias, a, sc
             S = S + k_c[:, None] * u_t[None, :]
             # written lines leave L2 first, so that the chunks still awaiting their second read stay there
             _store_state(S, dst_plane, tile_off, k_ok_c[:, None] & v_ok[None, :],
-                         (slot * HV + i_hv) * (K * V) + tile_off, seed, SR, FULL_TILE, True)
+                         slot * HV + i_hv, seed, SR, FULL_TILE, True)
     return qS + kq * u_t
 
 
@@ -495,16 +547,29 @@ def _unpack_pairs(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _pack_pairs(lo, hi, c_lo, seed, dtype: tl.constexpr, SR: tl.constexpr, PTX: tl.constexpr):
-    """(even, odd) fp32 columns rounded to `dtype` (nearest even, or stochastically with Philox counters c_lo and
-    c_lo + 1) and packed into 32-bit words, the inverse of `_unpack_pairs`. PTX (`DecodePlan.ptx`): one
-    conversion of both halves; else (HIP, the interpreter) the rounding of `round_to`."""
+def _pack_pairs(lo, hi, plane_id, word_off, seed, dtype: tl.constexpr, SR: tl.constexpr, PTX: tl.constexpr):
+    """(even, odd) fp32 columns rounded to `dtype` (nearest even, or stochastically: the halves of one hash a word,
+    at its offset `word_off` in the plane) and packed into 32-bit words, the inverse of `_unpack_pairs`. PTX
+    (`DecodePlan.ptx`): one conversion of both halves; else (HIP, the interpreter) the rounding of `round_to`."""
     if SR != 0:
-        lo = _round_state(lo, c_lo, seed, SR)
-        hi = _round_state(hi, c_lo + 1, seed, SR)
-    if not PTX:
-        b_lo = round_to(lo, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
-        b_hi = round_to(hi, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
+        rnd = _sr_bits(seed, plane_id, word_off)
+        rnd_hi = (rnd * 0x5851F42D) >> 16  # the odd column's 16 bits, mixed again
+    if SR == 1 and PTX:
+        # bf16: the random bits added below each half's kept 16, the high halves kept (NaN stays NaN)
+        a_lo = tl.where(lo == lo, lo.to(tl.uint32, bitcast=True) + (rnd & 0xFFFF), 0x7FFFFFFF)
+        a_hi = tl.where(hi == hi, hi.to(tl.uint32, bitcast=True) + rnd_hi, 0x7FFFFFFF)
+        y = (a_lo >> 16) | (a_hi & 0xFFFF0000)
+    elif SR == 2 and PTX:  # fp16: both halves nudged, one conversion toward zero
+        y = tl.inline_asm_elementwise("cvt.rz.f16x2.f32 $0, $2, $1;", "=r,r,r",
+                                      [_sr_fp16_nudge(lo, rnd), _sr_fp16_nudge(hi, rnd_hi)], dtype=tl.uint32,
+                                      is_pure=True, pack=1)
+    elif not PTX:
+        if SR != 0:
+            b_lo = _sr_to(lo, rnd, dtype, SR).to(tl.uint16, bitcast=True).to(tl.uint32)
+            b_hi = _sr_to(hi, rnd_hi, dtype, SR).to(tl.uint16, bitcast=True).to(tl.uint32)
+        else:
+            b_lo = round_to(lo, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
+            b_hi = round_to(hi, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
         y = b_lo | (b_hi << 16)
     elif dtype == tl.bfloat16:  # one conversion of both halves (two single ones and a permute otherwise)
         y = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
@@ -611,8 +676,7 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
         lo, hi = _unpack_pairs(x ^ zero, src_plane.dtype.element_ty)
         lo = lo * d[:, None] + k_t[:, None] * u_lo[None, :]
         hi = hi * d[:, None] + k_t[:, None] * u_hi[None, :]
-        c_lo = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + 2 * o_p[None, :]
-        y = _pack_pairs(lo, hi, c_lo, seed, dst_plane.dtype.element_ty, SR, PTX)
+        y = _pack_pairs(lo, hi, slot * HV + i_hv, tile_off, seed, dst_plane.dtype.element_ty, SR, PTX)
         dst = dst_plane.to(tl.pointer_type(tl.uint32), bitcast=True)
         tl.store(dst + tile_off, y, mask=None if FULL_TILE else k_ok[:, None] & p_ok[None, :],
                  eviction_policy="evict_first")
