@@ -61,7 +61,7 @@ PLANS = {
     # held under a register cap a thread (NVIDIA): more programs an SM, the same bytes each
     **{f"1tok BV{bv} nw{w} packed r{r}": dict(nsub=1, BV=bv, num_warps=w, kc=32, packed=True, maxnreg=r)
        for bv, w, r in ((64, 2, 128), (64, 4, 64), (64, 4, 80), (64, 4, 96), (64, 4, 128), (128, 4, 128),
-                        (128, 8, 64), (128, 8, 80), (128, 8, 96))},
+                        (128, 4, 168), (128, 8, 64), (128, 8, 80), (128, 8, 96), (128, 8, 128))},
 }
 # V-first pools (--layout v_first): NSUB blocks of BV rows of K, one program a (V block, sequence, head)
 V_PLANS = {
