@@ -351,6 +351,62 @@ def test_stochastic_rounding(dtype, v_first, one_token):
     check_stochastic(runs["c"], x, dtype)
 
 
+def _edge_values(dtype) -> list[tuple[float, bool]]:
+    """Values at the edges of `dtype`, each with whether its rounding frequency is measured (not past the largest
+    finite, whose upper neighbour is inf, nor an fp32 subnormal, which a GPU may flush): past the largest
+    finite, in the subnormals, below the smallest subnormal, and ordinary values."""
+    if dtype == torch.float16:
+        return [(65510.0, False), (-65530.0, False), (65519.9, False), (3.0e-5 + 2.0**-25, True),
+                (-(2.0**-24) * 1.25, True), (2.0**-26, True), (-(2.0**-25) * 1.5, True), (1.0e-9, True),
+                (1.0 + 2.0**-11, True), (2049.5, True), (-3.0 - 2.0**-10 * 0.75, True), (1.0 - 2.0**-13, True)]
+    big, ulp = torch.finfo(torch.bfloat16).max, 2.0**120
+    return [(big + 0.5 * ulp, False), (-(big + 0.25 * ulp), False), (2.0**-135, False), (-(2.0**-140), False),
+            (1.0 + 2.0**-9, True), (-(1.0 + 2.0**-8), True), (300.5, True), (2.0**-120 * (1.0 + 2.0**-8), True),
+            (1.0 - 2.0**-10, True), (-7.0e-3 - 2.0**-17, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("v_first", [True, False])
+@pytest.mark.parametrize("one_token", [False, True])
+def test_stochastic_rounding_at_the_format_edges(dtype, v_first, one_token):
+    """A zero state, a one-hot key, beta 1 and no decay write v exactly into the state's row of K index 0; with
+    stochastic rounding each value is stored as one of its two neighbours in `dtype` (past the largest finite:
+    it or inf; below the smallest subnormal: 0 or it), every other element stays 0, and over 64 sequences (64
+    planes, 64 independent draws) the upper neighbour comes as often as the value's place between them says
+    (within 4.5 standard deviations)."""
+    N, K, V = 64, 16, 32
+    edges = _edge_values(dtype)
+    gen = torch.Generator().manual_seed(21)
+    vals = torch.cat([torch.tensor([x for x, _ in edges], dtype=torch.float64),
+                      torch.randn(V - len(edges), generator=gen, dtype=torch.float64) * 10])
+    v = vals.float().expand(1, N, 1, V).contiguous().to(DEVICE)
+    q = torch.randn(1, N, 1, K, generator=gen).to(DEVICE)
+    k = torch.zeros(1, N, 1, K, device=DEVICE)
+    k[..., 0] = 1.0
+    g = torch.zeros(1, N, 1, K, device=DEVICE)
+    beta = torch.ones(1, N, 1, device=DEVICE)
+    pool = torch.zeros(N, *state_plane(1, K, V, v_first), dtype=dtype, device=DEVICE)
+    cu_list = list(range(N + 1))
+    extra = dict(cu_seqlens_cpu=cu_list) if one_token else {}
+    kda.fused_recurrent_kda(q, k, v, g, beta, cu_seqlens=torch.tensor(cu_list, dtype=torch.int32, device=DEVICE),
+                            state_cache=pool, state_indices=torch.arange(N, dtype=torch.int32, device=DEVICE),
+                            state_v_first=v_first, stochastic_rounding=True, seed=7, **extra)
+    got = (pool[:, 0, :, 0] if v_first else pool[:, 0, 0, :]).double().cpu()  # [N, V]
+    rest = pool.clone()
+    (rest[:, 0, :, 0] if v_first else rest[:, 0, 0, :]).zero_()
+    assert not rest.any()
+    x = vals.float().double()  # the fp32 value the kernel rounds
+    floor, ceil = _floor_ceil(x, dtype)
+    tiny = x.abs() < torch.finfo(torch.float32).tiny  # an fp32 subnormal: a GPU may flush it to zero
+    ok = (got == floor) | (got == ceil) | (tiny & (got == 0))
+    assert ok.all(), (x[~ok.all(0)], got[:, ~ok.all(0)][0])
+    for col, (_, measured) in enumerate(edges):
+        if measured:
+            share = ((x[col] - floor[col]) / (ceil[col] - floor[col])).item()
+            up = (got[:, col] == ceil[col]).double().mean().item()
+            assert abs(up - share) <= 4.5 * (share * (1 - share) / N) ** 0.5, (x[col].item(), up, share)
+
+
 def test_stochastic_rounding_dense_final_state():
     """SR also applies to a dense final state in bf16 (state_dtype), and leaves the output alone."""
     q, k, v, g, beta, _ = make_inputs(2, 3, 1, 1, 32, 32, seed=15)
