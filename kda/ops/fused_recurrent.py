@@ -43,8 +43,8 @@ of its two neighbours in the storage format, the one away from zero with probabi
 distance from the one toward zero in units of the storage ulp (unbiased in expectation, to 2^-13 of an
 ulp for fp16). Each element takes 16 random bits: its offset inside its plane plus a key hashed (`_mix32`)
 from `seed` and the plane (slot * HV + head), multiplied by an odd constant and xor-shifted (`_sr_bits`), so
-one seed and one input always give the same bits; a 2-byte K-first word (two columns) splits one hash
-between its halves. A few integer operations an element where Philox (`tl.randint`, ten rounds an element)
+one seed and one input always give the same bits; a 2-byte K-first word (two columns) draws both halves'
+bits from one hash. A few integer operations an element where Philox (`tl.randint`, ten rounds an element)
 made the one-token step 7-26x slower (H100, `benchmarks/decode_plans.py --sr`).
 - bf16: take the fp32 bits, add the 16 random bits below the kept mantissa, and clear the low 16 bits
   (a carry into the exponent yields the next binade, or inf past the bf16 maximum);
@@ -155,7 +155,7 @@ def _sr_fp16_nudge(S, rnd):
 def _sr_to(S, rnd, dtype: tl.constexpr, SR: tl.constexpr):
     """The fp32 tile S rounded stochastically (random bits rnd & 0xFFFF an element) into `dtype`: bf16 and the
     interpreter's fp16 by exact bit arithmetic (`_round_state`), compiled fp16 by a nudge and a cast toward
-    zero (about 9 operations an element against 18)."""
+    zero (fewer operations than the floor-and-compare form)."""
     if SR == 2 and not _INTERPRETING:
         y = _sr_fp16_nudge(S, rnd).to(tl.float16, fp_downcast_rounding="rtz")
     else:
