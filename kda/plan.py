@@ -97,9 +97,9 @@ class DeviceInfo:
 
     @property
     def register_cap(self) -> bool:
-        """A launch may cap the registers a thread (`maxnreg`, NVIDIA's compiler option): never on HIP, never in the
-        interpreter."""
-        return not self.interpreter and not self.hip
+        """A launch may cap the registers a thread (`maxnreg`, NVIDIA's compiler option): the devices that run
+        inline PTX, never HIP or the interpreter."""
+        return self.ptx
 
     @property
     def spin(self) -> bool:
@@ -512,7 +512,8 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
       one block read once and held (`packed`): fp32 BV 64 on 4 warps under a 128-register cap on NVIDIA (2
       warps elsewhere); bf16 and fp16 as 32-bit words of two columns on 4 warps, 16384 elements a program
-      under a 128-register cap on NVIDIA (BV 128 at K = 128; BV 64 elsewhere); a 2-byte pool whose slot
+      under a 128-register cap on NVIDIA (BV 128 at K = 128; BV 64 elsewhere and under stochastic rounding,
+      whose random bits spill the larger tile); a 2-byte pool whose slot
       stride or address is odd: 1 warp read in row chunks of 32, twice. The grid's value heads before its
       sequences (a slot's planes read one after another; V-first pools lose with it at N = 1024).
     `overrides` replace any field (tests)."""

@@ -152,11 +152,14 @@ def _sr_fp16_nudge(S, rnd):
 
 
 @triton.jit
-def _sr_to(S, rnd, dtype: tl.constexpr, SR: tl.constexpr):
-    """The fp32 tile S rounded stochastically (random bits rnd & 0xFFFF an element) into `dtype`: bf16 and the
-    interpreter's fp16 by exact bit arithmetic (`_round_state`), compiled fp16 by a nudge and a cast toward
-    zero (fewer operations than the floor-and-compare form)."""
-    if SR == 2 and not _INTERPRETING:
+def _to_storage(S, rnd, dtype: tl.constexpr, SR: tl.constexpr):
+    """The fp32 tile S in the storage dtype: rounded to nearest even (SR 0, `rnd` unused), or stochastically with
+    the random bits rnd & 0xFFFF an element: bf16 and the interpreter's fp16 by exact bit arithmetic
+    (`_round_state`), compiled fp16 by a nudge and a cast toward zero (fewer operations than the floor-and-compare
+    form)."""
+    if SR == 0:
+        y = round_to(S, dtype)
+    elif SR == 2 and not _INTERPRETING:
         y = _sr_fp16_nudge(S, rnd).to(tl.float16, fp_downcast_rounding="rtz")
     else:
         y = round_to(_round_state(S, rnd, SR), dtype)
@@ -221,10 +224,10 @@ def _store_state(S, plane, tile_off, tile_ok, plane_id, seed, SR: tl.constexpr, 
                  EVICT_FIRST: tl.constexpr = False):
     """Round the fp32 tile to the storage dtype (nearest even, or stochastically when SR with the bits of
     `_sr_bits(seed, plane_id, tile_off)`) and store it (EVICT_FIRST: its lines marked first to leave L2)."""
+    rnd = 0
     if SR != 0:
-        y = _sr_to(S, _sr_bits(seed, plane_id, tile_off), plane.dtype.element_ty, SR)
-    else:
-        y = round_to(S, plane.dtype.element_ty)
+        rnd = _sr_bits(seed, plane_id, tile_off)
+    y = _to_storage(S, rnd, plane.dtype.element_ty, SR)
     tl.store(plane + tile_off, y, mask=None if FULL_TILE else tile_ok,
              eviction_policy="evict_first" if EVICT_FIRST else "")
 
@@ -551,6 +554,8 @@ def _pack_pairs(lo, hi, plane_id, word_off, seed, dtype: tl.constexpr, SR: tl.co
     """(even, odd) fp32 columns rounded to `dtype` (nearest even, or stochastically: the halves of one hash a word,
     at its offset `word_off` in the plane) and packed into 32-bit words, the inverse of `_unpack_pairs`. PTX
     (`DecodePlan.ptx`): one conversion of both halves; else (HIP, the interpreter) the rounding of `round_to`."""
+    rnd = 0
+    rnd_hi = 0
     if SR != 0:
         rnd = _sr_bits(seed, plane_id, word_off)
         rnd_hi = (rnd * 0x5851F42D) >> 16  # the odd column's 16 bits, mixed again
@@ -564,12 +569,8 @@ def _pack_pairs(lo, hi, plane_id, word_off, seed, dtype: tl.constexpr, SR: tl.co
                                       [_sr_fp16_nudge(lo, rnd), _sr_fp16_nudge(hi, rnd_hi)], dtype=tl.uint32,
                                       is_pure=True, pack=1)
     elif not PTX:
-        if SR != 0:
-            b_lo = _sr_to(lo, rnd, dtype, SR).to(tl.uint16, bitcast=True).to(tl.uint32)
-            b_hi = _sr_to(hi, rnd_hi, dtype, SR).to(tl.uint16, bitcast=True).to(tl.uint32)
-        else:
-            b_lo = round_to(lo, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
-            b_hi = round_to(hi, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b_lo = _to_storage(lo, rnd, dtype, SR).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b_hi = _to_storage(hi, rnd_hi, dtype, SR).to(tl.uint16, bitcast=True).to(tl.uint32)
         y = b_lo | (b_hi << 16)
     elif dtype == tl.bfloat16:  # one conversion of both halves (two single ones and a permute otherwise)
         y = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
