@@ -41,18 +41,16 @@ stochastically on request.
 Stochastic rounding (`stochastic_rounding=True`, fp16/bf16 storage): the fp32 value x is rounded to one
 of its two neighbours in the storage format, the one away from zero with probability equal to the
 distance from the one toward zero in units of the storage ulp (unbiased in expectation, to 2^-13 of an
-ulp for fp16). Each element takes 16 random bits: its offset inside its plane plus a key hashed (`_mix32`)
+ulp for fp16). Each element takes 16 random bits (fp16 13): its offset inside its plane plus a key hashed (`_mix32`)
 from `seed` and the plane (slot * HV + head), multiplied by an odd constant and xor-shifted (`_sr_bits`), so
 one seed and one input always give the same bits; a 2-byte K-first word (two columns) draws both halves'
 bits from one hash. A few integer operations an element where Philox (`tl.randint`, ten rounds an element)
 made the one-token step 7-26x slower (H100, `benchmarks/decode_plans.py --sr`).
-- bf16: take the fp32 bits, add the 16 random bits below the kept mantissa, and clear the low 16 bits
+- bf16: take the fp32 bits, add 16 random bits below the kept mantissa, and clear the low 16 bits
   (a carry into the exponent yields the next binade, or inf past the bf16 maximum);
-- fp16, compiled: move x away from zero by the 16 random bits read as a fraction of ulp16(|x|) =
-  2^(max(e, -14) - 10) (e: the binade of |x|; -14 covers the fp16 subnormals), then cast toward zero (the
-  fp32 sum rounds: 2^-14 of an ulp); a sum past 2^16 becomes inf, as round-to-nearest would make it;
-- fp16, interpreter (whose cast has no rounding mode): u = |x| / ulp16(|x|); keep floor(u) ulps and add one
-  more when the 16 random bits, read as a fraction in [0, 1), are below u - floor(u) (exact in fp32).
+- fp16: the same on x 2^-112 with 13 random bits (its top 19 bits are fp16's: the scaling maps fp16's
+  subnormals onto fp32's, where the bits are the value's, so one integer form covers both ranges), then times
+  2^112 (exact) and converted to nearest, which is exact; past the fp16 maximum the carry gives inf.
 inf and NaN stay inf and NaN.
 
 Bits. Round to nearest even into bf16 (state and output): the GPU's cast; under the interpreter, whose
@@ -71,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import KDACall, interpreting
+from ..contract import KDACall
 from ..plan import DecodePlan, cdiv
 from .buffers import StatePlan, gate_args, output_buffer, state_plan
 from .common import (
@@ -93,7 +91,8 @@ from .overlap import last_program_waits
 
 # store modes of the state (constexpr SR, `kda.plan.SR_MODES`): 0 plain cast (round to nearest even),
 # 1 stochastic bf16, 2 stochastic fp16
-_INTERPRETING = tl.constexpr(interpreting())  # the interpreter's fp16 cast knows no rounding mode
+_F16_DOWN = tl.constexpr(2.0**-112)  # fp16's smallest normal (2^-14) onto fp32's (2^-126)
+_F16_UP = tl.constexpr(2.0**112)
 
 
 @triton.jit
@@ -140,56 +139,32 @@ def _sr_bits(seed, plane, off):
 
 
 @triton.jit
-def _sr_fp16_nudge(S, rnd):
-    """S moved away from zero by (rnd & 0xFFFF) / 2^16 of its fp16 ulp: cast toward zero, that is S rounded
-    stochastically (to 2^-13 of an ulp: the fp32 sum rounds); past fp16's maximum inf, like nearest."""
-    bits = S.to(tl.uint32, bitcast=True)
-    e = ((bits >> 23) & 0xFF).to(tl.int32)  # biased binade; -14 + 127 = 113 covers the fp16 subnormals
-    step = ((tl.maximum(e, 113) - 26) << 23).to(tl.float32, bitcast=True)  # 2^-16 of the fp16 ulp
-    nudge = ((rnd & 0xFFFF).to(tl.float32) * step).to(tl.uint32, bitcast=True) | (bits & 0x80000000)
-    y = S + nudge.to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(y) < 65536.0, y, S * float("inf"))
-
-
-@triton.jit
 def _to_storage(S, rnd, dtype: tl.constexpr, SR: tl.constexpr):
     """The fp32 tile S in the storage dtype: rounded to nearest even (SR 0, `rnd` unused), or stochastically with
-    the random bits rnd & 0xFFFF an element: bf16 and the interpreter's fp16 by exact bit arithmetic
-    (`_round_state`), compiled fp16 by a nudge and a cast toward zero (fewer operations than the floor-and-compare
-    form)."""
-    if SR == 0:
-        y = round_to(S, dtype)
-    elif SR == 2 and not _INTERPRETING:
-        y = _sr_fp16_nudge(S, rnd).to(tl.float16, fp_downcast_rounding="rtz")
-    else:
-        y = round_to(_round_state(S, rnd, SR), dtype)
-    return y
+    the random bits of `rnd` an element (`_round_state`, then an exact conversion)."""
+    if SR != 0:
+        S = _round_state(S, rnd, SR)
+    return round_to(S, dtype)
 
 
 @triton.jit
 def _round_state(S, rnd, SR: tl.constexpr):
-    """fp32 tile -> fp32 values exactly representable in the storage dtype, rounded stochastically
-    (see the module docstring) with the random bits rnd & 0xFFFF of each element."""
-    bits = S.to(tl.uint32, bitcast=True)
-    finite = (bits & 0x7F800000) != 0x7F800000
-    rnd = rnd & 0xFFFF
+    """fp32 tile -> fp32 values exactly representable in the storage dtype, rounded stochastically (see the
+    module docstring): random bits added below the kept ones (16 of `rnd` for bf16, 13 for fp16 on S 2^-112),
+    which are then kept; NaN stays NaN, inf inf."""
     if SR == 1:
-        # bf16: add 16 random bits below the 16 kept ones, then truncate
-        kept = (bits + rnd) & 0xFFFF0000
-        y = kept.to(tl.float32, bitcast=True)
+        x = S
+        DROP: tl.constexpr = 0xFFFF
+        KEEP: tl.constexpr = 0xFFFF0000
     else:
-        # fp16: ulp = 2^(max(e, -14) - 10); all scalings are by exact powers of two
-        e = ((bits >> 23) & 0xFF).to(tl.int32) - 127
-        ulp_exp = tl.maximum(e, -14) - 10
-        ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
-        inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
-        units = tl.abs(S) * inv_ulp
-        whole = tl.floor(units)
-        frac = units - whole
-        r = rnd.to(tl.float32) * 1.52587890625e-05  # 16 random bits as a fraction in [0, 1)
-        mag = (whole + tl.where(r < frac, 1.0, 0.0)) * ulp
-        y = tl.where((bits >> 31) != 0, -mag, mag)
-    return tl.where(finite, y, S)
+        x = S * _F16_DOWN
+        DROP: tl.constexpr = 0x1FFF
+        KEEP: tl.constexpr = 0xFFFFE000
+    bits = tl.where(x == x, x.to(tl.uint32, bitcast=True) + (rnd & DROP), 0x7FFFFFFF)
+    y = (bits & KEEP).to(tl.float32, bitcast=True)
+    if SR == 2:
+        y = y * _F16_UP
+    return y
 
 
 @triton.jit
@@ -564,20 +539,19 @@ def _pack_pairs(lo, hi, plane_id, word_off, seed, dtype: tl.constexpr, SR: tl.co
         a_lo = tl.where(lo == lo, lo.to(tl.uint32, bitcast=True) + (rnd & 0xFFFF), 0x7FFFFFFF)
         a_hi = tl.where(hi == hi, hi.to(tl.uint32, bitcast=True) + rnd_hi, 0x7FFFFFFF)
         y = (a_lo >> 16) | (a_hi & 0xFFFF0000)
-    elif SR == 2 and PTX:  # fp16: both halves nudged, one conversion toward zero
-        y = tl.inline_asm_elementwise("cvt.rz.f16x2.f32 $0, $2, $1;", "=r,r,r",
-                                      [_sr_fp16_nudge(lo, rnd), _sr_fp16_nudge(hi, rnd_hi)], dtype=tl.uint32,
-                                      is_pure=True, pack=1)
-    elif not PTX:
-        b_lo = _to_storage(lo, rnd, dtype, SR).to(tl.uint16, bitcast=True).to(tl.uint32)
-        b_hi = _to_storage(hi, rnd_hi, dtype, SR).to(tl.uint16, bitcast=True).to(tl.uint32)
-        y = b_lo | (b_hi << 16)
-    elif dtype == tl.bfloat16:  # one conversion of both halves (two single ones and a permute otherwise)
-        y = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
-                                      is_pure=True, pack=1)
     else:
-        y = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
-                                      is_pure=True, pack=1)
+        if SR != 0:  # then exact in the storage dtype: converted to nearest below
+            lo = _round_state(lo, rnd, SR)
+            hi = _round_state(hi, rnd_hi, SR)
+        if not PTX:
+            y = (round_to(lo, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
+                 | (round_to(hi, dtype).to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
+        elif dtype == tl.bfloat16:  # one conversion of both halves (two single ones and a permute otherwise)
+            y = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
+                                          is_pure=True, pack=1)
+        else:
+            y = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
+                                          is_pure=True, pack=1)
     return y
 
 
