@@ -529,29 +529,21 @@ def _pack_pairs(lo, hi, plane_id, word_off, seed, dtype: tl.constexpr, SR: tl.co
     """(even, odd) fp32 columns rounded to `dtype` (nearest even, or stochastically: the halves of one hash a word,
     at its offset `word_off` in the plane) and packed into 32-bit words, the inverse of `_unpack_pairs`. PTX
     (`DecodePlan.ptx`): one conversion of both halves; else (HIP, the interpreter) the rounding of `round_to`."""
-    rnd = 0
-    rnd_hi = 0
-    if SR != 0:
+    if SR != 0:  # then exact in the storage dtype
         rnd = _sr_bits(seed, plane_id, word_off)
-        rnd_hi = (rnd * 0x5851F42D) >> 16  # the odd column's 16 bits, mixed again
-    if SR == 1 and PTX:
-        # bf16: the random bits added below each half's kept 16, the high halves kept (NaN stays NaN)
-        a_lo = tl.where(lo == lo, lo.to(tl.uint32, bitcast=True) + (rnd & 0xFFFF), 0x7FFFFFFF)
-        a_hi = tl.where(hi == hi, hi.to(tl.uint32, bitcast=True) + rnd_hi, 0x7FFFFFFF)
-        y = (a_lo >> 16) | (a_hi & 0xFFFF0000)
+        lo = _round_state(lo, rnd, SR)
+        hi = _round_state(hi, (rnd * 0x5851F42D) >> 16, SR)  # the odd column's 16 bits, mixed again
+    if SR == 1 and PTX:  # exact bf16 halves: the words from their bits, no conversion
+        y = (lo.to(tl.uint32, bitcast=True) >> 16) | hi.to(tl.uint32, bitcast=True)
+    elif not PTX:
+        y = (round_to(lo, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
+             | (round_to(hi, dtype).to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
+    elif dtype == tl.bfloat16:  # one conversion of both halves (two single ones and a permute otherwise)
+        y = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
+                                      is_pure=True, pack=1)
     else:
-        if SR != 0:  # then exact in the storage dtype: converted to nearest below
-            lo = _round_state(lo, rnd, SR)
-            hi = _round_state(hi, rnd_hi, SR)
-        if not PTX:
-            y = (round_to(lo, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
-                 | (round_to(hi, dtype).to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
-        elif dtype == tl.bfloat16:  # one conversion of both halves (two single ones and a permute otherwise)
-            y = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
-                                          is_pure=True, pack=1)
-        else:
-            y = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
-                                          is_pure=True, pack=1)
+        y = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.uint32,
+                                      is_pure=True, pack=1)
     return y
 
 
