@@ -41,10 +41,10 @@ stochastically on request.
 Stochastic rounding (`stochastic_rounding=True`, fp16/bf16 storage): the fp32 value x is rounded to one
 of its two neighbours in the storage format, the one away from zero with probability equal to the
 distance from the one toward zero in units of the storage ulp (unbiased in expectation, to 2^-13 of an
-ulp for fp16). Each element takes 16 random bits (fp16 13): its offset inside its plane plus a key hashed (`_mix32`)
-from `seed` and the plane (slot * HV + head), multiplied by an odd constant and xor-shifted (`_sr_bits`), so
-one seed and one input always give the same bits; a 2-byte K-first word (two columns) draws both halves'
-bits from one hash. A few integer operations an element where Philox (`tl.randint`, ten rounds an element)
+ulp for fp16). Each element takes 16 random bits (fp16 13): its offset inside its plane plus a key hashed
+(`_mix32`) from `seed` and the plane (slot * HV + head), multiplied by an odd constant and xor-shifted
+(`_sr_bits`), so one seed and one input always give the same bits; a 2-byte K-first word (two columns) draws
+both halves' bits from one hash. A few integer operations an element where Philox (`tl.randint`, ten rounds an element)
 made the one-token step 7-26x slower (H100, `benchmarks/decode_plans.py --sr`).
 - bf16: take the fp32 bits, add 16 random bits below the kept mantissa, and clear the low 16 bits
   (a carry into the exponent yields the next binade, or inf past the bf16 maximum);
@@ -139,15 +139,6 @@ def _sr_bits(seed, plane, off):
 
 
 @triton.jit
-def _to_storage(S, rnd, dtype: tl.constexpr, SR: tl.constexpr):
-    """The fp32 tile S in the storage dtype: rounded to nearest even (SR 0, `rnd` unused), or stochastically with
-    the random bits of `rnd` an element (`_round_state`, then an exact conversion)."""
-    if SR != 0:
-        S = _round_state(S, rnd, SR)
-    return round_to(S, dtype)
-
-
-@triton.jit
 def _round_state(S, rnd, SR: tl.constexpr):
     """fp32 tile -> fp32 values exactly representable in the storage dtype, rounded stochastically (see the
     module docstring): random bits added below the kept ones (16 of `rnd` for bf16, 13 for fp16 on S 2^-112),
@@ -199,11 +190,9 @@ def _store_state(S, plane, tile_off, tile_ok, plane_id, seed, SR: tl.constexpr, 
                  EVICT_FIRST: tl.constexpr = False):
     """Round the fp32 tile to the storage dtype (nearest even, or stochastically when SR with the bits of
     `_sr_bits(seed, plane_id, tile_off)`) and store it (EVICT_FIRST: its lines marked first to leave L2)."""
-    rnd = 0
-    if SR != 0:
-        rnd = _sr_bits(seed, plane_id, tile_off)
-    y = _to_storage(S, rnd, plane.dtype.element_ty, SR)
-    tl.store(plane + tile_off, y, mask=None if FULL_TILE else tile_ok,
+    if SR != 0:  # then exact in the storage dtype: the cast below rounds nothing
+        S = _round_state(S, _sr_bits(seed, plane_id, tile_off), SR)
+    tl.store(plane + tile_off, round_to(S, plane.dtype.element_ty), mask=None if FULL_TILE else tile_ok,
              eviction_policy="evict_first" if EVICT_FIRST else "")
 
 
