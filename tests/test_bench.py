@@ -226,3 +226,37 @@ def test_ncu_source_charges_each_instruction_to_its_innermost_loop(tmp_path):
     assert "50 stall samples" in text and "FFMA 60.0%" in text and "long_sb 100.0%" in text
     assert "0x0020-0x0030: 2 instructions, 66.0% of samples" in text
     assert "0x0010-0x0050: 3 instructions, 32.0% of samples" in text and "outside loops: 2 instructions, 2.0%" in text
+
+
+def test_sass_lines_weights_each_loop_by_its_trips(tmp_path):
+    """`sass_lines.py` on an `nvdisasm -g` listing: labels resolve to the next instruction's address, a branch back
+    to one closes a loop, nested loops multiply their trips, a loop of fewer than 8 instructions (a spin-wait) counts
+    once, each instruction is charged to the last line-table entry before it, and opcodes lose their predicate and
+    modifiers."""
+    spec = importlib.util.spec_from_file_location("sass_lines", BENCH.parent / "sass_lines.py")
+    ns = importlib.util.module_from_spec(spec)
+    sys.modules["sass_lines"] = ns  # dataclasses look their module up there
+    spec.loader.exec_module(ns)
+
+    def ins(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;"
+
+    lines = ['\t//## File "/x/k.py", line 10', ins(0x00, "MOV R1, c[0x0][0x28]"), ".L_x_0:",
+             '\t//## File "/x/k.py", line 20']
+    lines += [ins(0x10 * (1 + n), "FFMA R3, R2, R2, R3") for n in range(3)]  # outer loop body before the inner
+    lines += [".L_x_1:", '\t//## File "/x/lib.py", line 5']
+    lines += [ins(0x40 + 0x10 * n, "FADD.FTZ R4, R4, R3") for n in range(8)]  # inner loop: 8 + its branch
+    lines += [ins(0xc0, "@!P1 BRA `(.L_x_1)"), '\t//## File "/x/k.py", line 20', ins(0xd0, "@P0 BRA `(.L_x_0)"),
+              ".L_x_2:", ins(0xe0, "LDG.E R5, [R6.64]"), ins(0xf0, "@!P2 BRA `(.L_x_2)"), ins(0x100, "EXIT")]
+    instrs, labels = ns.parse("\n".join(lines))
+    assert labels == {".L_x_0": 0x10, ".L_x_1": 0x40, ".L_x_2": 0xe0}
+    assert [i.opcode for i in instrs][:5] == ["MOV", "FFMA", "FFMA", "FFMA", "FADD"]
+    spans = ns.loops(instrs, labels)
+    assert spans == [(0x10, 0xd0), (0x40, 0xc0)]  # the 2-instruction spin-wait is not a loop
+    total, ops, by_line, _ = ns.census(instrs, spans, 3)
+    # MOV, LDG, the spin's BRA and EXIT once; 3 FFMA and the outer BRA 3 times; 8 FADD and the inner BRA 9 times
+    assert total == 4 + 4 * 3 + 9 * 9
+    assert ops["FADD"] == 72 and ops["FFMA"] == 9 and ops["BRA"] == 9 + 3 + 1
+    assert by_line[("lib.py", 5)] == 81 and by_line[("k.py", 20)] == 12 + 2 + 1 and by_line[("k.py", 10)] == 1
+    inner, *_ = ns.census(instrs, spans, 3, only=spans[1])
+    assert inner == 9
