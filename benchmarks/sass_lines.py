@@ -71,33 +71,31 @@ def weight(address: int, spans: list[tuple[int, int]], trips: int) -> int:
 
 
 def census(instrs: list[Instr], spans: list[tuple[int, int]], trips: int, only: tuple[int, int] | None = None):
-    """(total, by opcode, by line, by line and opcode) of the weighted count (`only`: the instructions of one loop,
-    each counted once)."""
-    total, ops, lines = 0, collections.Counter(), collections.Counter()
-    line_ops = collections.defaultdict(collections.Counter)
+    """The weighted count by source line and opcode (`only`: the instructions of one loop, each counted once)."""
+    counts = collections.defaultdict(collections.Counter)
     for i in instrs:
-        if only is not None and not only[0] <= i.address <= only[1]:
-            continue
-        w = 1 if only is not None else weight(i.address, spans, trips)
-        total += w
-        ops[i.opcode] += w
-        lines[i.line] += w
-        line_ops[i.line][i.opcode] += w
-    return total, ops, lines, line_ops
+        if only is None:
+            counts[i.line][i.opcode] += weight(i.address, spans, trips)
+        elif only[0] <= i.address <= only[1]:
+            counts[i.line][i.opcode] += 1
+    return counts
 
 
 def report(instrs: list[Instr], spans, trips: int, top: int, loop: int | None) -> str:
     only = spans[loop] if loop is not None else None
-    total, ops, lines, line_ops = census(instrs, spans, trips, only)
+    counts = census(instrs, spans, trips, only)
+    ops = sum(counts.values(), collections.Counter())
+    total = sum(ops.values())
     what = (f"loop {loop} (0x{only[0]:04x}-0x{only[1]:04x}): {total} instructions a trip" if only
             else f"{total} instructions, loops weighted by {trips} trips ({len(instrs)} in the code)")
     out = [what, "opcodes: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(20))]
     if only is None:
         out.append("loops: " + "; ".join(f"{n}: 0x{a:04x}-0x{b:04x} {sum(1 for i in instrs if a <= i.address <= b)}"
                                           for n, (a, b) in enumerate(spans)))
+    lines = collections.Counter({line: sum(c.values()) for line, c in counts.items()})
     for line, n in lines.most_common(top):
         where = f"{line[0]}:{line[1]}" if line else "?"
-        out.append(f"{n:6d}  {where:32s} " + ", ".join(f"{k} {v}" for k, v in line_ops[line].most_common(6)))
+        out.append(f"{n:6d}  {where:32s} " + ", ".join(f"{k} {v}" for k, v in counts[line].most_common(6)))
     return "\n".join(out)
 
 
