@@ -38,9 +38,10 @@ from .launch import direct
 
 @gluon.jit
 def _tf32(x):
-    """fp32 `x` rounded to nearest at tf32's significand (`common.tf32_round`)."""
-    b = x.to(gl.int32, bitcast=True)
-    return ((b + 0x1000) & -8192).to(gl.float32, bitcast=True)
+    """fp32 `x` rounded to nearest even at tf32's significand: sm_90's one conversion instruction (`common.tf32_round`
+    rounds ties away from zero in two)."""
+    return gl.inline_asm_elementwise("cvt.rn.tf32.f32 $0, $1;", "=r,f", [x], dtype=gl.int32, is_pure=True,
+                                     pack=1).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -51,6 +52,18 @@ def _div(c, x):
     form, not the dense one), and a sequence's bits would follow the batch."""
     return gl.inline_asm_elementwise("{ .reg .f32 r; rcp.approx.ftz.f32 r, $2; mul.rn.f32 $0, $1, r; }", "=f,f,f",
                                      [c, x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _flat(x, L: gl.constexpr):
+    """A [2, n, m] tile (the chunk's halves leading) as the [2 n, m] tile of layout L (no data moves)."""
+    return gl.convert_layout(gl.reshape(x, [x.shape[0] * x.shape[1], x.shape[2]]), L)
+
+
+@gluon.jit
+def _max_u16x2(a, b):
+    """The larger of each pair of 16-bit halves of `a` and `b` (unsigned): one VIMNMX.U16x2."""
+    return gl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -262,11 +275,14 @@ def _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_s, bias_h, lower_bound, gt_h, K:
     async_copy.wait_group(1)  # the gate's group; the inputs' may still be in flight
     gl.thread_barrier()  # every thread's part of the copy
     x = g_s.load(GT).to(gl.float32)
+    c = a * -LOG2E
+    # 2^(c (x + bias)) as 2^(c x + c bias): one fma an element (c bias once a thread: a channel a thread)
     if BIAS_COPY:
-        x = x + bias_s.load(gl.SliceLayout(0, GT))[None, :]
+        e = gl.exp2(x * c + (bias_s.load(gl.SliceLayout(0, GT)) * c)[None, :])
     elif HAS_DT_BIAS:
-        x = x + gl.load(bias_h + o_c).to(gl.float32)[None, :]
-    e = gl.exp2(x * (a * -LOG2E))
+        e = gl.exp2(x * c + (gl.load(bias_h + o_c).to(gl.float32) * c)[None, :])
+    else:
+        e = gl.exp2(x * c)
     b2 = gl.associative_scan(gl.where(row_ok, _div(lower_bound * LOG2E, 1.0 + e), 0.0), 0, _add)
     gl.thread_barrier()  # every thread's gate read (an fp32 gate shares b2_s's bytes in another order)
     NKS: gl.constexpr = b2_s.shape[0]
@@ -323,6 +339,14 @@ def _chunk_prepare_hopper_kernel(
     P: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
                                                  lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
                                                  warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BT, BK])
+    # P with the chunk's halves as a leading index (row 32 h + i at [h, i]): a half lies in two warps, so a column
+    # vector of each half ([2, BK], PH) is eight registers a thread, not a [BT, BK] tile's sixteen
+    P3: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 8, 0]],
+                                                  lane_bases=[[0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                                  warp_bases=[[0, 16, 0], [1, 0, 0]], block_bases=[],
+                                                  shape=[2, BT // 2, BK])
+    PH: gl.constexpr = gl.SliceLayout(1, P3)
+    PW: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [BT, 16] words: 16-byte loads
     PROW: gl.constexpr = gl.SliceLayout(1, P)
     PCOL: gl.constexpr = gl.SliceLayout(0, P)
     PA: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 0]],
@@ -397,7 +421,6 @@ def _chunk_prepare_hopper_kernel(
         o_t = gl.arange(0, BT, layout=PROW)
         o_c = gl.arange(0, BK, layout=PCOL)
         row_ok = o_t < n_rows
-        first = (o_t < HALF)[:, None]
         b_beta = gl.load(beta + t0 * s_bt + o_t * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(gl.float32)
         if USE_BETA_SIGMOID:
             b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
@@ -412,10 +435,14 @@ def _chunk_prepare_hopper_kernel(
             ssk += gl.sum(x * x, 1)
             x = q_s.index(i_s).load(P).to(gl.float32)
             ssq += gl.sum(x * x, 1)
-        v_abs = gl.zeros([BT, BK], gl.float32, layout=P)
+        # max|V| on the staged words: with the sign bits cleared, a 16-bit float's order is its integer order
+        # (two elements a max.u16x2)
+        vw_s = v_s._reinterpret(gl.int32, [NV, BT, BK // 2], S_IN16)
+        v_w = gl.zeros([BT, BK // 2], gl.int32, layout=PW)
         for i_s in range(NV):
-            v_abs = gl.maximum(v_abs, gl.abs(v_s.index(i_s).load(P).to(gl.float32)))
-        v_max = gl.max(gl.max(v_abs, 1), 0)
+            v_w = _max_u16x2(v_w, vw_s.index(i_s).load(PW) & 0x7FFF7FFF)
+        v_w = gl.max(gl.max(gl.maximum(v_w & 0xFFFF, v_w >> 16), 1), 0)
+        v_max = v_w.to(gl.int16).to(v.dtype.element_ty, bitcast=True).to(gl.float32)
         rk = 1.0 / gl.sqrt(ssk + 1e-6)
         rq = (1.0 / gl.sqrt(ssq + 1e-6)) * scale
         sc = sc_ws + (i_p * HV + i_hv) * 4
@@ -436,15 +463,16 @@ def _chunk_prepare_hopper_kernel(
             kr_s = gl.allocate_shared_memory(gl.float16, [NKS, BT, BK], S_KR)
             for i_s in range(NKS):  # a loop, not unrolled: the code of one slice (the instruction cache)
                 cols = i_s * BK + o_c
-                b2 = b2_s.index(i_s).load(P)
+                b2 = gl.convert_layout(gl.reshape(b2_s.index(i_s).load(P), [2, HALF, BK]), P3)
                 a_t = anc_s.index(i_s)
                 b2_q1 = _anchor_row(a_t, 0, PA, PCOL)[None, :]
                 b2_q3 = _anchor_row(a_t, 1, PA, PCOL)[None, :]
                 b2_mid = _anchor_row(a_t, 2, PA, PCOL)[None, :]
+                anc_h = a_t.slice(0, 2).load(PH)  # each half's anchor row: q1, q3
+                anc = gl.expand_dims(anc_h, 1)
                 kn = k_s.index(i_s).load(P).to(gl.float32) * rk[:, None]
-                anc = gl.where(first, b2_q1, b2_q3)
-                e_row = gl.exp2(b2 - anc)
-                e_col = gl.exp2(anc - b2)
+                e_row = _flat(gl.exp2(b2 - anc), P)
+                e_col = _flat(gl.exp2(anc - b2), P)
                 # B: kc's rows at their half's anchor in tf32; the top rows at the middle row's in fp16 (2^(mid - b2)
                 # = e_col 2^(mid - q1) <= 1; the bottom rows' may overflow fp16 and are never read)
                 kc = kn * e_col
@@ -454,20 +482,24 @@ def _chunk_prepare_hopper_kernel(
                 # A: every row at its half's anchor against all of kc (the off-diagonal quadrants overflow and are
                 # dropped); the bottom rows at the middle row's in fp16 (2^(b2 - mid) = e_row 2^(q3 - mid) <= 1)
                 # against kc's top rows (the top rows' products may overflow: only the bottom rows are read)
-                x_row = e_row * gl.exp2(b2_q3 - b2_mid)
-                kk = warpgroup_mma(_as_operand(_tf32(kn * e_row), A64), b_s.permute((1, 0)), kk, is_async=True)
-                kk_ll = warpgroup_mma(_as_operand16((kn * x_row).to(gl.float16), A16), b16_s.slice(0, HALF).permute((1, 0)),
+                x_row = gl.exp2(b2_q3 - b2_mid)  # times e_row: kn_e and qn_e below
+                kn_e = kn * e_row
+                kk = warpgroup_mma(_as_operand(_tf32(kn_e), A64), b_s.permute((1, 0)), kk, is_async=True)
+                kk_ll = warpgroup_mma(_as_operand16((kn_e * x_row).to(gl.float16), A16), b16_s.slice(0, HALF).permute((1, 0)),
                                       kk_ll, is_async=True)
                 qn = q_s.index(i_s).load(P).to(gl.float32) * rq[:, None]
-                qk = warpgroup_mma(_as_operand(_tf32(qn * e_row), A64), b_s.permute((1, 0)), qk, is_async=True)
-                qk_ll = warpgroup_mma(_as_operand16((qn * x_row).to(gl.float16), A16), b16_s.slice(0, HALF).permute((1, 0)),
+                qn_e = qn * e_row
+                qk = warpgroup_mma(_as_operand(_tf32(qn_e), A64), b_s.permute((1, 0)), qk, is_async=True)
+                qk_ll = warpgroup_mma(_as_operand16((qn_e * x_row).to(gl.float16), A16), b16_s.slice(0, HALF).permute((1, 0)),
                                       qk_ll, is_async=True)
                 # what the walk reads, while the products run
-                d = gl.exp2(b2)
+                # 2^b2 = e_row 2^anc and 2^(b2_last - b2) = e_col 2^(b2_last - anc): a half's vectors, not tiles
+                d = _flat(gl.expand_dims(gl.exp2(anc_h), 1) + gl.zeros([2, HALF, BK], gl.float32, layout=P3), P)
                 offs = ws_base + o_t[:, None] * (HV * K) + cols[None, :]
-                gl.store(qd_ws + offs, (qn * d).to(gl.float16), mask=m_rows)
-                gl.store(kd_ws + offs, (kn * d).to(gl.float16), mask=m_rows)
-                kr = (kn * gl.exp2(_anchor_row(a_t, 3, PA, PCOL)[None, :] - b2)).to(gl.float16)
+                gl.store(qd_ws + offs, (qn_e * d).to(gl.float16), mask=m_rows)
+                gl.store(kd_ws + offs, (kn_e * d).to(gl.float16), mask=m_rows)
+                last = gl.expand_dims(gl.exp2(a_t.slice(3, 1).load(PH) - anc_h), 1)
+                kr = (kc * _flat(last + gl.zeros([2, HALF, BK], gl.float32, layout=P3), P)).to(gl.float16)
                 if FOLD:
                     kr_s.index(i_s).store(kr)
                 else:
@@ -503,14 +535,15 @@ def _chunk_prepare_hopper_kernel(
             gl.static_assert(BC * NB == BT and (BC & (BC - 1)) == 0)
             LOG2_BC: gl.constexpr = (BC >= 2) + (BC >= 4) + (BC >= 8) + (BC >= 16) + (BC >= 32)
             NLVL: gl.constexpr = (NB >= 2) + (NB >= 4) + (NB >= 8) + (NB >= 16)  # merges of widths BC, 2 BC, ..
-            rc = r ^ c
+            # the bit at which r and c first differ, where c > r (-127 elsewhere): (r, c) lies in the upper-right
+            # quadrant of a block of 2w rows at the merge of blocks of w = 2^hb (one compare a trip)
+            hb = (gl.where(c > r, r ^ c, 0).to(gl.float32).to(gl.int32, bitcast=True) >> 23) - 127
             for lvl in range(NLVL):  # a loop: the merges' code once (blocks of w = BC 2^lvl rows)
                 sh = lvl + LOG2_BC
                 Yr = _tf32(Y)
                 # the upper-right quadrant of each block of 2w: r and c alike above bit sh, r's bit sh 0, c's 1; a
                 # row of Y L^T needs only that row of Y, so the bottom rows' products are dropped, not zeroed first
-                upper_right = ((rc >> sh) == 1) & (c > r)
-                Hm = gl.where(upper_right, _mma(_k_order(Yr, 1), LrT, A64, MMA64, BT, BT), 0.0)
+                Hm = gl.where(hb == sh, _mma(_k_order(Yr, 1), LrT, A64, MMA64, BT, BT), 0.0)
                 y_s.store(gl.permute(_k_order(Yr, 0), (1, 0)))
                 fence_async_shared()
                 Y = Y - _mma(_k_order(_tf32(Hm), 1), y_s.permute((1, 0)), A64, MMA64, BT, BT)
