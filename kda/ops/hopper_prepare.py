@@ -407,13 +407,19 @@ def _chunk_prepare_hopper_kernel(
         bias_s = None
         if BIAS_COPY:
             bias_s = gl.allocate_shared_memory(gl.float32, [K], S_BIAS)
+        # the head's A_log and the chunk's beta loaded before the copies are issued: behind them, their latency
+        # waited on the gate scan and the inverse
+        if HAS_A_LOG:
+            a_log = gl.load(A_log + i_hv)
+        o_b = gl.arange(0, BT, layout=gl.SliceLayout(1, P))
+        b_beta = gl.load(beta + t0 * s_bt + o_b * s_bt + i_hv * s_bh, mask=o_b < n_rows, other=0.0)
         _issue_gate_copy(g_s, g + t0 * s_gt + i_hv * s_gh, s_gt, n_rows, bias_s, dt_bias + i_hv * K, K, BT, CG,
                          BIAS_COPY)
         _issue_copies(k_s, q_s, v_s, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, s_kt, s_qt, s_vt, n_rows, K, V, BT, BK,
                       CP)
         a = 1.0
         if HAS_A_LOG:
-            a = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
+            a = gl.exp(a_log.to(gl.float32))
         # the gate and its scan while the copies run
         _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_s, dt_bias + i_hv * K, lower_bound,
                   gt_ws + (i_p * HV + i_hv) * K, K, BT, HAS_DT_BIAS, BIAS_COPY, GT)
@@ -421,7 +427,7 @@ def _chunk_prepare_hopper_kernel(
         o_t = gl.arange(0, BT, layout=PROW)
         o_c = gl.arange(0, BK, layout=PCOL)
         row_ok = o_t < n_rows
-        b_beta = gl.load(beta + t0 * s_bt + o_t * s_bt + i_hv * s_bh, mask=row_ok, other=0.0).to(gl.float32)
+        b_beta = b_beta.to(gl.float32)
         if USE_BETA_SIGMOID:
             b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
         b_beta = gl.where(row_ok, b_beta, 0.0)
