@@ -411,8 +411,9 @@ def _chunk_prepare_hopper_kernel(
         # waited on the gate scan and the inverse
         if HAS_A_LOG:
             a_log = gl.load(A_log + i_hv)
-        o_b = gl.arange(0, BT, layout=gl.SliceLayout(1, P))
-        b_beta = gl.load(beta + t0 * s_bt + o_b * s_bt + i_hv * s_bh, mask=o_b < n_rows, other=0.0)
+        o_t = gl.arange(0, BT, layout=PROW)
+        row_ok = o_t < n_rows
+        b_beta = gl.load(beta + t0 * s_bt + o_t * s_bt + i_hv * s_bh, mask=row_ok, other=0.0)
         _issue_gate_copy(g_s, g + t0 * s_gt + i_hv * s_gh, s_gt, n_rows, bias_s, dt_bias + i_hv * K, K, BT, CG,
                          BIAS_COPY)
         _issue_copies(k_s, q_s, v_s, k_h, q_h, v + t0 * s_vt + i_hv * s_vh, s_kt, s_qt, s_vt, n_rows, K, V, BT, BK,
@@ -424,9 +425,7 @@ def _chunk_prepare_hopper_kernel(
         _chunk_b2(b2_s, anc_s, g_s, n_rows, a, bias_s, dt_bias + i_hv * K, lower_bound,
                   gt_ws + (i_p * HV + i_hv) * K, K, BT, HAS_DT_BIAS, BIAS_COPY, GT)
 
-        o_t = gl.arange(0, BT, layout=PROW)
         o_c = gl.arange(0, BK, layout=PCOL)
-        row_ok = o_t < n_rows
         b_beta = b_beta.to(gl.float32)
         if USE_BETA_SIGMOID:
             b_beta = 1.0 / (1.0 + gl.exp(-b_beta))
