@@ -5,12 +5,16 @@
         python3 benchmarks/kernel_profile.py call --op chunk --B 1 --T 16384 --H 32
     ncu --import walk.ncu-rep --page source --csv --print-source sass > walk.csv      (on the GPU machine)
     python benchmarks/ncu_source.py walk.csv [--top 30]                                  (anywhere)
+    ncu --import walk.ncu-rep --page source --csv --print-source cuda,sass > lines.csv
+    python benchmarks/ncu_source.py --lines lines.csv [--top 30]
 
 Prints the stall samples (`Warp Stall Sampling (All Samples)`) and the warp instructions executed: in all, by opcode,
 by stall reason (the `stall_*` columns, where the export has them), by loop (each backward branch closes one: the
 instructions from its target to it, the innermost loop owning an instruction), and the top instructions with their
-main reasons. Which instruction a stall is charged to is the one waiting to issue: a load's latency shows at its
-first use.
+main reasons. With --lines, the export that interleaves source lines with their instructions: the stall samples by
+source line (file and line number, each line's own row: its instructions' samples summed by Nsight Compute), with
+their main reasons. Which instruction a stall is charged to is the one waiting to issue: a load's latency shows at
+its first use.
 """
 
 from __future__ import annotations
@@ -133,12 +137,52 @@ def summary(instrs: list[Instr], top: int = 30) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class Line:
+    file: str
+    line: int
+    text: str
+    samples: float
+    reasons: dict = field(default_factory=dict)
+
+
+def read_lines(path: Path) -> list[Line]:
+    """The source lines of a `--print-source cuda,sass` export: after each `File Path` row a header (`Line No`, ...)
+    and, per line, its row (its number, its text, then the metrics of its instructions summed) before the rows of its
+    instructions (no number)."""
+    out, file, hd = [], "?", None
+    for r in csv.reader(path.read_text(errors="replace").splitlines()):
+        if not r:
+            continue
+        if r[0] == "File Path":
+            file = r[1].rsplit("/", 1)[-1] if len(r) > 1 else "?"
+        elif r[0] == "Line No":
+            hd = r
+        elif hd is not None and r[0].isdigit() and len(r) == len(hd):
+            reasons = {name[len("stall_"):]: _num(r[i]) for i, name in enumerate(hd)
+                       if name.startswith("stall_") and not name.endswith("(Not Issued)") and _num(r[i])}
+            out.append(Line(file, int(r[0]), r[1].strip(), _num(r[hd.index(SAMPLES)]), reasons))
+    if hd is None:
+        raise ValueError(f"{path}: no `Line No` header (is it `--print-source cuda,sass`?)")
+    return out
+
+
+def line_summary(lines: list[Line], top: int = 30) -> str:
+    total = sum(x.samples for x in lines) or 1.0
+    out = [f"{len(lines)} source lines, {total:.0f} stall samples; top {top} lines:"]
+    for x in sorted(lines, key=lambda x: -x.samples)[:top]:
+        why = ", ".join(f"{r} {v:.0f}" for r, v in sorted(x.reasons.items(), key=lambda kv: -kv[1])[:3])
+        out.append(f"  {100 * x.samples / total:5.1f}%  {x.file}:{x.line:<5} {x.text[:60]:60s} {why}")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("csv", type=Path, help="`ncu --import REP --page source --csv --print-source sass` output")
-    p.add_argument("--top", type=int, default=30, help="instructions listed (default 30)")
+    p.add_argument("--top", type=int, default=30, help="instructions (or lines) listed (default 30)")
+    p.add_argument("--lines", action="store_true", help="the CSV is `--print-source cuda,sass`: samples by line")
     a = p.parse_args(argv)
-    print(summary(read(a.csv), a.top))
+    print(line_summary(read_lines(a.csv), a.top) if a.lines else summary(read(a.csv), a.top))
     return 0
 
 

@@ -229,6 +229,34 @@ def test_ncu_source_charges_each_instruction_to_its_innermost_loop(tmp_path):
     assert "0x0010-0x0050: 3 instructions, 32.0% of samples" in text and "outside loops: 2 instructions, 2.0%" in text
 
 
+def test_ncu_source_sums_stall_samples_by_source_line(tmp_path):
+    """`ncu_source.py --lines` on a `--print-source cuda,sass` export: each file's lines keep their file's name, a
+    line's own row (its number) is read and its instructions' rows (no number) are not, the "(Not Issued)" columns
+    are not reasons, and the summary orders lines by their samples."""
+    spec = importlib.util.spec_from_file_location("ncu_source", BENCH.parent / "ncu_source.py")
+    ns = importlib.util.module_from_spec(spec)
+    sys.modules["ncu_source"] = ns  # dataclasses look their module up there
+    spec.loader.exec_module(ns)
+    head = ('"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)","stall_barrier",'
+            '"stall_barrier (Not Issued)","stall_long_sb"')
+    rows = ['"File Path","/x/lib/standard.py"', '"Function Name","k"', head,
+            '"263","return a + b","-","-","7","0","0","2"', '"","","0x10","FADD R1, R1, R2","7","0","0","2"',
+            '"File Path","/x/kda/ops/prep.py"', '"Function Name","k"', head,
+            '"81","acc = mma(a, b)","-","-","40","30","12","5"', '"","","0x20","HGMMA.64x64x8","25","20","9","0"',
+            '"","","0x30","WARPGROUP.DEPBAR.LE gsb0, 0x0","15","10","3","5"', '"","","...","...","-","-","-","-"',
+            '"276","x = g_s.load(GT)","-","-","3","0","0","3"']
+    path = tmp_path / "lines.csv"
+    path.write_text("\n".join(rows) + "\n")
+    lines = ns.read_lines(path)
+    assert [(x.file, x.line, x.samples) for x in lines] == [("standard.py", 263, 7), ("prep.py", 81, 40),
+                                                            ("prep.py", 276, 3)]
+    assert lines[1].reasons == {"barrier": 30, "long_sb": 5} and lines[0].reasons == {"long_sb": 2}
+    text = ns.line_summary(lines, top=2).splitlines()
+    assert text[0] == "3 source lines, 50 stall samples; top 2 lines:"
+    assert text[1].split()[:2] == ["80.0%", "prep.py:81"] and text[1].endswith("barrier 30, long_sb 5")
+    assert text[2].split()[:2] == ["14.0%", "standard.py:263"] and len(text) == 3
+
+
 def test_sass_lines_weights_each_loop_by_its_trips(tmp_path):
     """`sass_lines.py` on an `nvdisasm -g` listing: labels resolve to the next instruction's address, a branch back
     to one closes a loop, nested loops multiply their trips, a loop of fewer than 8 instructions (a spin-wait) counts
