@@ -59,6 +59,13 @@ def _num(x: str) -> float:
         return 0.0
 
 
+def _reason_columns(hd: list[str]) -> list[tuple[int, str]]:
+    """(column, reason) of each stall reason in a header row; the "(Not Issued)" columns count a subset of the same
+    samples again."""
+    return [(i, name[len("stall_"):]) for i, name in enumerate(hd)
+            if name.startswith("stall_") and not name.endswith("(Not Issued)")]
+
+
 def read(path: Path) -> list[Instr]:
     """The instructions of the first kernel in an exported source page (a header row naming Address and Source)."""
     rows = list(csv.reader(path.read_text(errors="replace").splitlines()))
@@ -69,9 +76,7 @@ def read(path: Path) -> list[Instr]:
     col = {name: hd.index(name) for name in ("Address", "Source")}
     i_s = hd.index(SAMPLES) if SAMPLES in hd else None
     i_e = hd.index(EXECUTED) if EXECUTED in hd else None
-    # the "(Not Issued)" columns count a subset of the same samples again
-    reasons = [(i, name[len("stall_"):]) for i, name in enumerate(hd)
-               if name.startswith("stall_") and not name.endswith("(Not Issued)")]
+    reasons = _reason_columns(hd)
     out = []
     for r in rows[head + 1:]:
         if len(r) != len(hd):
@@ -159,8 +164,7 @@ def read_lines(path: Path) -> list[Line]:
         elif r[0] == "Line No":
             hd = r
         elif hd is not None and r[0].isdigit() and len(r) == len(hd):
-            reasons = {name[len("stall_"):]: _num(r[i]) for i, name in enumerate(hd)
-                       if name.startswith("stall_") and not name.endswith("(Not Issued)") and _num(r[i])}
+            reasons = {name: _num(r[i]) for i, name in _reason_columns(hd) if _num(r[i])}
             out.append(Line(file, int(r[0]), r[1].strip(), _num(r[hd.index(SAMPLES)]), reasons))
     if hd is None:
         raise ValueError(f"{path}: no `Line No` header (is it `--print-source cuda,sass`?)")
