@@ -61,6 +61,12 @@ def _flat(x, L: gl.constexpr):
 
 
 @gluon.jit
+def _on_halves(v, rows: gl.constexpr, L3: gl.constexpr, L: gl.constexpr):
+    """A [2, n] vector (each half's) broadcast over its half's `rows` rows: the [2 rows, n] tile of layout L."""
+    return _flat(gl.expand_dims(v, 1) + gl.zeros([2, rows, v.shape[1]], gl.float32, layout=L3), L)
+
+
+@gluon.jit
 def _max_u16x2(a, b):
     """The larger of each pair of 16-bit halves of `a` and `b` (unsigned): one VIMNMX.U16x2."""
     return gl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
@@ -499,12 +505,11 @@ def _chunk_prepare_hopper_kernel(
                                       qk_ll, is_async=True)
                 # what the walk reads, while the products run
                 # 2^b2 = e_row 2^anc and 2^(b2_last - b2) = e_col 2^(b2_last - anc): a half's vectors, not tiles
-                d = _flat(gl.expand_dims(gl.exp2(anc_h), 1) + gl.zeros([2, HALF, BK], gl.float32, layout=P3), P)
+                d = _on_halves(gl.exp2(anc_h), HALF, P3, P)
                 offs = ws_base + o_t[:, None] * (HV * K) + cols[None, :]
                 gl.store(qd_ws + offs, (qn_e * d).to(gl.float16), mask=m_rows)
                 gl.store(kd_ws + offs, (kn_e * d).to(gl.float16), mask=m_rows)
-                last = gl.expand_dims(gl.exp2(a_t.slice(3, 1).load(PH) - anc_h), 1)
-                kr = (kc * _flat(last + gl.zeros([2, HALF, BK], gl.float32, layout=P3), P)).to(gl.float16)
+                kr = (kc * _on_halves(gl.exp2(a_t.slice(3, 1).load(PH) - anc_h), HALF, P3, P)).to(gl.float16)
                 if FOLD:
                     kr_s.index(i_s).store(kr)
                 else:
