@@ -59,6 +59,11 @@ def _num(x: str) -> float:
         return 0.0
 
 
+def _why(reasons: dict) -> str:
+    """The three largest stall reasons with their samples."""
+    return ", ".join(f"{r} {v:.0f}" for r, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
+
+
 def _reason_columns(hd: list[str]) -> list[tuple[int, str]]:
     """(column, reason) of each stall reason in a header row; the "(Not Issued)" columns count a subset of the same
     samples again."""
@@ -137,8 +142,7 @@ def summary(instrs: list[Instr], top: int = 30) -> str:
         lines.append(f"  {name}: {n} instructions, {100 * s / total:.1f}% of samples, {e:.0f} executed")
     lines.append(f"top {top} instructions:")
     for i in sorted(instrs, key=lambda x: -x.samples)[:top]:
-        why = ", ".join(f"{r} {v:.0f}" for r, v in sorted(i.reasons.items(), key=lambda kv: -kv[1])[:3])
-        lines.append(f"  {i.address:#06x} {100 * i.samples / total:5.1f}%  {i.text[:70]:70s} {why}")
+        lines.append(f"  {i.address:#06x} {100 * i.samples / total:5.1f}%  {i.text[:70]:70s} {_why(i.reasons)}")
     return "\n".join(lines)
 
 
@@ -162,10 +166,10 @@ def read_lines(path: Path) -> list[Line]:
         if r[0] == "File Path":
             file = r[1].rsplit("/", 1)[-1] if len(r) > 1 else "?"
         elif r[0] == "Line No":
-            hd = r
+            hd, i_s, cols = r, r.index(SAMPLES), _reason_columns(r)
         elif hd is not None and r[0].isdigit() and len(r) == len(hd):
-            reasons = {name: _num(r[i]) for i, name in _reason_columns(hd) if _num(r[i])}
-            out.append(Line(file, int(r[0]), r[1].strip(), _num(r[hd.index(SAMPLES)]), reasons))
+            reasons = {name: _num(r[i]) for i, name in cols if _num(r[i])}
+            out.append(Line(file, int(r[0]), r[1].strip(), _num(r[i_s]), reasons))
     if hd is None:
         raise ValueError(f"{path}: no `Line No` header (is it `--print-source cuda,sass`?)")
     return out
@@ -175,8 +179,7 @@ def line_summary(lines: list[Line], top: int = 30) -> str:
     total = sum(x.samples for x in lines) or 1.0
     out = [f"{len(lines)} source lines, {total:.0f} stall samples; top {top} lines:"]
     for x in sorted(lines, key=lambda x: -x.samples)[:top]:
-        why = ", ".join(f"{r} {v:.0f}" for r, v in sorted(x.reasons.items(), key=lambda kv: -kv[1])[:3])
-        out.append(f"  {100 * x.samples / total:5.1f}%  {x.file}:{x.line:<5} {x.text[:60]:60s} {why}")
+        out.append(f"  {100 * x.samples / total:5.1f}%  {x.file}:{x.line:<5} {x.text[:60]:60s} {_why(x.reasons)}")
     return "\n".join(out)
 
 
