@@ -257,6 +257,8 @@ def _ptxas(ptx: str, target: Target, out: Path | None, label: str) -> dict:
                spills=int(spill.group(1)) if spill else 0,
                ptx=("wgmma" if "wgmma.mma_async" in ptx else "tcgen05" if "tcgen05.mma" in ptx
                     else "mma" if "mma.sync" in ptx else "-")
+               # ptxas's C7512: every wgmma of the kernel awaited where issued (too few registers for the pipeline)
+               + (" **serialized**" if "C7512" in r.stderr else "")
                + (", tma" if "cp.async.bulk.tensor" in ptx else "")
                + (", PTX spin" if "ld.acquire.gpu.global.b32" in ptx else "")
                + (", proxy fence" if "fence.proxy.async.global" in ptx else "")
@@ -308,7 +310,8 @@ def _cell(r: dict) -> str:
         return "fails"
     extra = f" +{r['sgprs']}s" if "sgprs" in r else ""
     return (f"{r['registers']}{extra} / {r['spills']} / {r['shared'] / 1024:.0f}K "
-            + ("**over**" if not r["fits"] else "spills" if r["spills"] else "ok"))
+            + ("**over**" if not r["fits"] else "spills" if r["spills"] else "ok")
+            + (", wgmma **serialized**" if "serialized" in r.get("ptx", "") else ""))
 
 
 def _flags(f: dict) -> str:
@@ -359,7 +362,9 @@ def _markdown(rows: list, targets: list[Target], maxnreg: int | None, out: Path 
              "otherwise; each call planned for the target's `DeviceInfo` and compiled with its launch's "
              "specialisation. A cell: registers a thread (AMD: VGPRs incl. AGPRs, +SGPRs) / spill bytes (AMD: "
              "scratch bytes a lane) / shared memory (LDS) / ok, spills (launchable, spilling), or **over** (shared "
-             "memory past the block's limit, or registers past the target's: the launch would fail). Launch flags "
+             "memory past the block's limit, or registers past the target's: the launch would fail); wgmma "
+             "**serialized** where ptxas awaits every wgmma where it is issued (its C7512: too few registers for "
+             "the pipeline). Launch flags "
              "list the constexprs that are set (a flag not listed is off). Shared memory a block may use: "
              + ", ".join(f"{t.name} ({t.gpu}) {t.device.max_smem // 1024} KiB" for t in targets) + ".", ""]
     grid: dict = {}

@@ -310,6 +310,20 @@ def test_offline_compile_plan_overrides_reach_the_compile():
     assert bad.returncode != 0 and "--plan: 'BW=32'" in bad.stderr and "sm_90 " not in bad.stdout
 
 
+def test_no_wgmma_of_the_hopper_prefill_is_serialized():
+    """Compiled offline for sm_90 under this Triton, no kernel of the wide-head prefill (the prepare beside the
+    walk), the few-head one or a varlen batch has its tensor-core products awaited one by one: ptxas does that to
+    a whole kernel (its C7512) when a register budget leaves too few registers for the wgmma pipeline, a silent
+    loss of the overlap the prepare's and the walk's products depend on (the Gluon prepare's under Triton 3.6:
+    `offline_compile.py` there, docs/platforms.md)."""
+    done = _benchmark_tool("offline_compile.py", "--targets", "sm_90", "--cases",
+                           "prefill-1x16384-h32,prefill-1x8192-h8,prefill-varlen-64-h32", "--pools", "fp32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ")]
+    assert sum("_chunk_prepare" in r for r in rows) == 3 and sum("_chunk_state_kernel" in r for r in rows) == 3, rows
+    assert all("error" not in r.lower() and "serialized" not in r for r in rows), rows
+
+
 def test_exact_dot_walks_fit_hopper_shared_memory():
     """fp32 inputs take exact dots, which stage fp32 operands of a chunk's rows in shared memory beside the walk's
     TMA stages (`kda.plan.walk_reserve`): compiled offline for sm_90 at K = V = 64 (where a flat reserve planned 4
