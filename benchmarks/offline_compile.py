@@ -253,12 +253,13 @@ def _ptxas(ptx: str, target: Target, out: Path | None, label: str) -> dict:
                         str(cubin)], capture_output=True, text=True)
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    serialized = "C7512" in r.stderr  # every wgmma of the kernel awaited where issued (too few registers to pipeline)
     row = dict(registers=int(regs.group(1)) if regs else r.stderr.strip()[-200:],
                spills=int(spill.group(1)) if spill else 0,
+               serialized=serialized,
                ptx=("wgmma" if "wgmma.mma_async" in ptx else "tcgen05" if "tcgen05.mma" in ptx
                     else "mma" if "mma.sync" in ptx else "-")
-               # ptxas's C7512: every wgmma of the kernel awaited where issued (too few registers for the pipeline)
-               + (" **serialized**" if "C7512" in r.stderr else "")
+               + (" **serialized**" if serialized else "")
                + (", tma" if "cp.async.bulk.tensor" in ptx else "")
                + (", PTX spin" if "ld.acquire.gpu.global.b32" in ptx else "")
                + (", proxy fence" if "fence.proxy.async.global" in ptx else "")
@@ -311,7 +312,7 @@ def _cell(r: dict) -> str:
     extra = f" +{r['sgprs']}s" if "sgprs" in r else ""
     return (f"{r['registers']}{extra} / {r['spills']} / {r['shared'] / 1024:.0f}K "
             + ("**over**" if not r["fits"] else "spills" if r["spills"] else "ok")
-            + (", wgmma **serialized**" if "serialized" in r.get("ptx", "") else ""))
+            + (", wgmma **serialized**" if r.get("serialized") else ""))
 
 
 def _flags(f: dict) -> str:
