@@ -12,10 +12,11 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench", BENCH)
+def _tool(name: str = "bench"):
+    """The module `benchmarks/<name>.py`, loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, BENCH.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = module  # dataclasses look their module up there
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -35,7 +36,7 @@ def test_plan_device_is_recorded_and_kept_apart_from_the_hopper_rows(tmp_path):
 
     from kda.plan import DeviceInfo
 
-    bench = _bench()
+    bench = _tool()
     own, forced = bench.parse_args([]), bench.parse_args(["--plan-device", "sm_80"])
     assert own.plan_device is None and own.json == bench.RESULTS / "h200-latest.json"
     assert forced.plan_device == "sm_80" and forced.json == bench.RESULTS / "h200-sm_80-plan-latest.json"
@@ -54,7 +55,7 @@ def test_plan_device_is_recorded_and_kept_apart_from_the_hopper_rows(tmp_path):
 
 
 def test_floor_bytes_by_hand():
-    bench = _bench()
+    bench = _tool()
     # H = HV = 12, K = V = 128; per token: q, k bf16 (2 x 12 x 128 x 2 B) + v, o bf16 (same) + g fp32
     # (12 x 128 x 4 B) + beta bf16 (12 x 2 B) = 6144 + 6144 + 6144 + 24 = 18456 B; A_log + dt_bias fp32:
     # 12 x 4 + 12 x 128 x 4 = 6192 B; one fp32 state plane set: 12 x 128 x 128 x 4 = 786432 B.
@@ -69,7 +70,7 @@ def test_floor_bytes_by_hand():
 
 
 def test_the_acceptance_rows_are_all_there():
-    bench = _bench()
+    bench = _tool()
     names = [c.name for c in bench.all_cases()]
     for B, T, H in ((1, 4096, 12), (1, 16384, 12), (1, 4096, 32), (1, 16384, 32), (4, 4096, 32), (1, 8192, 96),
                     (1, 65536, 12)):
@@ -88,7 +89,7 @@ def test_the_acceptance_rows_are_all_there():
 def test_narrow_pool_lines_pair_the_benchmarks_own_rows():
     """The lines under the decode table divide each 2-byte pool's steady time by its fp32 pool's, rows found by the
     names `all_cases` gives them (K-first dense and varlen too), and judge it against 0.6x."""
-    bench = _bench()
+    bench = _tool()
     cases = {c.name: c for c in bench.all_cases() if c.group == "decode"}
     steady = {  # made-up times: V-first bf16 meets, K-first dense meets, K-first varlen misses
         "decode N=256 H=12 fp32 pool": 100.0, "decode N=256 H=12 bf16 pool": 55.0,
@@ -118,7 +119,7 @@ def test_host_second_pass_keeps_the_faster_pass_and_every_failure_as_it_was():
     """`remeasure_host`: each row's calls rebuilt and timed once more, the faster of the two passes kept for wall
     and CPU time alike; a cell whose first pass failed or was not run keeps its text, and a rebuild or a timing
     that raises leaves the row's first values."""
-    bench = _bench()
+    bench = _tool()
     case = bench.Case("p", "prefill", "dense", 1, 64, 2)
 
     def row(**kw):
@@ -158,9 +159,7 @@ def test_host_second_pass_keeps_the_faster_pass_and_every_failure_as_it_was():
 
 
 def test_timeline_reads_the_last_call_of_a_trace():
-    spec = importlib.util.spec_from_file_location("kernel_profile", BENCH.parent / "kernel_profile.py")
-    kp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kp)
+    kp = _tool("kernel_profile")
 
     def kernel(ts, dur, name, stream=7, cat="kernel"):
         return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "args": {"stream": stream}}
@@ -184,9 +183,7 @@ def test_timeline_reads_the_last_call_of_a_trace():
 def test_ncu_command_takes_metrics_instead_of_sections(monkeypatch, capsys):
     """`kernel_profile.py ncu --metrics M` asks ncu for those counters only and does not pass `--metrics` (or
     `--kernel`, whose value may equal another argument's) on to the profiled `call`; without it the sections."""
-    spec = importlib.util.spec_from_file_location("kernel_profile", BENCH.parent / "kernel_profile.py")
-    kp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kp)
+    kp = _tool("kernel_profile")
     for argv, want in ((["ncu", "--op", "decode", "--metrics", "dram__bytes_read.sum", "--kernel", "decode"],
                         ["--metrics", "dram__bytes_read.sum"]),
                        (["ncu", "--op", "decode"], ["--section", "SpeedOfLight"])):
@@ -202,10 +199,7 @@ def test_ncu_source_charges_each_instruction_to_its_innermost_loop(tmp_path):
     """`ncu_source.py` on a source page export (a kernel-name row, then the header): a backward branch closes a loop,
     nested loops own their own instructions, every sample lands in exactly one region, opcodes lose their predicate
     and modifiers, and the rows of a second kernel's table are not read."""
-    spec = importlib.util.spec_from_file_location("ncu_source", BENCH.parent / "ncu_source.py")
-    ns = importlib.util.module_from_spec(spec)
-    sys.modules["ncu_source"] = ns  # dataclasses look their module up there
-    spec.loader.exec_module(ns)
+    ns = _tool("ncu_source")
     head = ('"# Address","Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
             '"stall_long_sb","stall_long_sb (Not Issued)"')  # the second counts a subset of the first's samples again
     body = [("0x00", "MOV R1, c[0x0][0x28]", 1, 1, 0), ("0x10", "LDG.E R2, [R4.64]", 2, 1, 0),
@@ -233,10 +227,7 @@ def test_ncu_source_sums_stall_samples_by_source_line(tmp_path):
     """`ncu_source.py --lines` on a `--print-source cuda,sass` export: each file's lines keep their file's name, a
     line's own row (its number) is read and its instructions' rows (no number) are not, the "(Not Issued)" columns
     are not reasons, and the summary orders lines by their samples."""
-    spec = importlib.util.spec_from_file_location("ncu_source", BENCH.parent / "ncu_source.py")
-    ns = importlib.util.module_from_spec(spec)
-    sys.modules["ncu_source"] = ns  # dataclasses look their module up there
-    spec.loader.exec_module(ns)
+    ns = _tool("ncu_source")
     head = ('"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)","stall_barrier",'
             '"stall_barrier (Not Issued)","stall_long_sb"')
     rows = ['"File Path","/x/lib/standard.py"', '"Function Name","k"', head,
@@ -262,10 +253,7 @@ def test_sass_lines_weights_each_loop_by_its_trips(tmp_path):
     to one closes a loop, nested loops multiply their trips, a loop of fewer than 8 instructions (a spin-wait) counts
     once, each instruction is charged to the last line-table entry before it, and opcodes lose their predicate and
     modifiers."""
-    spec = importlib.util.spec_from_file_location("sass_lines", BENCH.parent / "sass_lines.py")
-    ns = importlib.util.module_from_spec(spec)
-    sys.modules["sass_lines"] = ns  # dataclasses look their module up there
-    spec.loader.exec_module(ns)
+    ns = _tool("sass_lines")
 
     def ins(addr, text):
         return f"        /*{addr:04x}*/                   {text} ;"
