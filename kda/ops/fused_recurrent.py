@@ -41,13 +41,16 @@ stochastically on request.
 Stochastic rounding (`stochastic_rounding=True`, fp16/bf16 storage): the fp32 value x is rounded to one
 of its two neighbours in the storage format, the one away from zero with probability equal to the
 distance from the one toward zero in units of the storage ulp (unbiased in expectation, to 2^-13 of an
-ulp for fp16). Each element takes 16 random bits (fp16 13): its offset inside its plane plus a key hashed
-(`_mix32`) from `seed` and the plane (slot * HV + head), multiplied by an odd constant and xor-shifted
-(`_sr_bits`), so one seed and one input always give the same bits; a 2-byte K-first word (two columns) draws
-both halves' bits from one hash. A few integer operations an element where Philox (`tl.randint`, ten rounds an element)
-made the one-token step 7-26x slower (H100, `benchmarks/decode_plans.py --sr`).
-- bf16: take the fp32 bits, add 16 random bits below the kept mantissa, and clear the low 16 bits
-  (a carry into the exponent yields the next binade, or inf past the bf16 maximum);
+ulp for fp16). Each element takes 16 random bits (fp16 13): the top bits of its own fp32 bits times an odd key
+hashed (`_mix32`) from `seed` and the plane (slot * HV + head) (`_sr_key`, scalar work once a tile), so one seed
+and one input always give the same bits, and a new value draws new bits even under a repeated seed. Over the key
+the bits are uniform whatever the value (the product of a value whose dropped bits are not all zero with a random
+odd number has uniform top bits), so each element is rounded without bias. Two operations an element (a multiply,
+then an add of its top bits); an offset hashed per element cost the 2-byte K-first tile a third of its registers
+and Philox (`tl.randint`, ten rounds an element) made the one-token step 7-26x slower (H100,
+`benchmarks/decode_plans.py --sr`).
+- bf16: add the 16 random bits below the kept mantissa and keep the top 16 bits (a carry into the exponent yields
+  the next binade, or inf past the bf16 maximum);
 - fp16: the same on x 2^-112 with 13 random bits (its top 19 bits are fp16's: the scaling maps fp16's
   subnormals onto fp32's, where the bits are the value's, so one integer form covers both ranges), then times
   2^112 (exact) and converted to nearest, which is exact; past the fp16 maximum the carry gives inf.
@@ -127,35 +130,29 @@ def _mix32(x):
 
 
 @triton.jit
-def _sr_bits(seed, plane, off):
-    """32 random bits for each offset `off` (< 2^32) of the state plane `plane` (slot * HV + head): a key hashed
-    from seed and plane (scalar work once a tile) plus off, one multiply and one xor-shift an element."""
+def _sr_key(seed, plane):
+    """A 32-bit key hashed from seed and the state plane `plane` (slot * HV + head): scalar work once a tile."""
     s = seed.to(tl.int64)
     p = plane.to(tl.int64)
     key = _mix32((s & 0xFFFFFFFF).to(tl.uint32) ^ _mix32((p & 0xFFFFFFFF).to(tl.uint32)))
     key = _mix32(key ^ ((s >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ _mix32(((p >> 32) & 0xFFFFFFFF).to(tl.uint32)))
-    x = (key + off.to(tl.uint32)) * 0x2C1B3C6D
-    return x ^ (x >> 16)
+    return key | 1
 
 
 @triton.jit
-def _round_state(S, rnd, SR: tl.constexpr):
-    """fp32 tile -> fp32 values exactly representable in the storage dtype, rounded stochastically (see the
-    module docstring): random bits added below the kept ones (16 of `rnd` for bf16, 13 for fp16 on S 2^-112),
-    which are then kept; NaN stays NaN, inf inf."""
-    if SR == 1:
-        x = S
-        DROP: tl.constexpr = 0xFFFF
-        KEEP: tl.constexpr = 0xFFFF0000
-    else:
-        x = S * _F16_DOWN
-        DROP: tl.constexpr = 0x1FFF
-        KEEP: tl.constexpr = 0xFFFFE000
-    bits = tl.where(x == x, x.to(tl.uint32, bitcast=True) + (rnd & DROP), 0x7FFFFFFF)
-    y = (bits & KEEP).to(tl.float32, bitcast=True)
-    if SR == 2:
-        y = y * _F16_UP
-    return y
+def _sr_add(x, key, SHIFT: tl.constexpr):
+    """The bits of fp32 `x` plus 32 - SHIFT random bits, the top ones of x's bits times the odd `key` (see the
+    module docstring), added below the top SHIFT bits, which a truncation then keeps; NaN: the canonical NaN (whose
+    sum would carry into the sign)."""
+    b = x.to(tl.uint32, bitcast=True)
+    return tl.where(x == x, b + ((b * key) >> SHIFT), 0x7FFFFFFF)
+
+
+@triton.jit
+def _round_f16(x, key):
+    """fp32 tile -> fp32 values exactly representable in fp16, rounded stochastically: the bf16 form on x 2^-112
+    (its top 19 bits are fp16's, subnormals included), kept, then times 2^112 (exact); inf past fp16's largest."""
+    return (_sr_add(x * _F16_DOWN, key, 19) & 0xFFFFE000).to(tl.float32, bitcast=True) * _F16_UP
 
 
 @triton.jit
@@ -188,12 +185,17 @@ def _load_state(plane, tile_off, tile_ok, FULL_TILE: tl.constexpr):
 @triton.jit
 def _store_state(S, plane, tile_off, tile_ok, plane_id, seed, SR: tl.constexpr, FULL_TILE: tl.constexpr,
                  EVICT_FIRST: tl.constexpr = False):
-    """Round the fp32 tile to the storage dtype (nearest even, or stochastically when SR with the bits of
-    `_sr_bits(seed, plane_id, tile_off)`) and store it (EVICT_FIRST: its lines marked first to leave L2)."""
-    if SR != 0:  # then exact in the storage dtype: the cast below rounds nothing
-        S = _round_state(S, _sr_bits(seed, plane_id, tile_off), SR)
-    tl.store(plane + tile_off, round_to(S, plane.dtype.element_ty), mask=None if FULL_TILE else tile_ok,
-             eviction_policy="evict_first" if EVICT_FIRST else "")
+    """Round the fp32 tile to the storage dtype (nearest even, or stochastically when SR with the key
+    `_sr_key(seed, plane_id)`) and store it (EVICT_FIRST: its lines marked first to leave L2)."""
+    mask = None if FULL_TILE else tile_ok
+    policy: tl.constexpr = "evict_first" if EVICT_FIRST else ""
+    if SR == 1:  # the kept top halves are the bf16 bits
+        y = (_sr_add(S, _sr_key(seed, plane_id), 16) >> 16).to(tl.uint16)
+        tl.store(plane.to(tl.pointer_type(tl.uint16), bitcast=True) + tile_off, y, mask=mask, eviction_policy=policy)
+    else:
+        if SR == 2:  # then exact in fp16: the cast below rounds nothing
+            S = _round_f16(S, _sr_key(seed, plane_id))
+        tl.store(plane + tile_off, round_to(S, plane.dtype.element_ty), mask=mask, eviction_policy=policy)
 
 
 @triton.jit
@@ -514,16 +516,16 @@ def _unpack_pairs(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _pack_pairs(lo, hi, plane_id, word_off, seed, dtype: tl.constexpr, SR: tl.constexpr, PTX: tl.constexpr):
-    """(even, odd) fp32 columns rounded to `dtype` (nearest even, or stochastically: the halves of one hash a word,
-    at its offset `word_off` in the plane) and packed into 32-bit words, the inverse of `_unpack_pairs`. PTX
+def _pack_pairs(lo, hi, plane_id, seed, dtype: tl.constexpr, SR: tl.constexpr, PTX: tl.constexpr):
+    """(even, odd) fp32 columns rounded to `dtype` (nearest even, or stochastically with the key
+    `_sr_key(seed, plane_id)`) and packed into 32-bit words, the inverse of `_unpack_pairs`. PTX
     (`DecodePlan.ptx`): one conversion of both halves; else (HIP, the interpreter) the rounding of `round_to`."""
-    if SR != 0:  # then exact in the storage dtype
-        rnd = _sr_bits(seed, plane_id, word_off)
-        lo = _round_state(lo, rnd, SR)
-        hi = _round_state(hi, (rnd * 0x5851F42D) >> 16, SR)  # the odd column's 16 bits, mixed again
-    if SR == 1 and PTX:  # exact bf16 halves: the words from their bits, no conversion
-        y = (lo.to(tl.uint32, bitcast=True) >> 16) | hi.to(tl.uint32, bitcast=True)
+    if SR == 2:  # then exact in fp16
+        lo = _round_f16(lo, _sr_key(seed, plane_id))
+        hi = _round_f16(hi, _sr_key(seed, plane_id))
+    if SR == 1:  # the kept top halves are the bf16 bits: the words from them, no conversion
+        key = _sr_key(seed, plane_id)
+        y = (_sr_add(lo, key, 16) >> 16) | (_sr_add(hi, key, 16) & 0xFFFF0000)
     elif not PTX:
         y = (round_to(lo, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
              | (round_to(hi, dtype).to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
@@ -632,7 +634,7 @@ def _one_token_k_packed(src_plane, read, dst_plane, q_h, k_h, g_h, b_h, v_h, dt_
         lo, hi = _unpack_pairs(x ^ zero, src_plane.dtype.element_ty)
         lo = lo * d[:, None] + k_t[:, None] * u_lo[None, :]
         hi = hi * d[:, None] + k_t[:, None] * u_hi[None, :]
-        y = _pack_pairs(lo, hi, slot * HV + i_hv, tile_off, seed, dst_plane.dtype.element_ty, SR, PTX)
+        y = _pack_pairs(lo, hi, slot * HV + i_hv, seed, dst_plane.dtype.element_ty, SR, PTX)
         dst = dst_plane.to(tl.pointer_type(tl.uint32), bitcast=True)
         tl.store(dst + tile_off, y, mask=None if FULL_TILE else k_ok[:, None] & p_ok[None, :],
                  eviction_policy="evict_first")
