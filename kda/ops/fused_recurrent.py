@@ -42,13 +42,12 @@ Stochastic rounding (`stochastic_rounding=True`, fp16/bf16 storage): the fp32 va
 of its two neighbours in the storage format, the one away from zero with probability equal to the
 distance from the one toward zero in units of the storage ulp (unbiased in expectation, to 2^-13 of an
 ulp for fp16). Each element takes 16 random bits (fp16 13): the top bits of its own fp32 bits times an odd key
-hashed (`_mix32`) from `seed` and the plane (slot * HV + head) (`_sr_key`, scalar work once a tile), so one seed
-and one input always give the same bits, and a new value draws new bits even under a repeated seed. Over the key
-the bits are uniform whatever the value (the product of a value whose dropped bits are not all zero with a random
-odd number has uniform top bits), so each element is rounded without bias. Two operations an element (a multiply,
-then an add of its top bits); an offset hashed per element cost the 2-byte K-first tile a third of its registers
-and Philox (`tl.randint`, ten rounds an element) made the one-token step 7-26x slower (H100,
-`benchmarks/decode_plans.py --sr`).
+hashed (`_mix32`) from `seed` and the plane (slot * HV + head) once a tile (`_sr_key`), so one seed and one input
+always give the same bits. Over the key the bits are uniform whatever the value (a value whose dropped bits are not
+all zero, times a random odd number, has uniform top bits), so each element is rounded without bias. Two operations
+an element, a multiply and an add of its top bits (offline sm_90: the bf16 V-first step 2664 instructions a thread
+against 3048 for an offset hashed an element and 1968 rounding to nearest; Philox, `tl.randint`, made the step
+7-26x slower on an H100).
 - bf16: add the 16 random bits below the kept mantissa and keep the top 16 bits (a carry into the exponent yields
   the next binade, or inf past the bf16 maximum);
 - fp16: the same on x 2^-112 with 13 random bits (its top 19 bits are fp16's: the scaling maps fp16's
