@@ -198,9 +198,9 @@ def fused_recurrent_kda(
     kernel (same results to rounding, slower for 2-byte pools).
 
     `stochastic_rounding=True` (fp16/bf16 storage only; off by default) rounds the stored state
-    stochastically instead of to nearest even, with noise drawn from `seed` and the element's position:
-    the same seed and inputs give the same bits. Pass a different seed per decode step (e.g. the step
-    number), or the same noise repeats every step.
+    stochastically instead of to nearest even, with noise drawn from `seed`, the element's slot and head,
+    and its value: the same seed and inputs give the same bits. Pass a different seed per decode step (e.g.
+    the step number), or a value that recurs rounds the same way every step.
 
     Speculative verify (vLLM's spec-decode convention, docs/contract.md): `state_indices` int32
     `[N, T_max]` (T_max >= the longest sequence) stores the state after token j of sequence n in slot
