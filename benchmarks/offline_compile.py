@@ -111,8 +111,8 @@ def _prefill(**kw):
     return "prefill", lambda pool: _call(kda.chunk_kda, pool=pool, **kw)
 
 
-def _decode(**kw):
-    return "decode", lambda pool: _call(kda.fused_recurrent_kda, pool=pool, **kw)
+def _decode(sr: bool = False, **kw):
+    return "decode-sr" if sr else "decode", lambda pool: _call(kda.fused_recurrent_kda, pool=pool, **kw)
 
 
 # name -> (kind, call builder of a pool dtype); every case runs on an fp32 and a bf16 pool
@@ -133,6 +133,9 @@ CASES = {
     "decode-kfirst-256-h32": _decode(B=256, T=1, H=32, v_first=False),
     "verify-kfirst-256x4-h32": _decode(B=256, T=4, H=32, v_first=False, verify=4),
     "verify-vfirst-256x4-h32": _decode(B=256, T=4, H=32, v_first=True, verify=4),
+    # stochastic rounding (2-byte pools; an fp32 pool plans and compiles as the nearest case): its own tile
+    "decode-sr-vfirst-256-h32": _decode(sr=True, B=256, T=1, H=32),
+    "decode-sr-kfirst-256-h32": _decode(sr=True, B=256, T=1, H=32, v_first=False),
 }
 POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -170,8 +173,9 @@ def launches(case: str, pool: torch.dtype, device: DeviceInfo, overrides: dict |
     try:
         if kind == "prefill":
             chunk_kda_fwd(call, *prefill_plan(call, device=device, **(overrides or {})))
-        else:
-            fused_recurrent_kda_fwd(call, decode_plan(call, device=device, **(overrides or {})))
+        else:  # stochastic rounding only where the pool is narrow (fp32 refuses it)
+            sr = kind == "decode-sr" and pool != torch.float32
+            fused_recurrent_kda_fwd(call, decode_plan(call, sr, device=device, **(overrides or {})))
     finally:
         L.DirectKernel.launch = real
     return caught
