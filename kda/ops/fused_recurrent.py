@@ -45,9 +45,8 @@ ulp for fp16). Each element takes 16 random bits (fp16 13): the top bits of its 
 hashed (`_mix32`) from `seed` and the plane (slot * HV + head) once a tile (`_sr_key`), so one seed and one input
 always give the same bits. Over the key the bits are uniform whatever the value (a value whose dropped bits are not
 all zero, times a random odd number, has uniform top bits), so each element is rounded without bias. Two operations
-an element, a multiply and an add of its top bits (offline sm_90: the bf16 V-first step 2664 instructions a thread
-against 3048 for an offset hashed an element and 1968 rounding to nearest; Philox, `tl.randint`, made the step
-7-26x slower on an H100).
+an element, a multiply and an add of its top bits: an offset hashed an element took more instructions and registers,
+Philox (`tl.randint`) several times the whole step (docs/performance.md).
 - bf16: add the 16 random bits below the kept mantissa and keep the top 16 bits (a carry into the exponent yields
   the next binade, or inf past the bf16 maximum);
 - fp16: the same on x 2^-112 with 13 random bits (its top 19 bits are fp16's: the scaling maps fp16's
