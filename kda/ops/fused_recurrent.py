@@ -518,11 +518,12 @@ def _pack_pairs(lo, hi, plane_id, seed, dtype: tl.constexpr, SR: tl.constexpr, P
     """(even, odd) fp32 columns rounded to `dtype` (nearest even, or stochastically with the key
     `_sr_key(seed, plane_id)`) and packed into 32-bit words, the inverse of `_unpack_pairs`. PTX
     (`DecodePlan.ptx`): one conversion of both halves; else (HIP, the interpreter) the rounding of `round_to`."""
-    if SR == 2:  # then exact in fp16
-        lo = _round_f16(lo, _sr_key(seed, plane_id))
-        hi = _round_f16(hi, _sr_key(seed, plane_id))
-    if SR == 1:  # the kept top halves are the bf16 bits: the words from them, no conversion
+    if SR != 0:
         key = _sr_key(seed, plane_id)
+    if SR == 2:  # then exact in fp16
+        lo = _round_f16(lo, key)
+        hi = _round_f16(hi, key)
+    if SR == 1:  # the kept top halves are the bf16 bits: the words from them, no conversion
         y = (_sr_add(lo, key, 16) >> 16) | (_sr_add(hi, key, 16) & 0xFFFF0000)
     elif not PTX:
         y = (round_to(lo, dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
