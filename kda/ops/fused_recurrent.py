@@ -206,9 +206,15 @@ def _token_beta(b_t_ptr, USE_BETA_SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def _token_gate(g_t, a, bias, lower_bound, BK: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
-    """One token's log2 decay over K from its raw g (`_k_vector`)."""
-    return tl.reshape(kda_gate_log2(g_t[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK])
+def _token_gate(g_t, a, bias, lower_bound, BK: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                ROW: tl.constexpr = False):
+    """One token's log2 decay over K from its raw g (`_k_vector`), computed on the vector as loaded (a K channel a
+    lane; a tile's K slice would repeat each channel on the lanes that share it: the K-first loop 1747 -> 1522
+    instructions a token, offline sm_90), or ROW: on a [1, BK] row (the V-first loop, whose slice repeats a channel
+    on 2 lanes only: 1619 -> 1571)."""
+    if ROW:
+        return tl.reshape(kda_gate_log2(g_t[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK])
+    return kda_gate_log2(g_t, a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
 
 
 @triton.jit
@@ -259,14 +265,15 @@ def _raw_token(q_t_ptr, k_t_ptr, g_t_ptr, b_t_ptr, v_t_ptr, o_v, ok, K: tl.const
 
 @triton.jit
 def _token_values(q_t, k_t, g_t, beta_t, a, bias, scale, lower_bound, BK: tl.constexpr, USE_GATE: tl.constexpr,
-                  USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
+                  USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+                  GATE_ROW: tl.constexpr = False):
     """(scale q~, k~, log2 decay g, beta) from one token's loaded q, k, g and beta (any dtype)."""
     q_t, k_t = _token_qk(q_t.to(tl.float32), k_t.to(tl.float32), scale, USE_L2NORM)
     g_t = g_t.to(tl.float32)
     beta_t = beta_t.to(tl.float32)
     if USE_BETA_SIGMOID:  # after the norms, not in `_token_beta` before them: the loop kernel 167 registers, not 187
         beta_t = tl.sigmoid(beta_t)
-    return q_t, k_t, _token_gate(g_t, a, bias, lower_bound, BK, USE_GATE, USE_LOWER_BOUND), beta_t
+    return q_t, k_t, _token_gate(g_t, a, bias, lower_bound, BK, USE_GATE, USE_LOWER_BOUND, GATE_ROW), beta_t
 
 
 @triton.jit
@@ -394,7 +401,7 @@ def _fused_recurrent_kda_kernel(
         q_n, k_n, g_n, b_n, v_n = _raw_token(q_h + n * s_qt, k_h + n * s_kt, g_h + n * s_gt, b_h + n * s_bt,
                                              v_h + n * s_vt, o_v, n < eos, K, V, BK)
         q_t, k_t, g_t, beta_t = _token_values(q_r, k_r, g_r, b_r, a, bias, scale, lower_bound, BK, USE_GATE,
-                                              USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID)
+                                              USE_LOWER_BOUND, USE_L2NORM, USE_BETA_SIGMOID, V_FIRST)
         S, o_t = _step(S, q_t, k_t, g_t, v_r.to(tl.float32), beta_t, V_FIRST)
         q_r, k_r, g_r, b_r, v_r = q_n, k_n, g_n, b_n, v_n
         tl.store(o_h + t * s_ot + o_v, round_to(o_t, o.dtype.element_ty), mask=v_ok)
