@@ -208,10 +208,9 @@ def _token_beta(b_t_ptr, USE_BETA_SIGMOID: tl.constexpr):
 @triton.jit
 def _token_gate(g_t, a, bias, lower_bound, BK: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                 ROW: tl.constexpr = False):
-    """One token's log2 decay over K from its raw g (`_k_vector`), computed on the vector as loaded (a K channel a
-    lane; a tile's K slice would repeat each channel on the lanes that share it: the K-first loop 1747 -> 1522
-    instructions a token, offline sm_90), or ROW: on a [1, BK] row (the V-first loop, whose slice repeats a channel
-    on 2 lanes only: 1619 -> 1571)."""
+    """One token's log2 decay over K from its raw g (`_k_vector`), computed on the vector as loaded, a K channel a
+    lane, not on a tile's K slice, which repeats each channel on the lanes sharing its rows (docs/performance.md);
+    ROW: on a [1, BK] row (the V-first loop: its slice repeats a channel on 2 lanes only, less than the conversion)."""
     if ROW:
         return tl.reshape(kda_gate_log2(g_t[None, :], a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND), [BK])
     return kda_gate_log2(g_t, a, bias, lower_bound, USE_GATE, USE_LOWER_BOUND)
