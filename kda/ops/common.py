@@ -39,10 +39,7 @@ def kda_gate_log2(g_raw, a, dt_bias_row, lower_bound, USE_GATE: tl.constexpr, US
     tl.sigmoid, which measured faster there (docs/performance.md)."""
     g = g_raw.to(tl.float32)
     if USE_GATE:
-        if len(g.shape) == 2:  # rows of a tile
-            x = g + dt_bias_row[None, :]
-        else:  # one vector over K
-            x = g + dt_bias_row
+        x = g + dt_bias_row  # a vector over K, or a tile's rows (broadcast as a leading axis)
         if USE_LOWER_BOUND:
             if FAST:
                 e = tl.exp2(x * (a * -LOG2E))
