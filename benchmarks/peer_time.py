@@ -3,11 +3,12 @@ benchmark's prefill rows and its varlen row in graph replay, and each library's 
 fla 0.6.0 routes its own `chunk_kda` to FlashKDA when `flash_kda` is importable, under inference mode, with
 `safe_gate=True` and a V-first state (`fla/ops/kda/backends/flash_kda.py`): this is that path, timed directly.
 
-Inputs as `benchmarks/bench.py`'s (q, k, v, beta bf16 randn, raw gate g randn with A_log, dt_bias and lb = -5, q/k
-l2norm and beta sigmoid in the kernel, an fp32 initial and final state), except the gate g in bf16 (FlashKDA reads no
-other; kda is timed with the benchmark's fp32 g too) and the state V-first `[N, H, V, K]` (FlashKDA's layout; kda
-with `state_v_first=True`). Accuracy: `kda.accuracy.inputs.gate_form_inputs("lower_bound")` at B = 1, H = 4, the
-inputs rounded to bf16 (g too) before the oracle (`kda_reference.recurrent_kda`, float64, on the GPU) sees them.
+Inputs as `benchmarks/bench.py`'s (q, k, v, beta bf16 randn, raw gate g randn with A_log, dt_bias and lb = -5,
+q/k l2norm and beta sigmoid in the kernel, an fp32 initial and final state), except that FlashKDA reads the gate g
+rounded to bf16 (it takes no other; kda the benchmark's fp32 g) and the state is V-first `[N, H, V, K]` (FlashKDA's
+layout; kda with `state_v_first=True`). Accuracy: `kda.accuracy.inputs.gate_form_inputs("lower_bound")` at B = 1,
+H = 4, the inputs rounded to bf16 (g too) before the oracle (`kda_reference.recurrent_kda`, float64, on the GPU)
+sees them.
 
 FlashKDA is not a dependency: build it on the GPU machine from its repository with CUTLASS at the submodule's
 commit, `FLASH_KDA_CUDA_ARCHS=90a python3 setup.py build_ext --inplace`, and put its directory on PYTHONPATH.
@@ -41,15 +42,12 @@ def _inputs(B: int, T: int, H: int, seqlens, dev: str = "cuda"):
 
 
 def _calls(flash_kda, q, k, v, g, beta, A_log, dt_bias, cu, h0):
-    """kda with the fp32 gate, kda with the bf16 gate, FlashKDA (bf16 gate): callables and their outputs' buffers."""
+    """kda (the benchmark's fp32 gate) and FlashKDA (the same gate rounded to bf16) as callables."""
     H, K = q.shape[2], q.shape[3]
     g16 = g.to(torch.bfloat16)
     flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                  A_log=A_log, dt_bias=dt_bias, lower_bound=LB, state_v_first=True, cu_seqlens=cu)
-    calls = {
-        "kda": lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags),
-        "kda g bf16": lambda: kda.chunk_kda(q, k, v, g16, beta, None, h0, True, **flags),
-    }
+    calls = {"kda": lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)}
     if flash_kda is not None:
         out = torch.empty_like(v)
         final = torch.empty_like(h0)
@@ -66,8 +64,8 @@ def _calls(flash_kda, q, k, v, g, beta, A_log, dt_bias, cu, h0):
 
 
 def timing(flash_kda, rows: list[str], timer: bench.Timer) -> list[str]:
-    lines = ["| shape | kda us | kda (g bf16) us | FlashKDA us | kda / FlashKDA | kda (g bf16) / FlashKDA "
-             "| o rel diff kda (g bf16) vs FlashKDA | state rel diff |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | kda us | FlashKDA us | kda / FlashKDA | o rel diff kda vs FlashKDA | state rel diff |",
+             "|---|---|---|---|---|---|"]
     for case in bench.all_cases():
         if case.group not in rows or case.mode != "dense":
             continue
@@ -81,7 +79,7 @@ def timing(flash_kda, rows: list[str], timer: bench.Timer) -> list[str]:
                 t[who] = f"failed: {bench._short(e, 120)}"
         diff = ("-", "-")
         if "FlashKDA" in calls:
-            o1, s1 = calls["kda g bf16"]()
+            o1, s1 = calls["kda"]()
             o2, s2 = calls["FlashKDA"]()
             diff = (f"{bench._rel(o1, o2):.2e}", f"{bench._rel(s1, s2):.2e}")
 
@@ -89,8 +87,8 @@ def timing(flash_kda, rows: list[str], timer: bench.Timer) -> list[str]:
             return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) else "-"
 
         fk = t.get("FlashKDA", "n/a")
-        line = (f"| {case.name} | {bench._fmt_us(t['kda'])} | {bench._fmt_us(t['kda g bf16'])} | {bench._fmt_us(fk)} | "
-                f"{ratio(t['kda'], fk)} | {ratio(t['kda g bf16'], fk)} | {diff[0]} | {diff[1]} |")
+        line = (f"| {case.name} | {bench._fmt_us(t['kda'])} | {bench._fmt_us(fk)} | {ratio(t['kda'], fk)} | "
+                f"{diff[0]} | {diff[1]} |")
         print(line, flush=True)
         lines.append(line)
         del calls, q, k, v, g, beta, h0
