@@ -33,7 +33,7 @@ PLANS = {
        for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8))},
     # under a register cap a thread (NVIDIA): more programs an SM
     **{f"BV{bv} nw{w} r{r}": dict(BV=bv, num_warps=w, maxnreg=r)
-       for bv, w, r in ((16, 1, 128), (32, 1, 168), (32, 2, 128), (64, 4, 128))},
+       for bv, w, r in ((16, 1, 128), (32, 1, 168), (32, 1, 192), (32, 2, 128), (64, 4, 128))},
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
