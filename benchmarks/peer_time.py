@@ -41,25 +41,28 @@ def _inputs(B: int, T: int, H: int, seqlens, dev: str = "cuda"):
     return q, k, v, g, beta, A_log, dt_bias, cu, h0
 
 
+def _kda(q, k, v, g, beta, A_log, dt_bias, cu, h0):
+    """kda.chunk_kda with Kimi's gate, q/k l2norm and beta sigmoid in the kernel, a V-first fp32 state."""
+    return kda.chunk_kda(q, k, v, g, beta, None, h0, True, use_qk_l2norm_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                         lower_bound=LB, state_v_first=True, cu_seqlens=cu)
+
+
+def _flash_kda(flash_kda, q, k, v, g16, beta, A_log, dt_bias, cu, h0, out, final):
+    """The same call through `flash_kda.fwd` (its gate g bf16, dt_bias [H, K]), into `out` and `final`."""
+    H, K = q.shape[2], q.shape[3]
+    extra = {} if cu is None else dict(cu_seqlens=cu)
+    flash_kda.fwd(q, k, v, g16, beta, K ** -0.5, out, A_log=A_log, dt_bias=dt_bias.view(H, K), lower_bound=LB,
+                  initial_state=h0, final_state=final, **extra)
+    return out, final
+
+
 def _calls(flash_kda, q, k, v, g, beta, A_log, dt_bias, cu, h0):
     """kda (the benchmark's fp32 gate) and FlashKDA (the same gate rounded to bf16) as callables."""
-    H, K = q.shape[2], q.shape[3]
-    g16 = g.to(torch.bfloat16)
-    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-                 A_log=A_log, dt_bias=dt_bias, lower_bound=LB, state_v_first=True, cu_seqlens=cu)
-    calls = {"kda": lambda: kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)}
+    calls = {"kda": lambda: _kda(q, k, v, g, beta, A_log, dt_bias, cu, h0)}
     if flash_kda is not None:
-        out = torch.empty_like(v)
-        final = torch.empty_like(h0)
-        dtb = dt_bias.view(H, K)
-        extra = {} if cu is None else dict(cu_seqlens=cu)
-
-        def fk():
-            flash_kda.fwd(q, k, v, g16, beta, K ** -0.5, out, A_log=A_log, dt_bias=dtb, lower_bound=LB,
-                          initial_state=h0, final_state=final, **extra)
-            return out, final
-
-        calls["FlashKDA"] = fk
+        g16, out, final = g.to(torch.bfloat16), torch.empty_like(v), torch.empty_like(h0)
+        calls["FlashKDA"] = lambda: _flash_kda(flash_kda, q, k, v, g16, beta, A_log, dt_bias, cu, h0, out, final)
     return calls
 
 
@@ -109,15 +112,14 @@ def accuracy(flash_kda, lengths: list[int], H: int = 4, dev: str = "cuda") -> li
         A_log = inp.opts["A_log"].float().to(dev)
         dt_bias = inp.opts["dt_bias"].float().to(dev)
         h0 = torch.zeros(1, H, V, K, device=dev, dtype=torch.float32)
-        flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-                     A_log=A_log, dt_bias=dt_bias, lower_bound=LB, state_v_first=True)
-        o_ref, s_ref = recurrent_kda(q, k, v, g, beta, None, h0, True, **flags)  # float64 inside, state fp32
-        o1, s1 = kda.chunk_kda(q, k, v, g, beta, None, h0, True, **flags)
+        o_ref, s_ref = recurrent_kda(q, k, v, g, beta, None, h0, True, use_qk_l2norm_in_kernel=True,
+                                     use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                                     dt_bias=dt_bias, lower_bound=LB, state_v_first=True)  # float64 inside
+        o1, s1 = _kda(q, k, v, g, beta, A_log, dt_bias, None, h0)
         row = [f"{rel_l2(o1, o_ref):.3e}", f"{rel_l2(s1, s_ref):.3e}"]
         if flash_kda is not None:
-            o2, s2 = torch.empty_like(v), torch.empty_like(h0)
-            flash_kda.fwd(q, k, v, g, beta, K ** -0.5, o2, A_log=A_log, dt_bias=dt_bias.view(H, K), lower_bound=LB,
-                          initial_state=h0, final_state=s2)
+            o2, s2 = _flash_kda(flash_kda, q, k, v, g, beta, A_log, dt_bias, None, h0, torch.empty_like(v),
+                                torch.empty_like(h0))
             row += [f"{rel_l2(o2, o_ref):.3e}", f"{rel_l2(s2, s_ref):.3e}"]
         else:
             row += ["n/a", "n/a"]
